@@ -1,0 +1,60 @@
+"""Agent-Reach: get every task to the agent that can take it now, over NATS."""
+
+from ._agent import Agent as Agent
+from ._agent import AgentStats as AgentStats
+from ._client import Client as Client
+from ._client import Reply as Reply
+from ._client import TopicMessage as TopicMessage
+from ._client import TopicSubscription as TopicSubscription
+from ._handlers import Context as Context
+from .errors import (
+    AgentUnavailable,
+    BadRequest,
+    Cancelled,
+    CapabilityNotFound,
+    CircuitOpen,
+    ConfigurationError,
+    ConnectionFailed,
+    HandlerFailed,
+    InvalidReply,
+    NotStarted,
+    ReachError,
+    RemoteError,
+    RequestTimeout,
+    ResourceExhausted,
+    Unauthorized,
+)
+from .settings import ReachSettings as ReachSettings
+from .wire import Priority as Priority
+from .wire import Status as Status
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "AgentStats",
+    "AgentUnavailable",
+    "BadRequest",
+    "Cancelled",
+    "CapabilityNotFound",
+    "CircuitOpen",
+    "ConfigurationError",
+    "ConnectionFailed",
+    "Context",
+    "Client",
+    "HandlerFailed",
+    "InvalidReply",
+    "NotStarted",
+    "Priority",
+    "ReachError",
+    "ReachSettings",
+    "RemoteError",
+    "Reply",
+    "RequestTimeout",
+    "ResourceExhausted",
+    "Status",
+    "TopicMessage",
+    "TopicSubscription",
+    "Unauthorized",
+    "__version__",
+]

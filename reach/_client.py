@@ -1,0 +1,307 @@
+"""The client: capability requests, direct calls, broadcast publish and subscribe."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsConnection
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.nuid import NUID
+from opentelemetry import propagate, trace
+
+from ._codec import decoder_for, encode_payload, error_from_reply, now_ms
+from ._subjects import Subjects, validate_agent_id, validate_capability, validate_topic
+from .errors import (
+    AgentUnavailable,
+    CapabilityNotFound,
+    ConfigurationError,
+    ConnectionFailed,
+    InvalidReply,
+    NotStarted,
+    RequestTimeout,
+)
+from .settings import ReachSettings
+from .wire import Header, Priority
+
+__all__ = ["Client", "Reply", "TopicMessage", "TopicSubscription"]
+
+log = logging.getLogger("reach.client")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A successful answer: the decoded value plus who answered and how fast."""
+
+    value: Any
+    data: bytes
+    agent_id: str
+    request_id: str
+    latency_ms: float
+    duration_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TopicMessage:
+    """One broadcast notification."""
+
+    topic: str
+    data: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def json(self, type_: Any = Any) -> Any:
+        """Decode the body (as ``type_`` when given); raises msgspec.DecodeError if invalid."""
+        return decoder_for(type_)(self.data)
+
+
+async def connect_nats(settings: ReachSettings, url: str, name: str) -> NatsConnection:
+    """Open a NATS connection, translating nats-py's failures into ConnectionFailed."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats connection %s: %s", name, exc)
+
+    try:
+        return await nats.connect(
+            url,
+            name=name,
+            connect_timeout=settings.connect_timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            error_cb=on_error,
+        )
+    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
+
+
+class Client:
+    """Calls capabilities and broadcasts; one NATS connection, opened by ``async with``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        settings: ReachSettings | None = None,
+        name: str = "",
+    ) -> None:
+        self.settings = settings if settings is not None else ReachSettings()
+        self.url = url or self.settings.nats_url
+        self.name = name
+        self.subjects = Subjects(self.settings.subject_prefix)
+        self._nc: NatsConnection | None = None
+        self._owns_nc = True
+        self._nuid = NUID()
+        self._checked: set[str] = set()
+        self._default_timeout = self.settings.timeout_ms / 1000
+
+    @property
+    def nc(self) -> NatsConnection:
+        """The underlying nats-py connection (for what Agent-Reach does not wrap)."""
+        if self._nc is None or self._nc.is_closed:
+            raise NotStarted("client is not connected; use 'async with Client(...)' first")
+        return self._nc
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def connect(self) -> Self:
+        if self._nc is None or self._nc.is_closed:
+            self._nc = await connect_nats(self.settings, self.url, self.name or "reach-client")
+            self._owns_nc = True
+        return self
+
+    def _adopt(self, nc: NatsConnection) -> None:
+        """Share a connection owned by someone else (an Agent's)."""
+        self._nc, self._owns_nc = nc, False
+
+    async def close(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is not None and self._owns_nc and not nc.is_closed:
+            try:
+                await nc.drain()
+            except (nats.errors.Error, TimeoutError, OSError) as exc:
+                log.debug("drain on close failed: %s", exc)
+                await nc.close()
+
+    async def __aenter__(self) -> Self:
+        return await self.connect()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def _check_capability(self, capability: str) -> None:
+        if capability not in self._checked:
+            validate_capability(capability)
+            if len(self._checked) < 10_000:
+                self._checked.add(capability)
+
+    async def request(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        agent_id: str | None = None,
+        response_type: Any = Any,
+        request_id: str | None = None,
+    ) -> Any:
+        """Call ``capability`` and return the decoded answer; errors raise ``ReachError``s."""
+        reply = await self.call(
+            capability,
+            payload,
+            timeout=timeout,
+            priority=priority,
+            agent_id=agent_id,
+            response_type=response_type,
+            request_id=request_id,
+        )
+        return reply.value
+
+    async def call(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        agent_id: str | None = None,
+        response_type: Any = Any,
+        request_id: str | None = None,
+    ) -> Reply:
+        """Like :meth:`request` but returns the :class:`Reply` (who answered, latency)."""
+        self._check_capability(capability)
+        try:
+            prio = Priority(priority)
+        except ValueError:
+            raise ConfigurationError(
+                f"priority {priority!r} is invalid; use high, normal or low"
+            ) from None
+        if agent_id is not None:
+            validate_agent_id(agent_id)
+            subject = self.subjects.agent(agent_id, capability)
+        else:
+            subject = self.subjects.cap(capability)
+        wait = self._default_timeout if timeout is None else timeout
+        if wait <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        rid = request_id or self._nuid.next().decode()
+        headers = {Header.REQUEST_ID: rid, Header.DEADLINE: str(now_ms() + int(wait * 1000))}
+        if prio is not Priority.NORMAL:
+            headers[Header.PRIORITY] = prio.value
+        if self.name:
+            headers[Header.CALLER] = self.name
+        if trace.get_current_span().get_span_context().is_valid:
+            propagate.inject(headers)
+        data = encode_payload(payload)
+        nc = self.nc
+        started = time.perf_counter()
+        try:
+            msg: Msg = await nc.request(subject, data, timeout=wait, headers=headers)
+        except nats.errors.NoRespondersError:
+            if agent_id is not None:
+                raise AgentUnavailable(
+                    f"agent {agent_id!r} is not serving {capability!r}",
+                    capability=capability, agent_id=agent_id, request_id=rid,
+                ) from None
+            raise CapabilityNotFound(
+                f"no live agent offers {capability!r}", capability=capability, request_id=rid
+            ) from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(
+                f"{capability!r} got no answer within {wait:g}s",
+                capability=capability, agent_id=agent_id or "", request_id=rid,
+            ) from None
+        except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+            raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
+        latency_ms = (time.perf_counter() - started) * 1000
+        hdrs = msg.headers
+        if hdrs and Header.SERVICE_ERROR_CODE in hdrs:
+            raise error_from_reply(msg.data, hdrs, capability=capability, request_id=rid)
+        try:
+            value = decoder_for(response_type)(msg.data)
+        except msgspec.DecodeError as exc:
+            raise InvalidReply(
+                f"{capability}: reply does not match {response_type!r}: {exc}",
+                capability=capability, request_id=rid,
+            ) from exc
+        served_by, duration = "", None
+        if hdrs:
+            served_by = hdrs.get(Header.AGENT, "")
+            raw = hdrs.get(Header.DURATION_MS)
+            if raw:
+                try:
+                    duration = float(raw)
+                except ValueError:
+                    duration = None
+        return Reply(value, msg.data, served_by, rid, latency_ms, duration)
+
+    async def publish(self, topic: str, payload: Any = None) -> None:
+        """Broadcast ``payload`` to every subscriber of ``topic``."""
+        validate_topic(topic)
+        headers = {Header.CALLER: self.name} if self.name else None
+        try:
+            await self.nc.publish(self.subjects.topic(topic), encode_payload(payload), headers=headers)
+        except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+            raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
+
+    async def subscribe(self, topic: str) -> TopicSubscription:
+        """Receive every broadcast on ``topic`` (``*`` and ``>`` allowed); flushed on return."""
+        validate_topic(topic, wildcards=True)
+        sub = await self.nc.subscribe(self.subjects.topic(topic))
+        await self.nc.flush()
+        return TopicSubscription(self.subjects, sub)
+
+    async def flush(self) -> None:
+        await self.nc.flush()
+
+
+class TopicSubscription:
+    """An async iterator of :class:`TopicMessage`; ``async with`` unsubscribes on exit."""
+
+    def __init__(self, subjects: Subjects, sub: Subscription) -> None:
+        self._subjects = subjects
+        self._sub = sub
+        self._messages: AsyncIterator[Msg] = sub.messages
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> TopicMessage:
+        msg = await self._messages.__anext__()
+        return TopicMessage(self._subjects.topic_of(msg.subject), msg.data, msg.headers or {})
+
+    async def next(self, timeout: float | None = None) -> TopicMessage:
+        """The next message, or RequestTimeout after ``timeout`` seconds."""
+        try:
+            msg = await self._sub.next_msg(timeout=timeout if timeout is not None else 0)
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(f"no message within {timeout}s") from None
+        return TopicMessage(self._subjects.topic_of(msg.subject), msg.data, msg.headers or {})
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except nats.errors.Error as exc:
+            log.debug("unsubscribe: %s", exc)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.unsubscribe()
+
+

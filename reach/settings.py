@@ -1,0 +1,45 @@
+"""Settings for every Agent-Reach process, from ``REACH_*`` variables, ``.env`` and arguments.
+
+Precedence, highest first: arguments passed to ``ReachSettings(...)`` (and the explicit
+arguments of ``Agent``/``Client``), environment variables, a ``.env`` file, defaults.
+Settings are built at the program's edge and passed in; nothing reads them at import.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ._subjects import validate_prefix
+
+__all__ = ["DEFAULT_NATS_URL", "ReachSettings"]
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+class ReachSettings(BaseSettings):
+    """Knobs people set every day, flat: ``REACH_NATS_URL``, ``REACH_TIMEOUT_MS``, ..."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="REACH_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+    )
+
+    nats_url: str = DEFAULT_NATS_URL
+    subject_prefix: str = "reach"
+    timeout_ms: int = Field(default=5000, gt=0)
+    max_concurrency: int = Field(default=8, gt=0)
+    max_queue: int = Field(default=64, ge=0)
+    drain_timeout: float = Field(default=30.0, ge=0)
+    heartbeat_interval: float = Field(default=5.0, gt=0)
+    lease_ttl: float = Field(default=15.0, gt=0)
+    connect_timeout: float = Field(default=2.0, gt=0)
+    nats_server_bin: str = ""
+
+    @field_validator("subject_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        return validate_prefix(value)

@@ -1,0 +1,49 @@
+"""Test helpers for agents: a real nats-server per session, and pytest fixtures.
+
+Installed as a pytest plugin (entry point ``reach``), so in any project that depends on
+``agent-reach-nats`` a test can take ``reach_settings`` and run agents against a real server::
+
+    async def test_translate(reach_settings):
+        agent = Agent("translator", settings=reach_settings)
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from nats.nuid import NUID
+
+from ._client import Client
+from ._server import NatsServer, nats_server_binary
+from .settings import ReachSettings
+
+__all__ = ["NatsServer", "nats_server_binary", "reach_client", "reach_settings", "unique_prefix"]
+
+
+def unique_prefix() -> str:
+    """A subject prefix no other test uses, so tests never see each other's traffic."""
+    return "t" + NUID().next().decode().lower()
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    """One nats-server (JetStream on, temp store, random loopback port) per test session."""
+    server = NatsServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def reach_settings(nats_server: NatsServer) -> ReachSettings:
+    """Settings pointing at the session server, with a subject prefix unique to this test."""
+    return ReachSettings(nats_url=nats_server.url, subject_prefix=unique_prefix())
+
+
+@pytest.fixture
+async def reach_client(reach_settings: ReachSettings) -> AsyncIterator[Client]:
+    async with Client(settings=reach_settings, name="test-client") as client:
+        yield client
