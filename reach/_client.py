@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -82,6 +83,11 @@ async def connect_nats(settings: ReachSettings, url: str, name: str) -> NatsConn
         raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
 
 
+def _expire(fut: asyncio.Future[Msg]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 class Client:
     """Calls capabilities and broadcasts; one NATS connection, opened by ``async with``."""
 
@@ -101,6 +107,8 @@ class Client:
         self._nuid = NUID()
         self._checked: set[str] = set()
         self._default_timeout = self.settings.timeout_ms / 1000
+        self._inbox = ""
+        self._pending: dict[str, asyncio.Future[Msg]] = {}
 
     @property
     def nc(self) -> NatsConnection:
@@ -117,11 +125,24 @@ class Client:
         if self._nc is None or self._nc.is_closed:
             self._nc = await connect_nats(self.settings, self.url, self.name or "reach-client")
             self._owns_nc = True
+            await self._start_inbox()
         return self
 
-    def _adopt(self, nc: NatsConnection) -> None:
+    async def _adopt(self, nc: NatsConnection) -> None:
         """Share a connection owned by someone else (an Agent's)."""
         self._nc, self._owns_nc = nc, False
+        await self._start_inbox()
+
+    async def _start_inbox(self) -> None:
+        # One wildcard inbox for all replies; the last token is the request id, so a request
+        # needs no Reach-Request-Id header (each header costs a parse on both sides).
+        self._inbox = f"_INBOX.{self._nuid.next().decode()}."
+        await self.nc.subscribe(self._inbox + "*", cb=self._on_reply)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._pending.get(msg.subject[len(self._inbox) :])
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
 
     async def close(self) -> None:
         nc, self._nc = self._nc, None
@@ -196,8 +217,11 @@ class Client:
         wait = self._default_timeout if timeout is None else timeout
         if wait <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
-        rid = request_id or self._nuid.next().decode()
-        headers = {Header.REQUEST_ID: rid, Header.DEADLINE: str(now_ms() + int(wait * 1000))}
+        token = self._nuid.next().decode()
+        headers = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
+        if request_id:
+            headers[Header.REQUEST_ID] = request_id
+        rid = request_id or token
         if prio is not Priority.NORMAL:
             headers[Header.PRIORITY] = prio.value
         if self.name:
@@ -206,27 +230,35 @@ class Client:
             propagate.inject(headers)
         data = encode_payload(payload)
         nc = self.nc
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
+        self._pending[token] = fut
+        expiry = loop.call_later(wait, _expire, fut)
         started = time.perf_counter()
         try:
-            msg: Msg = await nc.request(subject, data, timeout=wait, headers=headers)
-        except nats.errors.NoRespondersError:
-            if agent_id is not None:
-                raise AgentUnavailable(
-                    f"agent {agent_id!r} is not serving {capability!r}",
-                    capability=capability, agent_id=agent_id, request_id=rid,
-                ) from None
-            raise CapabilityNotFound(
-                f"no live agent offers {capability!r}", capability=capability, request_id=rid
-            ) from None
-        except nats.errors.TimeoutError:
+            await nc.publish(subject, data, reply=self._inbox + token, headers=headers)
+            msg = await fut
+        except TimeoutError:
             raise RequestTimeout(
                 f"{capability!r} got no answer within {wait:g}s",
                 capability=capability, agent_id=agent_id or "", request_id=rid,
             ) from None
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
+        finally:
+            expiry.cancel()
+            del self._pending[token]
         latency_ms = (time.perf_counter() - started) * 1000
         hdrs = msg.headers
+        if hdrs and not msg.data and hdrs.get("Status") == "503":
+            if agent_id is not None:
+                raise AgentUnavailable(
+                    f"agent {agent_id!r} is not serving {capability!r}",
+                    capability=capability, agent_id=agent_id, request_id=rid,
+                )
+            raise CapabilityNotFound(
+                f"no live agent offers {capability!r}", capability=capability, request_id=rid
+            )
         if hdrs and Header.SERVICE_ERROR_CODE in hdrs:
             raise error_from_reply(msg.data, hdrs, capability=capability, request_id=rid)
         try:

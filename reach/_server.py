@@ -53,6 +53,7 @@ class NatsServer:
         config_file: str | Path | None = None,
         binary: str = "",
         extra_args: tuple[str, ...] = (),
+        log_file: str | Path | None = None,
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="reach-nats-")
         self.work_dir = Path(self._tmp.name)
@@ -63,7 +64,7 @@ class NatsServer:
         self.config_file = config_file
         self.binary = nats_server_binary(binary)
         self.extra_args = extra_args
-        self.log_file = self.work_dir / "nats-server.log"
+        self.log_file = Path(log_file) if log_file else self.work_dir / "nats-server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -79,7 +80,8 @@ class NatsServer:
             cmd += ["-c", str(self.config_file)]
         cmd += ["-a", self.host, "-p", str(self.port), "--ports_file_dir", str(ports_dir),
                 "-l", str(self.log_file)]
-        if self.jetstream:
+        if self.jetstream and not self.config_file:
+            # With a config file, JetStream and its store_dir come from the file.
             cmd += ["-js", "-sd", str(self.store_dir)]
         return cmd + list(self.extra_args)
 

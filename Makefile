@@ -1,0 +1,39 @@
+# Quick start: `make demo` runs the demo, `make test` runs lint, types and the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest bench schemas clean
+
+$(PY):
+	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.11 is required") if sys.version_info < (3, 11) else None'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev,fast]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/reach demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check reach services sdk tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy reach
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(PY) bench/request_reply.py
+
+schemas: $(STAMP)
+	$(PY) -m sdk.gen_schemas
+
+clean:
+	rm -rf $(VENV) .reach-data *.egg-info
