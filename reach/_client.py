@@ -70,15 +70,17 @@ async def connect_nats(settings: ReachSettings, url: str, name: str) -> NatsConn
         log.warning("nats connection %s: %s", name, exc)
 
     try:
-        return await nats.connect(
-            url,
-            name=name,
-            connect_timeout=settings.connect_timeout,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
-            error_cb=on_error,
-        )
+        # nats-py retries the first connect forever when reconnects are unlimited; bound it.
+        async with asyncio.timeout(settings.connect_timeout * 3):
+            return await nats.connect(
+                url,
+                name=name,
+                connect_timeout=settings.connect_timeout,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                error_cb=on_error,
+            )
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
         raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
 

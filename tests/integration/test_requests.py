@@ -1,0 +1,201 @@
+"""Request/reply against a real nats-server: typed handlers, errors, routing."""
+
+import asyncio
+import logging
+from collections import Counter
+
+import msgspec
+import pytest
+
+import reach
+from reach import Agent, Client, Context
+from reach.testing import eventually
+from reach.wire import ErrorBody, Header
+
+
+class Translate(msgspec.Struct):
+    text: str
+    to: str = "fr"
+
+
+class Translated(msgspec.Struct):
+    text: str
+    lang: str
+
+
+def translator(settings, agent_id=None, calls=None, **kw) -> Agent:
+    agent = Agent("translator", agent_id, settings=settings, **kw)
+
+    @agent.capability("text.translate", version="1.2")
+    async def translate(req: Translate, ctx: Context) -> Translated:
+        if calls is not None:
+            calls.append((ctx.agent.agent_id, req.text))
+        if req.text == "boom":
+            raise RuntimeError("secret internal detail")
+        if req.text == "refuse":
+            raise reach.BadRequest("cannot translate that")
+        return Translated(text=req.text.upper(), lang=req.to)
+
+    return agent
+
+
+async def test_typed_handler_round_trip(reach_settings, reach_client):
+    async with translator(reach_settings, "tr-1"):
+        reply = await reach_client.call("text.translate", Translate(text="hi"),
+                                        response_type=Translated)
+    assert reply.value == Translated(text="HI", lang="fr")
+    assert reply.agent_id == "tr-1"
+    assert reply.request_id
+
+
+async def test_invalid_payload_is_bad_request_naming_field_and_handler_not_called(
+    reach_settings, reach_client
+):
+    calls: list = []
+    async with translator(reach_settings, calls=calls):
+        with pytest.raises(reach.BadRequest, match=r"\$\.text") as info:
+            await reach_client.request("text.translate", {"text": 42})
+        with pytest.raises(reach.BadRequest, match="text"):
+            await reach_client.request("text.translate", {"to": "de"})
+        with pytest.raises(reach.BadRequest):
+            await reach_client.request("text.translate", b"not json")
+    assert calls == []
+    assert info.value.code == "bad_request" and not info.value.retryable
+
+
+async def test_handler_exception_is_generic_failed_and_logged_with_request_id(
+    reach_settings, reach_client, caplog
+):
+    caplog.set_level(logging.ERROR, logger="reach.agent")
+    async with translator(reach_settings):
+        with pytest.raises(reach.HandlerFailed) as info:
+            await reach_client.request("text.translate", {"text": "boom"}, request_id="rid-42")
+        assert "secret" not in str(info.value)
+        assert "rid-42" in str(info.value)
+        # the agent still serves afterwards
+        assert (await reach_client.request("text.translate", {"text": "ok"}))["text"] == "OK"
+    logged = [r for r in caplog.records if "rid-42" in r.getMessage()]
+    assert logged and logged[0].exc_info is not None
+    assert "secret internal detail" in str(logged[0].exc_info[1])
+
+
+async def test_handler_may_refuse_with_a_protocol_error(reach_settings, reach_client):
+    async with translator(reach_settings):
+        with pytest.raises(reach.BadRequest, match="cannot translate that"):
+            await reach_client.request("text.translate", {"text": "refuse"})
+
+
+async def test_direct_routing_reaches_only_that_instance(reach_settings, reach_client):
+    calls: list = []
+    async with translator(reach_settings, "tr-a", calls), translator(reach_settings, "tr-b", calls):
+        for _ in range(10):
+            reply = await reach_client.call("text.translate", {"text": "x"}, agent_id="tr-b")
+            assert reply.agent_id == "tr-b"
+    assert {agent for agent, _ in calls} == {"tr-b"}
+
+
+async def test_no_instance_fails_fast_not_by_timeout(reach_settings, reach_client):
+    async with asyncio.timeout(10):
+        with pytest.raises(reach.CapabilityNotFound, match="text.translate"):
+            await reach_client.request("text.translate", {"text": "x"}, timeout=60)
+        async with translator(reach_settings, "tr-1"):
+            with pytest.raises(reach.AgentUnavailable, match="tr-gone") as info:
+                await reach_client.request("text.translate", {"text": "x"}, agent_id="tr-gone",
+                                           timeout=60)
+    assert info.value.agent_id == "tr-gone"
+
+
+async def test_queue_group_serves_each_request_exactly_once_across_instances(
+    reach_settings, reach_client
+):
+    calls: list = []
+    agents = [translator(reach_settings, f"tr-{i}", calls) for i in range(3)]
+    for agent in agents:
+        await agent.start()
+    try:
+        n = 90
+        replies = await asyncio.gather(
+            *(reach_client.call("text.translate", {"text": f"m{i}"}) for i in range(n))
+        )
+    finally:
+        for agent in agents:
+            await agent.stop()
+    texts = Counter(text for _, text in calls)
+    assert len(texts) == n and set(texts.values()) == {1}
+    assert {r.value["text"] for r in replies} == {f"M{i}" for i in range(n)}
+    assert {agent for agent, _ in calls} == {"tr-0", "tr-1", "tr-2"}
+
+
+async def test_error_reply_follows_nats_services_convention(reach_settings, reach_client):
+    async with translator(reach_settings, "tr-1"):
+        msg = await reach_client.nc.request(
+            reach_client.subjects.cap("text.translate"), b"{}", timeout=5
+        )
+    assert msg.headers[Header.SERVICE_ERROR_CODE] == "400"
+    assert msg.headers[Header.AGENT] == "tr-1"
+    body = msgspec.json.decode(msg.data, type=ErrorBody)
+    assert body.code == "bad_request" and body.retryable is False
+
+
+async def test_plain_nats_client_can_call_without_headers(reach_settings, reach_client):
+    async with translator(reach_settings):
+        msg = await reach_client.nc.request(
+            reach_client.subjects.cap("text.translate"), b'{"text":"plain"}', timeout=5
+        )
+    assert msgspec.json.decode(msg.data) == {"text": "PLAIN", "lang": "fr"}
+
+
+async def test_handler_can_call_other_capabilities(reach_settings, reach_client):
+    front = Agent("front", settings=reach_settings)
+
+    @front.capability("support.ask")
+    async def ask(q: dict, ctx: Context) -> dict:
+        return await ctx.client.request("text.translate", {"text": q["q"]},
+                                        timeout=ctx.remaining())
+
+    async with translator(reach_settings), front:
+        assert await reach_client.request("support.ask", {"q": "nested"}) == {
+            "text": "NESTED", "lang": "fr"}
+
+
+async def test_invalid_arguments_raise_before_sending(reach_client):
+    with pytest.raises(ValueError, match="wildcard"):
+        await reach_client.request("text.*", {})
+    with pytest.raises(reach.ConfigurationError, match="priority"):
+        await reach_client.request("text.translate", {}, priority="urgent")
+    with pytest.raises(ValueError, match="agent_id"):
+        await reach_client.request("text.translate", {}, agent_id="a.b")
+
+
+async def test_ping_answers_with_live_load(reach_settings, reach_client):
+    async with translator(reach_settings, "tr-p", max_concurrency=4):
+        msg = await reach_client.nc.request(reach_client.subjects.ping("tr-p"), b"", timeout=5)
+    hb = msgspec.json.decode(msg.data, type=reach.wire.Heartbeat)
+    assert hb.agent_id == "tr-p" and hb.status == reach.Status.UP
+
+
+async def test_connection_failure_is_a_clear_error(nats_server):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = reach.ReachSettings(nats_url=f"nats://127.0.0.1:{port}", connect_timeout=0.5)
+    with pytest.raises(reach.ConnectionFailed, match=str(port)):
+        await Client(settings=settings).connect()
+
+
+async def test_client_used_before_connect_says_so(reach_settings):
+    with pytest.raises(reach.NotStarted):
+        await Client(settings=reach_settings).request("a.b", {})
+
+
+async def test_eventually_helper(reach_settings):
+    hits = []
+    agent = translator(reach_settings)
+    async with agent:
+        async with Client(settings=reach_settings) as c:
+            task = asyncio.create_task(c.request("text.translate", {"text": "e"}))
+            await eventually(lambda: agent.stats.served == 1)
+            hits.append(await task)
+    assert hits == [{"text": "E", "lang": "fr"}]

@@ -1,0 +1,66 @@
+"""sdk/ is the contract for other languages: schemas must match reach.wire, vectors decode."""
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from reach._subjects import validate_agent_id, validate_capability, validate_topic
+from reach.wire import ERROR_CODES, AgentInfo, ErrorBody, Header, Heartbeat
+from sdk.gen_schemas import SCHEMAS, render
+
+VECTORS = sorted((Path(__file__).parents[2] / "sdk" / "vectors").glob("*.json"))
+KNOWN_HEADERS = {v for k, v in vars(Header).items() if not k.startswith("_")}
+
+
+def test_schemas_match_wire():
+    rendered = render()
+    on_disk = {p.name: p.read_text() for p in SCHEMAS.glob("*.json")}
+    assert on_disk == rendered, "sdk/schemas drifted from reach.wire: run `make schemas`"
+
+
+def test_there_are_vectors_of_every_kind():
+    kinds = {json.loads(p.read_text())["kind"] for p in VECTORS}
+    assert kinds >= {"request", "reply", "error", "heartbeat", "agent-info", "broadcast"}
+
+
+@pytest.mark.parametrize("path", VECTORS, ids=lambda p: p.stem)
+def test_vector_decodes(path):
+    v = json.loads(path.read_text())
+    body = msgspec.json.encode(v["body"])
+    headers = v["headers"]
+    assert set(headers) <= KNOWN_HEADERS
+    kind = v["kind"]
+    if kind == "error":
+        err = msgspec.json.decode(body, type=ErrorBody)
+        status, retryable = ERROR_CODES[err.code]
+        assert headers[Header.SERVICE_ERROR_CODE] == str(status)
+        assert err.retryable == retryable
+    elif kind == "heartbeat":
+        hb = msgspec.json.decode(body, type=Heartbeat)
+        assert v["subject"] == f"reach.hb.{hb.agent_id}"
+    elif kind == "agent-info":
+        info = msgspec.json.decode(body, type=AgentInfo)
+        validate_agent_id(info.agent_id)
+        for cap in info.capabilities:
+            validate_capability(cap.name)
+    elif kind == "request":
+        parts = v["subject"].split(".")
+        assert parts[0] == "reach"
+        if parts[1] == "cap":
+            validate_capability(".".join(parts[2:]))
+        else:
+            assert parts[1] == "agent"
+            validate_agent_id(parts[2])
+            validate_capability(".".join(parts[3:]))
+        assert v["reply"]
+        if Header.DEADLINE in headers:
+            assert int(headers[Header.DEADLINE]) > 0
+        assert headers.get(Header.PRIORITY, "normal") in {"high", "normal", "low"}
+    elif kind == "broadcast":
+        assert v["subject"].startswith("reach.topic.")
+        validate_topic(v["subject"].removeprefix("reach.topic."))
+    else:
+        assert kind == "reply"
+        assert Header.SERVICE_ERROR_CODE not in headers
