@@ -25,8 +25,12 @@ import nats
 import reach
 from reach.testing import NatsServer
 
-PAYLOAD = {"order_id": "A-1029384756", "customer": "c-000123", "note": "x" * 150,
-           "items": [{"sku": "sku-1", "qty": 2}, {"sku": "sku-2", "qty": 1}]}
+PAYLOAD = {
+    "order_id": "A-1029384756",
+    "customer": "c-000123",
+    "note": "x" * 150,
+    "items": [{"sku": "sku-1", "qty": 2}, {"sku": "sku-2", "qty": 1}],
+}
 RAW = "bench.raw"
 CAP = "bench.echo"
 
@@ -46,8 +50,9 @@ def responders(url: str, ready: Any, stop: Any) -> None:
 
         await nc.subscribe(RAW, cb=raw)
         await nc.flush()
-        agent = reach.Agent("bench", settings=reach.ReachSettings(nats_url=url),
-                            max_concurrency=64, max_queue=1024)
+        agent = reach.Agent(
+            "bench", settings=reach.ReachSettings(nats_url=url), max_concurrency=64, max_queue=1024
+        )
 
         @agent.capability(CAP)
         async def echo(value: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +60,7 @@ def responders(url: str, ready: Any, stop: Any) -> None:
 
         async with agent:
             ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.1)
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await nc.close()
 
     asyncio.run(main())
@@ -151,6 +155,7 @@ def main() -> int:
                 return 1
             if args.uvloop:
                 import uvloop
+
                 out = uvloop.run(run(args, server.url))
             else:
                 out = asyncio.run(run(args, server.url))
@@ -162,14 +167,18 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"request/reply, 256-byte JSON, {args.rounds} alternating rounds x {args.seconds}s, "
-          f"medians ({out['loop']})")
+    print(
+        f"request/reply, 256-byte JSON, {args.rounds} alternating rounds x {args.seconds}s, "
+        f"medians ({out['loop']})"
+    )
     print(f"{'':8}{'seq rt/s':>10}{'p50 us':>9}{'p99 us':>9}{f'{args.inflight} in flight/s':>18}")
     for k in ("raw", "reach"):
         m = out[k]
         print(f"{k:8}{m['seq']:>10.0f}{m['p50']:>9.0f}{m['p99']:>9.0f}{m['conc']:>18.0f}")
-    print(f"ratio reach/raw: sequential {out['ratio_sequential']:.2f}x (goal >= 0.85), "
-          f"{args.inflight} in flight {out['ratio_inflight']:.2f}x (goal >= 0.75)")
+    print(
+        f"ratio reach/raw: sequential {out['ratio_sequential']:.2f}x (goal >= 0.85), "
+        f"{args.inflight} in flight {out['ratio_inflight']:.2f}x (goal >= 0.75)"
+    )
     return 0
 
 

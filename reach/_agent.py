@@ -114,9 +114,7 @@ class Agent:
         self.metadata = dict(metadata or {})
         self.max_concurrency = max_concurrency or self.settings.max_concurrency
         self.max_queue = self.settings.max_queue if max_queue is None else max_queue
-        self.drain_timeout = (
-            self.settings.drain_timeout if drain_timeout is None else drain_timeout
-        )
+        self.drain_timeout = self.settings.drain_timeout if drain_timeout is None else drain_timeout
         if self.max_concurrency < 1 or self.max_queue < 0:
             raise ConfigurationError("max_concurrency must be >= 1 and max_queue >= 0")
         # Each reply header costs a parse on the caller (~5% of sequential throughput), so
@@ -252,16 +250,21 @@ class Agent:
         for name, cap in self._caps.items():
             handler = self._request_handler(cap)
             self._cap_subs.append(
-                await nc.subscribe(self.subjects.cap(name), queue=self.subjects.cap_queue(name),
-                                   cb=handler)
+                await nc.subscribe(
+                    self.subjects.cap(name), queue=self.subjects.cap_queue(name), cb=handler
+                )
             )
-            self._cap_subs.append(await nc.subscribe(self.subjects.agent(self.agent_id, name),
-                                                     cb=handler))
-        self._other_subs.append(await nc.subscribe(self.subjects.ping(self.agent_id),
-                                                   cb=self._on_ping))
+            self._cap_subs.append(
+                await nc.subscribe(self.subjects.agent(self.agent_id, name), cb=handler)
+            )
+        self._other_subs.append(
+            await nc.subscribe(self.subjects.ping(self.agent_id), cb=self._on_ping)
+        )
         for topic in self._topics:
             self._other_subs.append(
-                await nc.subscribe(self.subjects.topic(topic.pattern), cb=self._topic_handler(topic))
+                await nc.subscribe(
+                    self.subjects.topic(topic.pattern), cb=self._topic_handler(topic)
+                )
             )
         for subject in _srv.subjects(self.name, self.agent_id):
             self._other_subs.append(await nc.subscribe(subject, cb=self._on_srv))
@@ -281,7 +284,7 @@ class Agent:
                 # Drain (not unsubscribe) so requests already delivered to us are still served.
                 for sub in self._cap_subs:
                     with contextlib.suppress(nats.errors.Error):
-                        await sub.drain()
+                        await sub.drain()  # type: ignore[no-untyped-call]
                 self._accepting = False
                 if not self._is_idle():
                     self._idle.clear()
@@ -298,8 +301,9 @@ class Agent:
                 await tasks.__aexit__(None, None, None)
             for job in self._queue.drain():
                 self._outstanding -= 1
-                await self._reply_error(job.msg, ErrorCode.AGENT_UNAVAILABLE,
-                                        "agent stopped before running the request")
+                await self._reply_error(
+                    job.msg, ErrorCode.AGENT_UNAVAILABLE, "agent stopped before running the request"
+                )
             nc, self._nc = self._nc, None
             self._cap_subs.clear()
             self._other_subs.clear()
@@ -338,6 +342,8 @@ class Agent:
 
     def run(self) -> None:
         """Blocking entry point for a process that is one agent (uses uvloop when present)."""
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         run_async(self.serve_forever())
 
     # -- request path ------------------------------------------------------------------
@@ -371,7 +377,9 @@ class Agent:
             if raw_prio is not None:
                 found = _PRIORITIES.get(raw_prio.strip().lower())
                 if found is None:
-                    await self._bad_header(msg, f"{Header.PRIORITY} {raw_prio!r}: use high, normal or low")
+                    await self._bad_header(
+                        msg, f"{Header.PRIORITY} {raw_prio!r}: use high, normal or low"
+                    )
                     return
                 priority = found
             raw_deadline = hdrs.get(Header.DEADLINE)
@@ -394,7 +402,8 @@ class Agent:
         if not self._queue.offer(priority, job):
             self.stats.rejected += 1
             await self._reply_error(
-                msg, ErrorCode.RESOURCE_EXHAUSTED,
+                msg,
+                ErrorCode.RESOURCE_EXHAUSTED,
                 f"agent {self.agent_id} is full ({self.max_queue} queued)",
             )
             return
@@ -413,8 +422,9 @@ class Agent:
                 await self._run(job)
             except asyncio.CancelledError:
                 # Stopped past drain_timeout: tell the caller instead of leaving it waiting.
-                await self._reply_error(job.msg, ErrorCode.AGENT_UNAVAILABLE,
-                                        "agent stopped while running the request")
+                await self._reply_error(
+                    job.msg, ErrorCode.AGENT_UNAVAILABLE, "agent stopped while running the request"
+                )
                 raise
             finally:
                 self.stats.inflight -= 1
@@ -472,7 +482,9 @@ class Agent:
         ms = elapsed / 1e6
         s = self.stats
         s.served += 1
-        s.latency_ewma_ms = ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
+        s.latency_ewma_ms = (
+            ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
+        )
         headers = {Header.AGENT: self.agent_id}
         if self.reply_duration:
             headers[Header.DURATION_MS] = f"{ms:.3f}"
@@ -501,7 +513,9 @@ class Agent:
         self._count_error(job.cap, "handler raised")
         log.exception(
             "agent %s: handler for %s failed (request id %s)",
-            self.agent_id, job.cap.info.name, job.request_id or "-",
+            self.agent_id,
+            job.cap.info.name,
+            job.request_id or "-",
         )
 
     def _count_error(self, cap: _Capability, reason: str) -> None:
@@ -557,8 +571,12 @@ class Agent:
                 payload = topic.spec.decode(msg.data)
             except msgspec.DecodeError as exc:
                 self.stats.invalid += 1
-                log.warning("agent %s: invalid message on topic %s: %s",
-                            self.agent_id, self.subjects.topic_of(msg.subject), exc)
+                log.warning(
+                    "agent %s: invalid message on topic %s: %s",
+                    self.agent_id,
+                    self.subjects.topic_of(msg.subject),
+                    exc,
+                )
                 return
             try:
                 if topic.spec.wants_context:

@@ -243,7 +243,9 @@ class Client:
         except TimeoutError:
             raise RequestTimeout(
                 f"{capability!r} got no answer within {wait:g}s",
-                capability=capability, agent_id=agent_id or "", request_id=rid,
+                capability=capability,
+                agent_id=agent_id or "",
+                request_id=rid,
             ) from None
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
@@ -256,7 +258,9 @@ class Client:
             if agent_id is not None:
                 raise AgentUnavailable(
                     f"agent {agent_id!r} is not serving {capability!r}",
-                    capability=capability, agent_id=agent_id, request_id=rid,
+                    capability=capability,
+                    agent_id=agent_id,
+                    request_id=rid,
                 )
             raise CapabilityNotFound(
                 f"no live agent offers {capability!r}", capability=capability, request_id=rid
@@ -268,7 +272,8 @@ class Client:
         except msgspec.DecodeError as exc:
             raise InvalidReply(
                 f"{capability}: reply does not match {response_type!r}: {exc}",
-                capability=capability, request_id=rid,
+                capability=capability,
+                request_id=rid,
             ) from exc
         served_by, duration = "", None
         if hdrs:
@@ -286,7 +291,9 @@ class Client:
         validate_topic(topic)
         headers = {Header.CALLER: self.name} if self.name else None
         try:
-            await self.nc.publish(self.subjects.topic(topic), encode_payload(payload), headers=headers)
+            await self.nc.publish(
+                self.subjects.topic(topic), encode_payload(payload), headers=headers
+            )
         except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
 
@@ -337,5 +344,3 @@ class TopicSubscription:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.unsubscribe()
-
-

@@ -63,9 +63,7 @@ def decoder_for(type_: Any) -> PayloadDecoder:
     return PayloadDecoder(type_)
 
 
-def error_reply(
-    code: ErrorCode, message: str, agent_id: str = ""
-) -> tuple[bytes, dict[str, str]]:
+def error_reply(code: ErrorCode, message: str, agent_id: str = "") -> tuple[bytes, dict[str, str]]:
     """Body and headers of an error reply (NATS services convention plus our JSON body)."""
     status, retryable = ERROR_CODES[code]
     body = _json_encoder.encode(ErrorBody(code=code, message=message, retryable=retryable))
@@ -87,8 +85,13 @@ def error_from_reply(
         # A plain NATS service (or a foreign agent) may send only the headers.
         status = headers.get(Header.SERVICE_ERROR_CODE, "500")
         message = headers.get(Header.SERVICE_ERROR, "") or f"error {status}"
-        code = {"400": "bad_request", "404": "capability_not_found", "408": "timeout",
-                "429": "resource_exhausted", "503": "agent_unavailable"}.get(status, "failed")
+        code = {
+            "400": "bad_request",
+            "404": "capability_not_found",
+            "408": "timeout",
+            "429": "resource_exhausted",
+            "503": "agent_unavailable",
+        }.get(status, "failed")
         retryable = code in ("timeout", "resource_exhausted", "agent_unavailable")
     cls = error_for_code(code)
     err: RemoteError = cls(

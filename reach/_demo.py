@@ -50,8 +50,9 @@ def build_agents(settings: ReachSettings, heard: Counter[str]) -> list[Agent]:
             target = "logistics.track"
         else:
             return {"intent": "smalltalk", "answer": "We are open 9-17, Monday to Friday."}
-        reply = await ctx.client.call(target, OrderRef(order_id=q.order_id),
-                                      timeout=ctx.remaining() or 2.0)
+        reply = await ctx.client.call(
+            target, OrderRef(order_id=q.order_id), timeout=ctx.remaining() or 2.0
+        )
         return {"intent": target, "served_by": reply.agent_id, "answer": reply.value}
 
     aftersales = Agent("aftersales", "aftersales-1", settings=settings)
@@ -69,8 +70,9 @@ def build_agents(settings: ReachSettings, heard: Counter[str]) -> list[Agent]:
         @agent.capability("logistics.track")
         async def track(ref: OrderRef, ctx: Context) -> dict[str, Any]:
             await asyncio.sleep(0.02)
-            await ctx.client.publish("order.status",
-                                     {"order_id": ref.order_id, "status": "in transit"})
+            await ctx.client.publish(
+                "order.status", {"order_id": ref.order_id, "status": "in transit"}
+            )
             return {"order_id": ref.order_id, "eta_days": 2}
 
         logistics.append(agent)
@@ -109,8 +111,10 @@ async def run_demo() -> int:
                 reply = await client.call("support.ask", q)
                 v = reply.value
                 via = f" -> {v['served_by']}" if "served_by" in v else ""
-                _line(f"  {q.customer:<4} {q.text!r:<38} {v['intent']:<18}{via:<17}"
-                      f" {reply.latency_ms:6.1f} ms")
+                _line(
+                    f"  {q.customer:<4} {q.text!r:<38} {v['intent']:<18}{via:<17}"
+                    f" {reply.latency_ms:6.1f} ms"
+                )
 
             _line("\n40 tracking requests at once, shared by the two logistics instances:")
             served: Counter[str] = Counter()
@@ -130,8 +134,10 @@ async def run_demo() -> int:
             await asyncio.gather(*(one(i) for i in range(40)))
             for agent_id, n in sorted(served.items()):
                 _line(f"  {agent_id:<12} served {n}")
-            _line(f"  p50 {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms,"
-                  f" {busy} refused as resource_exhausted (queues full)")
+            _line(
+                f"  p50 {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms,"
+                f" {busy} refused as resource_exhausted (queues full)"
+            )
 
             await client.publish("order.status", {"order_id": "A-100", "status": "delivered"})
             await client.flush()
@@ -161,7 +167,7 @@ async def _discover(client: Client) -> set[str]:
         while True:
             msg = await sub.next_msg(timeout=0.3)
             found.add(msgspec.json.decode(msg.data)["id"])
-    except Exception:  # noqa: BLE001 - the timeout ends the collection
+    except Exception:
         pass
     await sub.unsubscribe()
     return found

@@ -78,8 +78,16 @@ class NatsServer:
         cmd = [self.binary]
         if self.config_file:
             cmd += ["-c", str(self.config_file)]
-        cmd += ["-a", self.host, "-p", str(self.port), "--ports_file_dir", str(ports_dir),
-                "-l", str(self.log_file)]
+        cmd += [
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "--ports_file_dir",
+            str(ports_dir),
+            "-l",
+            str(self.log_file),
+        ]
         if self.jetstream and not self.config_file:
             # With a config file, JetStream and its store_dir come from the file.
             cmd += ["-js", "-sd", str(self.store_dir)]
@@ -93,7 +101,9 @@ class NatsServer:
             for old in ports_dir.iterdir():
                 old.unlink()
         self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         ports_file = ports_dir / f"{Path(self.binary).name}_{self.proc.pid}.ports"

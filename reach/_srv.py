@@ -17,7 +17,9 @@ _VERBS = ("PING", "INFO", "STATS")
 
 def subjects(name: str, agent_id: str) -> list[str]:
     """The nine subjects one instance answers: all services, by name, by name and id."""
-    return [s for v in _VERBS for s in (f"$SRV.{v}", f"$SRV.{v}.{name}", f"$SRV.{v}.{name}.{agent_id}")]
+    return [
+        s for v in _VERBS for s in (f"$SRV.{v}", f"$SRV.{v}.{name}", f"$SRV.{v}.{name}.{agent_id}")
+    ]
 
 
 class _Endpoint(msgspec.Struct, kw_only=True):
@@ -36,6 +38,7 @@ class _EndpointStats(msgspec.Struct, kw_only=True):
     last_error: str
     processing_time: int
     average_processing_time: int
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class _Ping(msgspec.Struct, kw_only=True):
@@ -62,7 +65,10 @@ def answer(subject: str, agent: Agent) -> bytes | None:
     verb = subject.split(".", 2)[1] if subject.count(".") >= 1 else ""
     meta = {"reach.tags": ",".join(agent.tags), **agent.metadata}
     common: dict[str, Any] = {
-        "name": agent.name, "id": agent.agent_id, "version": agent.version, "metadata": meta,
+        "name": agent.name,
+        "id": agent.agent_id,
+        "version": agent.version,
+        "metadata": meta,
     }
     subjects = agent.subjects
     if verb == "PING":

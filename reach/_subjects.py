@@ -59,7 +59,9 @@ def validate_agent_id(agent_id: str) -> str:
 
 def validate_prefix(prefix: str) -> str:
     if not _PREFIX.fullmatch(prefix):
-        raise ValueError(f"subject prefix {prefix!r} is invalid; use dot-joined [A-Za-z0-9_-] tokens")
+        raise ValueError(
+            f"subject prefix {prefix!r} is invalid; use dot-joined [A-Za-z0-9_-] tokens"
+        )
     return prefix
 
 

@@ -17,7 +17,7 @@ import msgspec
 from ._client import Client
 from ._runtime import run_async
 from ._server import NatsServer
-from .errors import ReachError
+from .errors import ConfigurationError, ReachError
 from .settings import ReachSettings
 from .wire import Priority
 
@@ -34,7 +34,7 @@ def _parse_json(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ReachError(f"payload is not valid JSON: {exc}") from None
+        raise ConfigurationError(f"payload is not valid JSON: {exc}") from None
 
 
 def _print_value(data: bytes) -> None:
@@ -51,7 +51,10 @@ async def _call(args: argparse.Namespace) -> int:
     payload = _parse_json(args.payload)
     async with Client(settings=_settings(args), name="reach-cli") as client:
         reply = await client.call(
-            args.capability, payload, timeout=args.timeout, priority=args.priority,
+            args.capability,
+            payload,
+            timeout=args.timeout,
+            priority=args.priority,
             agent_id=args.agent,
         )
     _print_value(reply.data)
@@ -79,8 +82,9 @@ async def _listen(args: argparse.Namespace) -> int:
                     value: Any = msgspec.json.decode(msg.data) if msg.data else None
                 except msgspec.DecodeError:
                     value = msg.data.decode("utf-8", "replace")
-                print(json.dumps({"topic": msg.topic, "data": value}, ensure_ascii=False),
-                      flush=True)
+                print(
+                    json.dumps({"topic": msg.topic, "data": value}, ensure_ascii=False), flush=True
+                )
                 count += 1
                 if args.count and count >= args.count:
                     break
@@ -105,7 +109,9 @@ def _up(args: argparse.Namespace) -> int:
         effective.write_text(text)
         config = str(effective)
     server = NatsServer(
-        store_dir=data_dir / "jetstream", port=args.port, config_file=config,
+        store_dir=data_dir / "jetstream",
+        port=args.port,
+        config_file=config,
         log_file=data_dir / "nats-server.log",
         extra_args=("-m", str(args.monitor_port)) if args.monitor_port is not None else (),
     )
@@ -119,8 +125,11 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     server.start()
     print(server.url, flush=True)
-    print(f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
-          file=sys.stderr, flush=True)
+    print(
+        f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
+        file=sys.stderr,
+        flush=True,
+    )
     print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
     try:
         while not stop:
@@ -195,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return code
-
 
 
 if __name__ == "__main__":

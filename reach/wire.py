@@ -90,7 +90,7 @@ class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every wire struct: immutable, keyword-only, tagged in ``type``."""
 
 
-class ErrorBody(_Wire, tag="reach.error"):
+class ErrorBody(_Wire, tag="reach.error", frozen=True, kw_only=True):
     """Body of an error reply; headers ``Nats-Service-Error-Code``/``-Error`` mirror it."""
 
     code: ErrorCode
@@ -98,7 +98,7 @@ class ErrorBody(_Wire, tag="reach.error"):
     retryable: bool = False
 
 
-class CapabilityInfo(_Wire, tag="reach.capability"):
+class CapabilityInfo(_Wire, tag="reach.capability", frozen=True, kw_only=True):
     """One capability an agent serves."""
 
     name: str
@@ -106,7 +106,7 @@ class CapabilityInfo(_Wire, tag="reach.capability"):
     description: str = ""
 
 
-class AgentInfo(_Wire, tag="reach.agent.info"):
+class AgentInfo(_Wire, tag="reach.agent.info", frozen=True, kw_only=True):
     """What an agent instance is and offers; sent at registration and in ``$ping``."""
 
     agent_id: str
@@ -121,7 +121,7 @@ class AgentInfo(_Wire, tag="reach.agent.info"):
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class Heartbeat(_Wire, tag="reach.agent.heartbeat"):
+class Heartbeat(_Wire, tag="reach.agent.heartbeat", frozen=True, kw_only=True):
     """Liveness and load of one instance, published on ``reach.hb.<agent_id>``."""
 
     agent_id: str

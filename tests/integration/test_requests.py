@@ -41,8 +41,9 @@ def translator(settings, agent_id=None, calls=None, **kw) -> Agent:
 
 async def test_typed_handler_round_trip(reach_settings, reach_client):
     async with translator(reach_settings, "tr-1"):
-        reply = await reach_client.call("text.translate", Translate(text="hi"),
-                                        response_type=Translated)
+        reply = await reach_client.call(
+            "text.translate", Translate(text="hi"), response_type=Translated
+        )
     assert reply.value == Translated(text="HI", lang="fr")
     assert reply.agent_id == "tr-1"
     assert reply.request_id
@@ -60,7 +61,8 @@ async def test_invalid_payload_is_bad_request_naming_field_and_handler_not_calle
         with pytest.raises(reach.BadRequest):
             await reach_client.request("text.translate", b"not json")
     assert calls == []
-    assert info.value.code == "bad_request" and not info.value.retryable
+    assert info.value.code == "bad_request"
+    assert not info.value.retryable
 
 
 async def test_handler_exception_is_generic_failed_and_logged_with_request_id(
@@ -75,7 +77,8 @@ async def test_handler_exception_is_generic_failed_and_logged_with_request_id(
         # the agent still serves afterwards
         assert (await reach_client.request("text.translate", {"text": "ok"}))["text"] == "OK"
     logged = [r for r in caplog.records if "rid-42" in r.getMessage()]
-    assert logged and logged[0].exc_info is not None
+    assert logged
+    assert logged[0].exc_info is not None
     assert "secret internal detail" in str(logged[0].exc_info[1])
 
 
@@ -96,12 +99,13 @@ async def test_direct_routing_reaches_only_that_instance(reach_settings, reach_c
 
 async def test_no_instance_fails_fast_not_by_timeout(reach_settings, reach_client):
     async with asyncio.timeout(10):
-        with pytest.raises(reach.CapabilityNotFound, match="text.translate"):
+        with pytest.raises(reach.CapabilityNotFound, match=r"text\.translate"):
             await reach_client.request("text.translate", {"text": "x"}, timeout=60)
         async with translator(reach_settings, "tr-1"):
-            with pytest.raises(reach.AgentUnavailable, match="tr-gone") as info:
-                await reach_client.request("text.translate", {"text": "x"}, agent_id="tr-gone",
-                                           timeout=60)
+            with pytest.raises(reach.AgentUnavailable, match=r"tr\-gone") as info:
+                await reach_client.request(
+                    "text.translate", {"text": "x"}, agent_id="tr-gone", timeout=60
+                )
     assert info.value.agent_id == "tr-gone"
 
 
@@ -121,7 +125,8 @@ async def test_queue_group_serves_each_request_exactly_once_across_instances(
         for agent in agents:
             await agent.stop()
     texts = Counter(text for _, text in calls)
-    assert len(texts) == n and set(texts.values()) == {1}
+    assert len(texts) == n
+    assert set(texts.values()) == {1}
     assert {r.value["text"] for r in replies} == {f"M{i}" for i in range(n)}
     assert {agent for agent, _ in calls} == {"tr-0", "tr-1", "tr-2"}
 
@@ -134,7 +139,8 @@ async def test_error_reply_follows_nats_services_convention(reach_settings, reac
     assert msg.headers[Header.SERVICE_ERROR_CODE] == "400"
     assert msg.headers[Header.AGENT] == "tr-1"
     body = msgspec.json.decode(msg.data, type=ErrorBody)
-    assert body.code == "bad_request" and body.retryable is False
+    assert body.code == "bad_request"
+    assert body.retryable is False
 
 
 async def test_plain_nats_client_can_call_without_headers(reach_settings, reach_client):
@@ -150,12 +156,13 @@ async def test_handler_can_call_other_capabilities(reach_settings, reach_client)
 
     @front.capability("support.ask")
     async def ask(q: dict, ctx: Context) -> dict:
-        return await ctx.client.request("text.translate", {"text": q["q"]},
-                                        timeout=ctx.remaining())
+        return await ctx.client.request("text.translate", {"text": q["q"]}, timeout=ctx.remaining())
 
     async with translator(reach_settings), front:
         assert await reach_client.request("support.ask", {"q": "nested"}) == {
-            "text": "NESTED", "lang": "fr"}
+            "text": "NESTED",
+            "lang": "fr",
+        }
 
 
 async def test_invalid_arguments_raise_before_sending(reach_client):
@@ -171,7 +178,8 @@ async def test_ping_answers_with_live_load(reach_settings, reach_client):
     async with translator(reach_settings, "tr-p", max_concurrency=4):
         msg = await reach_client.nc.request(reach_client.subjects.ping("tr-p"), b"", timeout=5)
     hb = msgspec.json.decode(msg.data, type=reach.wire.Heartbeat)
-    assert hb.agent_id == "tr-p" and hb.status == reach.Status.UP
+    assert hb.agent_id == "tr-p"
+    assert hb.status == reach.Status.UP
 
 
 async def test_connection_failure_is_a_clear_error(nats_server):
@@ -193,9 +201,8 @@ async def test_client_used_before_connect_says_so(reach_settings):
 async def test_eventually_helper(reach_settings):
     hits = []
     agent = translator(reach_settings)
-    async with agent:
-        async with Client(settings=reach_settings) as c:
-            task = asyncio.create_task(c.request("text.translate", {"text": "e"}))
-            await eventually(lambda: agent.stats.served == 1)
-            hits.append(await task)
+    async with agent, Client(settings=reach_settings) as c:
+        task = asyncio.create_task(c.request("text.translate", {"text": "e"}))
+        await eventually(lambda: agent.stats.served == 1)
+        hits.append(await task)
     assert hits == [{"text": "E", "lang": "fr"}]

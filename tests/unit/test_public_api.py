@@ -8,14 +8,36 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_public_api_is_pinned():
-    assert sorted(reach.__all__) == sorted([
-        "Agent", "AgentStats", "AgentUnavailable", "BadRequest", "Cancelled",
-        "CapabilityNotFound", "CircuitOpen", "ConfigurationError", "ConnectionFailed",
-        "Context", "Client", "HandlerFailed", "InvalidReply", "NotStarted", "Priority",
-        "ReachError", "ReachSettings", "RemoteError", "Reply", "RequestTimeout",
-        "ResourceExhausted", "Status", "TopicMessage", "TopicSubscription", "Unauthorized",
-        "__version__",
-    ])
+    assert sorted(reach.__all__) == sorted(
+        [
+            "Agent",
+            "AgentStats",
+            "AgentUnavailable",
+            "BadRequest",
+            "Cancelled",
+            "CapabilityNotFound",
+            "CircuitOpen",
+            "ConfigurationError",
+            "ConnectionFailed",
+            "Context",
+            "Client",
+            "HandlerFailed",
+            "InvalidReply",
+            "NotStarted",
+            "Priority",
+            "ReachError",
+            "ReachSettings",
+            "RemoteError",
+            "Reply",
+            "RequestTimeout",
+            "ResourceExhausted",
+            "Status",
+            "TopicMessage",
+            "TopicSubscription",
+            "Unauthorized",
+            "__version__",
+        ]
+    )
     for name in reach.__all__:
         assert hasattr(reach, name), name
 

@@ -15,7 +15,8 @@ def test_defaults():
     s = ReachSettings()
     assert s.nats_url == "nats://127.0.0.1:4222"
     assert s.subject_prefix == "reach"
-    assert s.heartbeat_interval == 5 and s.lease_ttl == 15
+    assert s.heartbeat_interval == 5
+    assert s.lease_ttl == 15
 
 
 def test_precedence_arguments_over_env_over_dotenv_over_defaults(monkeypatch, tmp_path):

@@ -55,14 +55,18 @@ def test_error_reply_round_trip_maps_to_exception():
     assert headers[Header.SERVICE_ERROR] == "queue full"
     err = error_from_reply(body, headers, capability="x.y", request_id="r1")
     assert isinstance(err, errors.ResourceExhausted)
-    assert err.retryable and err.agent_id == "a-1" and err.request_id == "r1"
+    assert err.retryable
+    assert err.agent_id == "a-1"
+    assert err.request_id == "r1"
     assert err.capability == "x.y"
 
 
 def test_foreign_error_without_body_uses_headers():
     err = error_from_reply(
-        b"", {Header.SERVICE_ERROR_CODE: "404", Header.SERVICE_ERROR: "nope"},
-        capability="", request_id="",
+        b"",
+        {Header.SERVICE_ERROR_CODE: "404", Header.SERVICE_ERROR: "nope"},
+        capability="",
+        request_id="",
     )
     assert isinstance(err, errors.CapabilityNotFound)
     assert err.message == "nope"

@@ -1,0 +1,121 @@
+"""End to end through processes: `reach up`, `reach call|publish|listen`, `agent.run()`."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import reach
+from reach import Agent, Client, ReachSettings
+
+ROOT = Path(__file__).parents[2]
+
+
+async def reach_cli(*args, url, timeout=30):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "reach.cli", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "REACH_NATS_URL": url},
+    )
+    async with asyncio.timeout(timeout):
+        out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def read_line_containing(stream, text, timeout=30):
+    async with asyncio.timeout(timeout):
+        while True:
+            line = (await stream.readline()).decode()
+            if not line:
+                raise AssertionError(f"stream ended before {text!r}")
+            if text in line:
+                return line
+
+
+async def test_reach_up_then_call_publish_listen(tmp_path):
+    up = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "reach.cli", "up", "--port", "-1", "--monitor-port", "-1",
+        "--config", str(ROOT / "nats-server.conf"), "--data-dir", str(tmp_path / "data"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+    )
+    try:
+        url = (await read_line_containing(up.stdout, "nats://")).strip()
+        pid_line = await read_line_containing(up.stderr, "nats-server pid")
+        server_pid = int(pid_line.split("pid")[1].split(",")[0])
+        settings = ReachSettings(nats_url=url)
+        agent = Agent("calc", "calc-1", settings=settings)
+
+        @agent.capability("math.add")
+        async def add(req: dict) -> dict:
+            return {"sum": req["a"] + req["b"]}
+
+        async with agent:
+            code, out, err = await reach_cli("call", "math.add", '{"a": 2, "b": 3}', url=url)
+            assert (code, json.loads(out)) == (0, {"sum": 5}), err
+            code, out, err = await reach_cli(
+                "call", "math.add", "{}", "--agent", "calc-1", "--priority", "high", url=url)
+            assert code == 1
+            assert "failed" in err
+            code, out, err = await reach_cli("call", "math.nothing", "{}", url=url)
+            assert code == 1
+            assert "capability_not_found" in err
+            code, out, err = await reach_cli("call", "math.add", "{not json", url=url)
+            assert code == 1
+            assert "bad_request" in err
+            code, out, err = await reach_cli("call", "math.*", "{}", url=url)
+            assert code == 2
+            assert "wildcard" in err
+
+            listen = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "reach.cli", "listen", "order.*", "--count", "1",
+                "--url", url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+            await read_line_containing(listen.stderr, "listening")
+            code, _, err = await reach_cli("publish", "order.status", '{"id": 7}', url=url)
+            assert code == 0, err
+            async with asyncio.timeout(30):
+                out, _ = await listen.communicate()
+            assert json.loads(out) == {"topic": "order.status", "data": {"id": 7}}
+            assert listen.returncode == 0
+        assert (tmp_path / "data" / "jetstream").is_dir()
+    finally:
+        if up.returncode is None:
+            up.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            await up.wait()
+    assert up.returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+
+
+async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_server):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "sdk" / "examples" / "logistics.py"),
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "REACH_NATS_URL": nats_server.url, "REACH_DRAIN_TIMEOUT": "20"},
+    )
+    try:
+        await read_line_containing(proc.stderr, "serving logistics.track")
+        async with Client(nats_server.url) as client:
+            calls = [
+                asyncio.create_task(
+                    client.request("logistics.track", {"order_id": f"o{i}"}, timeout=30))
+                for i in range(20)
+            ]
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+            await client.flush()
+            proc.send_signal(signal.SIGTERM)
+            replies = await asyncio.gather(*calls)
+            assert sorted(r["order_id"] for r in replies) == sorted(f"o{i}" for i in range(20))
+            async with asyncio.timeout(30):
+                assert await proc.wait() == 0
+            with pytest.raises(reach.CapabilityNotFound):
+                await client.request("logistics.track", {"order_id": "late"})
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
