@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check reach services sdk tests bench
+	$(VENV)/bin/ruff format --check reach services sdk tests bench
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy reach

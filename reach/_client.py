@@ -90,6 +90,18 @@ def _expire(fut: asyncio.Future[Msg]) -> None:
         fut.set_exception(TimeoutError())
 
 
+async def flush_nats(nc: NatsConnection) -> None:
+    """Return once the server has processed everything sent so far.
+
+    nats-py 2.16 writes the flush PING straight to the socket, ahead of commands still in
+    its pending buffer, so one PONG can arrive before earlier SUBs are processed (seen here:
+    a no-responders reply 1 time in 200 right after an agent started). By the first PONG the
+    buffer has been written, so a second round trip covers it.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
 class Client:
     """Calls capabilities and broadcasts; one NATS connection, opened by ``async with``."""
 
@@ -109,7 +121,9 @@ class Client:
         self._nuid = NUID()
         self._checked: set[str] = set()
         self._default_timeout = self.settings.timeout_ms / 1000
+        self._agent_subjects = f"{self.subjects.prefix}.agent."
         self._inbox = ""
+        self._seq = 0
         self._pending: dict[str, asyncio.Future[Msg]] = {}
 
     @property
@@ -136,10 +150,12 @@ class Client:
         await self._start_inbox()
 
     async def _start_inbox(self) -> None:
-        # One wildcard inbox for all replies; the last token is the request id, so a request
-        # needs no Reach-Request-Id header (each header costs a parse on both sides).
+        # One wildcard inbox for all replies. The reply subject, less "_INBOX.", is the request
+        # id, so a request needs no Reach-Request-Id header (each header costs a parse on both
+        # sides); the inbox is unique per connection, so a counter makes it unique per request.
         self._inbox = f"_INBOX.{self._nuid.next().decode()}."
         await self.nc.subscribe(self._inbox + "*", cb=self._on_reply)
+        await flush_nats(self.nc)
 
     async def _on_reply(self, msg: Msg) -> None:
         fut = self._pending.get(msg.subject[len(self._inbox) :])
@@ -219,11 +235,13 @@ class Client:
         wait = self._default_timeout if timeout is None else timeout
         if wait <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
-        token = self._nuid.next().decode()
+        self._seq += 1
+        token = str(self._seq)
         headers = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
         if request_id:
             headers[Header.REQUEST_ID] = request_id
-        rid = request_id or token
+        reply_to = self._inbox + token
+        rid = request_id or reply_to[7:]
         if prio is not Priority.NORMAL:
             headers[Header.PRIORITY] = prio.value
         if self.name:
@@ -238,7 +256,7 @@ class Client:
         expiry = loop.call_later(wait, _expire, fut)
         started = time.perf_counter()
         try:
-            await nc.publish(subject, data, reply=self._inbox + token, headers=headers)
+            await nc.publish(subject, data, reply=reply_to, headers=headers)
             msg = await fut
         except TimeoutError:
             raise RequestTimeout(
@@ -276,8 +294,11 @@ class Client:
                 request_id=rid,
             ) from exc
         served_by, duration = "", None
+        via = msg.reply
+        if via and via.startswith(self._agent_subjects):
+            served_by = via[len(self._agent_subjects) :].partition(".")[0]
         if hdrs:
-            served_by = hdrs.get(Header.AGENT, "")
+            served_by = hdrs.get(Header.AGENT, served_by)
             raw = hdrs.get(Header.DURATION_MS)
             if raw:
                 try:
@@ -301,11 +322,12 @@ class Client:
         """Receive every broadcast on ``topic`` (``*`` and ``>`` allowed); flushed on return."""
         validate_topic(topic, wildcards=True)
         sub = await self.nc.subscribe(self.subjects.topic(topic))
-        await self.nc.flush()
+        await flush_nats(self.nc)
         return TopicSubscription(self.subjects, sub)
 
     async def flush(self) -> None:
-        await self.nc.flush()
+        """Wait until the server has everything this client sent (e.g. after publish)."""
+        await flush_nats(self.nc)
 
 
 class TopicSubscription:

@@ -17,8 +17,12 @@ ROOT = Path(__file__).parents[2]
 
 async def reach_cli(*args, url, timeout=30):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "reach.cli", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "reach.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "REACH_NATS_URL": url},
     )
     async with asyncio.timeout(timeout):
@@ -38,9 +42,21 @@ async def read_line_containing(stream, text, timeout=30):
 
 async def test_reach_up_then_call_publish_listen(tmp_path):
     up = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "reach.cli", "up", "--port", "-1", "--monitor-port", "-1",
-        "--config", str(ROOT / "nats-server.conf"), "--data-dir", str(tmp_path / "data"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "up",
+        "--port",
+        "-1",
+        "--monitor-port",
+        "-1",
+        "--config",
+        str(ROOT / "nats-server.conf"),
+        "--data-dir",
+        str(tmp_path / "data"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=tmp_path,
     )
     try:
         url = (await read_line_containing(up.stdout, "nats://")).strip()
@@ -57,7 +73,8 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
             code, out, err = await reach_cli("call", "math.add", '{"a": 2, "b": 3}', url=url)
             assert (code, json.loads(out)) == (0, {"sum": 5}), err
             code, out, err = await reach_cli(
-                "call", "math.add", "{}", "--agent", "calc-1", "--priority", "high", url=url)
+                "call", "math.add", "{}", "--agent", "calc-1", "--priority", "high", url=url
+            )
             assert code == 1
             assert "failed" in err
             code, out, err = await reach_cli("call", "math.nothing", "{}", url=url)
@@ -71,8 +88,17 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
             assert "wildcard" in err
 
             listen = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "reach.cli", "listen", "order.*", "--count", "1",
-                "--url", url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                sys.executable,
+                "-m",
+                "reach.cli",
+                "listen",
+                "order.*",
+                "--count",
+                "1",
+                "--url",
+                url,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
             )
             await read_line_containing(listen.stderr, "listening")
             code, _, err = await reach_cli("publish", "order.status", '{"id": 7}', url=url)
@@ -94,7 +120,8 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
 
 async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_server):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "sdk" / "examples" / "logistics.py"),
+        sys.executable,
+        str(ROOT / "sdk" / "examples" / "logistics.py"),
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "REACH_NATS_URL": nats_server.url, "REACH_DRAIN_TIMEOUT": "20"},
     )
@@ -103,7 +130,8 @@ async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_ser
         async with Client(nats_server.url) as client:
             calls = [
                 asyncio.create_task(
-                    client.request("logistics.track", {"order_id": f"o{i}"}, timeout=30))
+                    client.request("logistics.track", {"order_id": f"o{i}"}, timeout=30)
+                )
                 for i in range(20)
             ]
             await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)

@@ -144,11 +144,27 @@ async def test_error_reply_follows_nats_services_convention(reach_settings, reac
 
 
 async def test_plain_nats_client_can_call_without_headers(reach_settings, reach_client):
-    async with translator(reach_settings):
+    async with translator(reach_settings, "tr-plain"):
         msg = await reach_client.nc.request(
             reach_client.subjects.cap("text.translate"), b'{"text":"plain"}', timeout=5
         )
     assert msgspec.json.decode(msg.data) == {"text": "PLAIN", "lang": "fr"}
+    # A success reply is header-free; its reply-to is the answering instance's direct subject.
+    assert not msg.headers
+    assert msg.reply == reach_client.subjects.agent("tr-plain", "text.translate")
+
+
+async def test_reply_headers_when_asked_for(reach_settings, reach_client):
+    async with translator(reach_settings, "tr-h", reply_headers=True):
+        reply = await reach_client.call("text.translate", {"text": "h"})
+        msg = await reach_client.nc.request(
+            reach_client.subjects.cap("text.translate"), b'{"text":"h"}', timeout=5
+        )
+    assert reply.agent_id == "tr-h"
+    assert reply.duration_ms is not None
+    assert reply.duration_ms >= 0
+    assert msg.headers[Header.AGENT] == "tr-h"
+    assert float(msg.headers[Header.DURATION_MS]) >= 0
 
 
 async def test_handler_can_call_other_capabilities(reach_settings, reach_client):
