@@ -163,6 +163,9 @@ class Client:
             fut.set_result(msg)
 
     async def close(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionFailed("client closed", url=self.url))
         nc, self._nc = self._nc, None
         if nc is not None and self._owns_nc and not nc.is_closed:
             try:

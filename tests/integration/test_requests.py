@@ -222,3 +222,22 @@ async def test_eventually_helper(reach_settings):
         await eventually(lambda: agent.stats.served == 1)
         hits.append(await task)
     assert hits == [{"text": "E", "lang": "fr"}]
+
+
+async def test_closing_a_client_fails_its_pending_requests(reach_settings):
+    agent = Agent("never", settings=reach_settings, drain_timeout=0.1)
+    started = asyncio.Event()
+
+    @agent.capability("never.answers")
+    async def hang(req: dict) -> dict:
+        started.set()
+        await asyncio.Event().wait()
+        return {}
+
+    async with agent:
+        client = await Client(settings=reach_settings).connect()
+        pending = asyncio.create_task(client.request("never.answers", {}, timeout=60))
+        await started.wait()
+        await client.close()
+        with pytest.raises(reach.ConnectionFailed, match="closed"):
+            await pending

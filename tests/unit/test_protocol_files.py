@@ -64,3 +64,9 @@ def test_vector_decodes(path):
     else:
         assert kind == "reply"
         assert Header.SERVICE_ERROR_CODE not in headers
+        parts = v["reply"].split(".")
+        assert parts[:2] == ["reach", "agent"]
+        validate_agent_id(parts[2])
+        validate_capability(".".join(parts[3:]))
+        if Header.AGENT in headers:
+            assert headers[Header.AGENT] == parts[2]
