@@ -196,7 +196,7 @@ class Client:
         timeout: float | None = None,
         priority: Priority | str = Priority.NORMAL,
         agent_id: str | None = None,
-        response_type: Any = Any,
+        response_type: Any = None,
         request_id: str | None = None,
     ) -> Any:
         """Call ``capability`` and return the decoded answer; errors raise ``ReachError``s."""
@@ -219,7 +219,7 @@ class Client:
         timeout: float | None = None,
         priority: Priority | str = Priority.NORMAL,
         agent_id: str | None = None,
-        response_type: Any = Any,
+        response_type: Any = None,
         request_id: str | None = None,
     ) -> Reply:
         """Like :meth:`request` but returns the :class:`Reply` (who answered, latency)."""
@@ -289,7 +289,7 @@ class Client:
         if hdrs and Header.SERVICE_ERROR_CODE in hdrs:
             raise error_from_reply(msg.data, hdrs, capability=capability, request_id=rid)
         try:
-            value = decoder_for(response_type)(msg.data)
+            value = decoder_for(Any if response_type is None else response_type)(msg.data)
         except msgspec.DecodeError as exc:
             raise InvalidReply(
                 f"{capability}: reply does not match {response_type!r}: {exc}",

@@ -60,6 +60,7 @@ def build_agents(settings: ReachSettings, heard: Counter[str]) -> list[Agent]:
     @aftersales.capability("aftersales.refund")
     async def refund(ref: OrderRef, ctx: Context) -> dict[str, Any]:
         await asyncio.sleep(0.01)
+        heard["published"] += 1
         await ctx.client.publish("order.status", {"order_id": ref.order_id, "status": "refunding"})
         return {"order_id": ref.order_id, "refund": "approved"}
 
@@ -70,6 +71,7 @@ def build_agents(settings: ReachSettings, heard: Counter[str]) -> list[Agent]:
         @agent.capability("logistics.track")
         async def track(ref: OrderRef, ctx: Context) -> dict[str, Any]:
             await asyncio.sleep(0.02)
+            heard["published"] += 1
             await ctx.client.publish(
                 "order.status", {"order_id": ref.order_id, "status": "in transit"}
             )
@@ -139,12 +141,16 @@ async def run_demo() -> int:
                 f" {busy} refused as resource_exhausted (queues full)"
             )
 
+            heard["published"] += 1
             await client.publish("order.status", {"order_id": "A-100", "status": "delivered"})
             await client.flush()
-            await asyncio.sleep(0.2)
+            async with asyncio.timeout(10):
+                while any(heard[a] < heard["published"] for a in ("intent-1", "aftersales-1")):
+                    await asyncio.sleep(0.005)
             _line("\nBroadcast order.status updates heard (fan-out, every subscriber):")
-            for agent_id, n in sorted(heard.items()):
-                _line(f"  {agent_id:<14} heard {n}")
+            _line(f"  {heard['published']} published")
+            for agent_id in ("intent-1", "aftersales-1"):
+                _line(f"  {agent_id:<14} heard {heard[agent_id]}")
 
             try:
                 await client.request("billing.invoice", {})

@@ -147,3 +147,22 @@ async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_ser
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_demo_runs_end_to_end():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "demo",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(120):
+        out, err = await proc.communicate()
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()
+    assert "logistics-1" in text
+    assert "logistics-2" in text
+    assert "fails fast" in text
+    assert "Demo OK" in text
