@@ -13,6 +13,7 @@ from ._agent import Agent
 from ._client import Client
 from ._handlers import Context
 from ._server import NatsServer
+from ._wait import eventually
 from .errors import CapabilityNotFound, ResourceExhausted
 from .settings import ReachSettings
 
@@ -144,9 +145,9 @@ async def run_demo() -> int:
             heard["published"] += 1
             await client.publish("order.status", {"order_id": "A-100", "status": "delivered"})
             await client.flush()
-            async with asyncio.timeout(10):
-                while any(heard[a] < heard["published"] for a in ("intent-1", "aftersales-1")):
-                    await asyncio.sleep(0.005)
+            await eventually(
+                lambda: all(heard[a] == heard["published"] for a in ("intent-1", "aftersales-1"))
+            )
             _line("\nBroadcast order.status updates heard (fan-out, every subscriber):")
             _line(f"  {heard['published']} published")
             for agent_id in ("intent-1", "aftersales-1"):

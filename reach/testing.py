@@ -10,15 +10,13 @@ Installed as a pytest plugin (entry point ``reach``), so in any project that dep
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from nats.nuid import NUID
 
 from ._client import Client
 from ._server import NatsServer, nats_server_binary
+from ._wait import eventually
 from .settings import ReachSettings
 
 __all__ = [
@@ -29,24 +27,6 @@ __all__ = [
     "reach_settings",
     "unique_prefix",
 ]
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until ``condition()`` holds (checked on every loop turn); TimeoutError if never.
-
-    For state that has no event to await (a counter inside an agent), without guessing
-    a sleep long enough for it.
-    """
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.001)
-
-
-def unique_prefix() -> str:
-    """A subject prefix no other test uses, so tests never see each other's traffic."""
-    return "t" + NUID().next().decode().lower()
 
 
 @pytest.fixture(scope="session")
