@@ -18,8 +18,3 @@ async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> No
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout}s")
         await asyncio.sleep(0.001)
-
-
-def unique_prefix() -> str:
-    """A subject prefix no other test uses, so tests never see each other's traffic."""
-    return "t" + NUID().next().decode().lower()

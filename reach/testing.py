@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from nats.nuid import NUID
 
 from ._client import Client
 from ._server import NatsServer, nats_server_binary
@@ -27,6 +28,11 @@ __all__ = [
     "reach_settings",
     "unique_prefix",
 ]
+
+
+def unique_prefix() -> str:
+    """A subject prefix no other test uses, so tests never see each other's traffic."""
+    return "t" + NUID().next().decode().lower()
 
 
 @pytest.fixture(scope="session")
