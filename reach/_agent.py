@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import time
 from collections.abc import Callable
@@ -28,13 +29,28 @@ from ._scheduler import WorkQueue
 from ._subjects import validate_agent_id, validate_capability, validate_topic
 from .errors import ConfigurationError, NotStarted, RemoteError
 from .settings import ReachSettings
-from .wire import AgentInfo, CapabilityInfo, ErrorCode, Header, Heartbeat, Priority, Status
+from .wire import (
+    AgentInfo,
+    CapabilityInfo,
+    Control,
+    ControlReply,
+    Deregistration,
+    ErrorCode,
+    Header,
+    Heartbeat,
+    Priority,
+    RegisterReply,
+    Registration,
+    Status,
+)
 
 __all__ = ["Agent"]
 
 log = logging.getLogger("reach.agent")
 
 _PRIORITIES = {p.value: p for p in Priority}
+_register_reply = msgspec.json.Decoder(RegisterReply)
+_control = msgspec.json.Decoder(Control)
 _EWMA_ALPHA = 0.2
 _DEADLINE_SWEEP = 0.05
 
@@ -44,6 +60,7 @@ class _Capability:
     info: CapabilityInfo
     spec: HandlerSpec
     direct: str = ""
+    handler: Callable[[Msg], Any] | None = None
     requests: int = 0
     errors: int = 0
     processing_ns: int = 0
@@ -131,8 +148,17 @@ class Agent:
         self._topics: list[_Topic] = []
         self._nc: NatsConnection | None = None
         self._queue: WorkQueue[_Job] = WorkQueue(self.max_queue)
-        self._cap_subs: list[Subscription] = []
+        self._queue_subs: list[Subscription] = []
+        self._direct_subs: list[Subscription] = []
         self._other_subs: list[Subscription] = []
+        self._hb_now = asyncio.Event()
+        self._hb_seq = 0
+        self._hb_interval = self.settings.heartbeat_interval
+        self._need_register = True
+        self._registered = False
+        self._overloaded = False
+        self._paused = False
+        self._drain_requested = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._outstanding = 0
@@ -227,7 +253,9 @@ class Agent:
         if self._running:
             return
         self._stop_lock = asyncio.Lock()
-        self._nc = await connect_nats(self.settings, self._url, self.agent_id)
+        self._nc = await connect_nats(
+            self.settings, self._url, self.agent_id, reconnected=self._client.on_reconnect
+        )
         await self._client._adopt(self._nc)
         self._started_ms = now_ms()
         self._tasks = asyncio.TaskGroup()
@@ -243,6 +271,10 @@ class Agent:
             self._workers.append(self._tasks.create_task(self._deadline_watch()))
             await self._subscribe()
             await flush_nats(self._nc)
+            # One registration attempt now (no-responders answers at once when no registry
+            # runs); the presence loop retries with backoff and heartbeats from here on.
+            await self._register()
+            self._workers.append(self._tasks.create_task(self._presence()))
         except BaseException:
             await self._shutdown(drain=False)
             raise
@@ -252,17 +284,14 @@ class Agent:
         nc = self._conn()
         for name, cap in self._caps.items():
             cap.direct = self.subjects.agent(self.agent_id, name)
-            handler = self._request_handler(cap)
-            self._cap_subs.append(
-                await nc.subscribe(
-                    self.subjects.cap(name), queue=self.subjects.cap_queue(name), cb=handler
-                )
-            )
-            self._cap_subs.append(
-                await nc.subscribe(self.subjects.agent(self.agent_id, name), cb=handler)
-            )
+            cap.handler = self._request_handler(cap)
+            self._direct_subs.append(await nc.subscribe(cap.direct, cb=cap.handler))
+        await self._subscribe_queues()
         self._other_subs.append(
             await nc.subscribe(self.subjects.ping(self.agent_id), cb=self._on_ping)
+        )
+        self._other_subs.append(
+            await nc.subscribe(self.subjects.ctl(self.agent_id), cb=self._on_ctl)
         )
         for topic in self._topics:
             self._other_subs.append(
@@ -273,9 +302,48 @@ class Agent:
         for subject in _srv.subjects(self.name, self.agent_id):
             self._other_subs.append(await nc.subscribe(subject, cb=self._on_srv))
 
+    async def _subscribe_queues(self) -> None:
+        nc = self._conn()
+        for name, cap in self._caps.items():
+            self._queue_subs.append(
+                await nc.subscribe(
+                    self.subjects.cap(name), queue=self.subjects.cap_queue(name), cb=cap.handler
+                )
+            )
+
+    async def _drain_subs(self, subs: list[Subscription]) -> None:
+        # Drain (not unsubscribe) so requests already delivered to us are still served.
+        for sub in subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.drain()  # type: ignore[no-untyped-call]
+        subs.clear()
+
     async def stop(self) -> None:
-        """Graceful: stop taking work, finish in-flight within ``drain_timeout``, close."""
+        """Graceful: PAUSED, stop taking work, finish in-flight (``drain_timeout``),
+        deregister, close."""
         await self._shutdown(drain=True)
+
+    async def pause(self) -> None:
+        """Take no new work (queue groups route elsewhere; direct calls are refused)."""
+        if not self._running or self.status == Status.PAUSED:
+            return
+        self._paused = True
+        self._set_status(Status.PAUSED)
+        await self._drain_subs(self._queue_subs)
+
+    async def resume(self) -> None:
+        if not self._running or self.status != Status.PAUSED or self._drain_requested.is_set():
+            return
+        await self._subscribe_queues()
+        await flush_nats(self._conn())
+        self._paused = False
+        self._set_status(Status.UP)
+
+    def _set_status(self, status: Status) -> None:
+        """Change status and tell the registry now, not at the next heartbeat tick."""
+        if status != self.status:
+            self.status = status
+            self._hb_now.set()
 
     async def _shutdown(self, *, drain: bool) -> None:
         if not self._running or self._stop_lock is None:
@@ -285,10 +353,9 @@ class Agent:
                 return
             self.status = Status.PAUSED
             if drain:
-                # Drain (not unsubscribe) so requests already delivered to us are still served.
-                for sub in self._cap_subs:
-                    with contextlib.suppress(nats.errors.Error):
-                        await sub.drain()  # type: ignore[no-untyped-call]
+                await self._send_heartbeat()  # routing stops before we do
+                await self._drain_subs(self._queue_subs)
+                await self._drain_subs(self._direct_subs)
                 self._accepting = False
                 if not self._is_idle():
                     self._idle.clear()
@@ -308,13 +375,18 @@ class Agent:
                 await self._reply_error(
                     job.msg, ErrorCode.AGENT_UNAVAILABLE, "agent stopped before running the request"
                 )
+            if drain and self._registered:
+                await self._deregister()
+            await self._client._close_table()
             nc, self._nc = self._nc, None
-            self._cap_subs.clear()
+            self._queue_subs.clear()
+            self._direct_subs.clear()
             self._other_subs.clear()
             if nc is not None and not nc.is_closed:
                 with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                     await nc.close()
             self.status = Status.DOWN
+            self._drain_requested.set()
             log.info("agent %s stopped", self.agent_id)
 
     async def __aenter__(self) -> Self:
@@ -337,8 +409,12 @@ class Agent:
                 installed.append(sig)
         try:
             await self.start()
-            await stop.wait()
-            log.info("agent %s: signal received, draining", self.agent_id)
+            done = asyncio.ensure_future(self._drain_requested.wait())
+            signalled = asyncio.ensure_future(stop.wait())
+            await asyncio.wait((done, signalled), return_when=asyncio.FIRST_COMPLETED)
+            done.cancel()
+            signalled.cancel()
+            log.info("agent %s: draining", self.agent_id)
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
@@ -407,6 +483,10 @@ class Agent:
         if not self._accepting:
             await self._reply_error(msg, ErrorCode.AGENT_UNAVAILABLE, "agent is stopping")
             return
+        if self._paused and msg.subject == cap.direct:
+            # Paused: queue groups already route elsewhere; direct callers must go elsewhere.
+            await self._reply_error(msg, ErrorCode.AGENT_UNAVAILABLE, "agent is paused")
+            return
         job = _Job(msg, cap, priority, deadline, request_id)
         if not self._queue.offer(priority, job):
             self.stats.rejected += 1
@@ -418,6 +498,13 @@ class Agent:
             return
         self._outstanding += 1
         self._idle.clear()
+        if (
+            self.max_queue
+            and len(self._queue) * 5 >= self.max_queue * 4
+            and (self.status == Status.UP)
+        ):
+            self._overloaded = True
+            self._set_status(Status.DEGRADED)
 
     async def _bad_header(self, msg: Msg, reason: str) -> None:
         self.stats.invalid += 1
@@ -440,6 +527,10 @@ class Agent:
                 self._outstanding -= 1
                 if self._outstanding == 0:
                     self._idle.set()
+                if self._overloaded and len(self._queue) * 4 <= self.max_queue:
+                    self._overloaded = False
+                    if self.status == Status.DEGRADED:
+                        self._set_status(Status.UP)
 
     async def _run(self, job: _Job) -> None:
         cap, msg = job.cap, job.msg
@@ -562,6 +653,101 @@ class Agent:
             await nc.publish(msg.reply, body, headers=headers)
         except (nats.errors.Error, OSError) as exc:
             log.warning("agent %s: error reply lost: %s", self.agent_id, exc)
+
+    # -- presence: registration and heartbeats -----------------------------------------
+
+    async def _register(self) -> bool:
+        body = encode_json(Registration(info=self.info(), status=self.status))
+        try:
+            msg = await self._conn().request(
+                self.subjects.registry("register"), body, timeout=self.settings.probe_timeout
+            )
+            if msg.headers and Header.SERVICE_ERROR_CODE in msg.headers:
+                log.warning(
+                    "agent %s: registry refused registration: %s",
+                    self.agent_id,
+                    msg.headers.get(Header.SERVICE_ERROR, ""),
+                )
+                return False
+            reply = _register_reply.decode(msg.data)
+        except (nats.errors.Error, msgspec.DecodeError, TimeoutError, OSError) as exc:
+            log.debug("agent %s: registration failed: %s", self.agent_id, exc)
+            return False
+        self._hb_interval = min(reply.heartbeat_interval, self.settings.heartbeat_interval)
+        self._need_register = False
+        self._registered = True
+        log.info("agent %s registered with %s", self.agent_id, reply.registry or "a registry")
+        return True
+
+    async def _deregister(self) -> None:
+        body = encode_json(Deregistration(agent_id=self.agent_id))
+        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+            await self._conn().request(
+                self.subjects.registry("deregister"), body, timeout=self.settings.probe_timeout
+            )
+
+    async def _send_heartbeat(self) -> None:
+        self._hb_seq += 1
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._conn().publish(
+                self.subjects.heartbeat(self.agent_id), encode_json(self.heartbeat(self._hb_seq))
+            )
+
+    async def _presence(self) -> None:
+        """Heartbeat every interval (at once on a status change); register until it works."""
+        loop = asyncio.get_running_loop()
+        backoff = self.settings.register_backoff
+        register_at = loop.time() + random.uniform(0, backoff) if self._need_register else 0.0
+        while True:
+            now = loop.time()
+            if self._need_register and now >= register_at:
+                if await self._register():
+                    backoff = self.settings.register_backoff
+                else:
+                    backoff = min(backoff * 2, self.settings.register_backoff_max)
+                    register_at = loop.time() + random.uniform(0, backoff)  # full jitter
+            self._hb_now.clear()
+            await self._send_heartbeat()
+            wait = self._hb_interval
+            if self._need_register:
+                wait = max(0.0, min(wait, register_at - loop.time()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._hb_now.wait()
+
+    async def _on_ctl(self, msg: Msg) -> None:
+        try:
+            command = _control.decode(msg.data).command
+        except msgspec.DecodeError as exc:
+            if msg.reply:
+                await self._reply_error(msg, ErrorCode.BAD_REQUEST, f"invalid control: {exc}")
+            return
+        if command == "register":
+            self._need_register = True
+            self._hb_now.set()
+        elif command == "pause":
+            await self.pause()
+        elif command == "resume":
+            await self.resume()
+        elif command == "drain":
+            self._drain_requested.set()
+            self._set_status(Status.PAUSED)
+        else:
+            if msg.reply:
+                await self._reply_error(
+                    msg,
+                    ErrorCode.BAD_REQUEST,
+                    f"unknown command {command!r}: use pause, resume, drain or register",
+                )
+            return
+        if msg.reply:
+            reply = ControlReply(agent_id=self.agent_id, status=self.status)
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._conn().publish(msg.reply, encode_json(reply))
+
+    async def wait_drain_requested(self) -> None:
+        """Return when a ``drain`` command arrived (``serve_forever`` then stops the agent)."""
+        await self._drain_requested.wait()
 
     # -- other listeners ---------------------------------------------------------------
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -20,7 +21,9 @@ from nats.nuid import NUID
 from opentelemetry import propagate, trace
 
 from ._codec import decoder_for, encode_payload, error_from_reply, now_ms
+from ._routing import eligible, explain_miss, least_inflight
 from ._subjects import Subjects, validate_agent_id, validate_capability, validate_topic
+from ._table import RoutingTable
 from .errors import (
     AgentUnavailable,
     CapabilityNotFound,
@@ -31,7 +34,7 @@ from .errors import (
     RequestTimeout,
 )
 from .settings import ReachSettings
-from .wire import Header, Priority
+from .wire import AgentRecord, Header, Priority
 
 __all__ = ["Client", "Reply", "TopicMessage", "TopicSubscription"]
 
@@ -63,7 +66,12 @@ class TopicMessage:
         return decoder_for(type_)(self.data)
 
 
-async def connect_nats(settings: ReachSettings, url: str, name: str) -> NatsConnection:
+async def connect_nats(
+    settings: ReachSettings,
+    url: str,
+    name: str,
+    reconnected: Callable[[], Awaitable[None]] | None = None,
+) -> NatsConnection:
     """Open a NATS connection, translating nats-py's failures into ConnectionFailed."""
 
     async def on_error(exc: Exception) -> None:
@@ -80,6 +88,7 @@ async def connect_nats(settings: ReachSettings, url: str, name: str) -> NatsConn
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,
                 error_cb=on_error,
+                reconnected_cb=reconnected,
             )
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
         raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
@@ -125,6 +134,11 @@ class Client:
         self._inbox = ""
         self._seq = 0
         self._pending: dict[str, asyncio.Future[Msg]] = {}
+        self._table: RoutingTable | None = None
+        self._table_retry_at = 0.0
+        self._table_lock = asyncio.Lock()
+        self._inflight: dict[str, int] = {}
+        self._rng = random.Random()
 
     @property
     def nc(self) -> NatsConnection:
@@ -139,7 +153,9 @@ class Client:
 
     async def connect(self) -> Self:
         if self._nc is None or self._nc.is_closed:
-            self._nc = await connect_nats(self.settings, self.url, self.name or "reach-client")
+            self._nc = await connect_nats(
+                self.settings, self.url, self.name or "reach-client", reconnected=self.on_reconnect
+            )
             self._owns_nc = True
             await self._start_inbox()
         return self
@@ -162,7 +178,50 @@ class Client:
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
+    async def on_reconnect(self) -> None:
+        """Rebuild the routing table's watcher (nats-py's own can stay silent for ~15 s)."""
+        if self._table is not None:
+            self._table.rebuild_soon()
+
+    async def _routing_table(self) -> RoutingTable | None:
+        """Start following the registry's bucket on first use; None while it is unavailable."""
+        table = self._table
+        if table is not None and not table.stale:
+            return table
+        if time.monotonic() < self._table_retry_at:
+            return table
+        async with self._table_lock:
+            if self._table is None:
+                self._table = RoutingTable(
+                    self.nc,
+                    self.subjects.bucket("agents"),
+                    silence_limit=max(3 * self.settings.heartbeat_interval, 15.0),
+                )
+                ok = await self._table.start(self.settings.connect_timeout)
+            elif self._table.stale:
+                ok = await self._table.rebuild(self.settings.connect_timeout)
+            else:
+                ok = True
+            if not ok:
+                # No registry has created the bucket yet: use the queue group, look again later.
+                self._table_retry_at = time.monotonic() + self.settings.heartbeat_interval
+        return self._table
+
+    async def agents(self, capability: str | None = None) -> list[AgentRecord]:
+        """The routing table: every known instance (of ``capability``), by agent id."""
+        table = await self._routing_table()
+        if table is None:
+            return []
+        records = table.offering(capability) if capability else list(table.records.values())
+        return sorted(records, key=lambda r: r.info.agent_id)
+
+    async def _close_table(self) -> None:
+        if self._table is not None:
+            await self._table.stop()
+            self._table = None
+
     async def close(self) -> None:
+        await self._close_table()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ConnectionFailed("client closed", url=self.url))
@@ -198,6 +257,8 @@ class Client:
         agent_id: str | None = None,
         response_type: Any = None,
         request_id: str | None = None,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
     ) -> Any:
         """Call ``capability`` and return the decoded answer; errors raise ``ReachError``s."""
         reply = await self.call(
@@ -208,6 +269,8 @@ class Client:
             agent_id=agent_id,
             response_type=response_type,
             request_id=request_id,
+            version=version,
+            required_tags=required_tags,
         )
         return reply.value
 
@@ -221,8 +284,17 @@ class Client:
         agent_id: str | None = None,
         response_type: Any = None,
         request_id: str | None = None,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
     ) -> Reply:
-        """Like :meth:`request` but returns the :class:`Reply` (who answered, latency)."""
+        """Like :meth:`request` but returns the :class:`Reply` (who answered, latency).
+
+        Routing: ``agent_id`` goes to that instance only. Otherwise the routing table picks
+        a live instance (UP; DEGRADED too unless priority is high) that offers the
+        capability in the same major ``version`` with all ``required_tags``; when the table
+        knows no instance of the capability at all (no registry), the NATS queue group
+        chooses.
+        """
         self._check_capability(capability)
         try:
             prio = Priority(priority)
@@ -230,21 +302,33 @@ class Client:
             raise ConfigurationError(
                 f"priority {priority!r} is invalid; use high, normal or low"
             ) from None
+        routed: str | None = None
         if agent_id is not None:
             validate_agent_id(agent_id)
             subject = self.subjects.agent(agent_id, capability)
         else:
             subject = self.subjects.cap(capability)
+            table = (
+                self._table
+                if self._table is not None and not self._table.stale
+                else (await self._routing_table())
+            )
+            offering = table.offering(capability) if table is not None else ()
+            if offering:
+                ok = eligible(offering, capability, version, required_tags, prio)
+                if not ok:
+                    raise CapabilityNotFound(
+                        explain_miss(offering, capability, version, required_tags, prio),
+                        capability=capability,
+                    )
+                routed = least_inflight(ok, self._inflight, self._rng).info.agent_id
+                subject = self.subjects.agent(routed, capability)
         wait = self._default_timeout if timeout is None else timeout
         if wait <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
-        self._seq += 1
-        token = str(self._seq)
         headers = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
         if request_id:
             headers[Header.REQUEST_ID] = request_id
-        reply_to = self._inbox + token
-        rid = request_id or reply_to[7:]
         if prio is not Priority.NORMAL:
             headers[Header.PRIORITY] = prio.value
         if self.name:
@@ -252,7 +336,37 @@ class Client:
         if trace.get_current_span().get_span_context().is_valid:
             propagate.inject(headers)
         data = encode_payload(payload)
+        if routed is not None:
+            self._inflight[routed] = self._inflight.get(routed, 0) + 1
+            try:
+                return await self._send(
+                    subject, data, headers, wait, capability, agent_id, request_id, response_type
+                )
+            except (CapabilityNotFound, AgentUnavailable):
+                # The table was a moment behind (the instance just left): let NATS choose.
+                subject = self.subjects.cap(capability)
+            finally:
+                self._inflight[routed] -= 1
+        return await self._send(
+            subject, data, headers, wait, capability, agent_id, request_id, response_type
+        )
+
+    async def _send(
+        self,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str],
+        wait: float,
+        capability: str,
+        agent_id: str | None,
+        request_id: str | None,
+        response_type: Any,
+    ) -> Reply:
         nc = self.nc
+        self._seq += 1
+        token = str(self._seq)
+        reply_to = self._inbox + token
+        rid = request_id or reply_to[7:]
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = fut

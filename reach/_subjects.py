@@ -105,3 +105,7 @@ class Subjects:
 
     def event(self, agent_id: str) -> str:
         return f"{self.prefix}.evt.agent.{agent_id}"
+
+    def bucket(self, name: str) -> str:
+        """KV bucket for this prefix: ``reach_agents`` by default, one per tenant prefix."""
+        return f"{self.prefix.replace('.', '_')}_{name}"

@@ -36,6 +36,10 @@ class ReachSettings(BaseSettings):
     drain_timeout: float = Field(default=30.0, ge=0)
     heartbeat_interval: float = Field(default=5.0, gt=0)
     lease_ttl: float = Field(default=15.0, gt=0)
+    probe_timeout: float = Field(default=2.0, gt=0)
+    down_grace: float = Field(default=30.0, gt=0)
+    register_backoff: float = Field(default=0.5, gt=0)
+    register_backoff_max: float = Field(default=15.0, gt=0)
     connect_timeout: float = Field(default=2.0, gt=0)
     nats_server_bin: str = ""
 

@@ -16,14 +16,27 @@ import msgspec
 __all__ = [
     "ERROR_CODES",
     "PROTOCOL_VERSION",
+    "AgentEvent",
     "AgentInfo",
+    "AgentRecord",
+    "Candidate",
     "CapabilityInfo",
+    "Control",
+    "ControlReply",
+    "Deregistration",
     "ErrorBody",
     "ErrorCode",
     "Header",
     "Heartbeat",
+    "ListQuery",
+    "ListReply",
     "Priority",
+    "RegisterReply",
+    "Registration",
+    "RouteQuery",
+    "RouteReply",
     "Status",
+    "Transition",
 ]
 
 PROTOCOL_VERSION: Final = "1"
@@ -135,3 +148,100 @@ class Heartbeat(_Wire, tag="reach.agent.heartbeat", frozen=True, kw_only=True):
     failed: int = 0
     dropped: int = 0
     sent_ms: int = 0
+
+
+class Transition(_Wire, tag="reach.transition", frozen=True, kw_only=True):
+    """One status change as the registry saw it."""
+
+    old: Status | None
+    new: Status
+    reason: str
+    at_ms: int
+
+
+class AgentRecord(_Wire, tag="reach.agent.record", frozen=True, kw_only=True):
+    """The registry's record of one instance: the value of its key in ``reach_agents``."""
+
+    info: AgentInfo
+    status: Status
+    heartbeat: Heartbeat | None = None
+    registered_ms: int = 0
+    last_seen_ms: int = 0
+    transitions: list[Transition] = msgspec.field(default_factory=list)
+    registry: str = ""
+
+
+class AgentEvent(_Wire, tag="reach.agent.event", frozen=True, kw_only=True):
+    """A status transition, published on ``reach.evt.agent.<agent_id>``."""
+
+    agent_id: str
+    old: Status | None
+    new: Status
+    reason: str
+    at_ms: int
+    removed: bool = False
+
+
+class Registration(_Wire, tag="reach.registry.register", frozen=True, kw_only=True):
+    """Body of ``reach.registry.register``."""
+
+    info: AgentInfo
+    status: Status = Status.UP
+
+
+class RegisterReply(_Wire, tag="reach.registry.registered", frozen=True, kw_only=True):
+    """The lease the registry grants: heartbeat at least every ``heartbeat_interval``."""
+
+    lease_ttl: float
+    heartbeat_interval: float
+    registry: str = ""
+
+
+class Deregistration(_Wire, tag="reach.registry.deregister", frozen=True, kw_only=True):
+    agent_id: str
+
+
+class Control(_Wire, tag="reach.agent.control", frozen=True, kw_only=True):
+    """Body of ``reach.agent.<id>.$ctl``: pause, resume, drain, or register (again)."""
+
+    command: str
+
+
+class ControlReply(_Wire, tag="reach.agent.control.reply", frozen=True, kw_only=True):
+    agent_id: str
+    status: Status
+    ok: bool = True
+
+
+class ListQuery(_Wire, tag="reach.registry.list", frozen=True, kw_only=True):
+    """Body of ``reach.registry.list``; every filter is optional."""
+
+    capability: str | None = None
+    tag: str | None = None
+    status: Status | None = None
+
+
+class ListReply(_Wire, tag="reach.registry.list.reply", frozen=True, kw_only=True):
+    agents: list[AgentRecord] = msgspec.field(default_factory=list)
+
+
+class RouteQuery(_Wire, tag="reach.registry.route", frozen=True, kw_only=True):
+    """Body of ``reach.registry.route``: who should take this capability now?"""
+
+    capability: str
+    version: str | None = None
+    tags: list[str] = msgspec.field(default_factory=list)
+    priority: Priority = Priority.NORMAL
+
+
+class Candidate(_Wire, tag="reach.registry.candidate", frozen=True, kw_only=True):
+    agent_id: str
+    subject: str
+    status: Status
+    score: float
+    reason: str
+
+
+class RouteReply(_Wire, tag="reach.registry.route.reply", frozen=True, kw_only=True):
+    candidates: list[Candidate] = msgspec.field(default_factory=list)
+    reason: str = ""

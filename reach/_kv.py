@@ -1,0 +1,98 @@
+"""Leases in JetStream KV: compare-and-set writes that carry a per-message TTL.
+
+See NATS-FACTS.md: ``kv.put``/``kv.update`` cannot set a TTL and would make a key permanent,
+so every write here is a raw publish with ``Nats-TTL`` and ``Nats-Expected-Last-Subject-
+Sequence``; expiries reach watchers as markers (nats-py reports them as PURGE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+KV_OP = "KV-Operation"
+MARKER_REASON = "Nats-Marker-Reason"
+MARKER_TTL = 60.0
+
+
+class LeaseConflict(Exception):
+    """Another writer changed the key since the revision we read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Latest:
+    """The newest message of a key: its revision, and its value unless it is a marker."""
+
+    revision: int
+    value: bytes | None
+
+
+async def agents_bucket(js: JetStreamContext, bucket: str, *, create: bool) -> KeyValue:
+    """Bind the leases bucket, creating it (memory, history 1, markers on) when asked."""
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        if not create:
+            raise
+    config = KeyValueConfig(
+        bucket=bucket,
+        history=1,
+        storage=StorageType.MEMORY,
+        limit_marker_ttl=MARKER_TTL,
+        description="Agent-Reach leases: one record per agent, TTL renewed by heartbeats",
+    )
+    with contextlib.suppress(nats.js.errors.BadRequestError):
+        return await js.create_key_value(config=config)
+    return await js.key_value(bucket)  # a concurrent registry created it first
+
+
+def ttl_header(ttl: float) -> str:
+    return f"{max(1, int(ttl * 1000))}ms"
+
+
+async def write_lease(
+    js: JetStreamContext, bucket: str, key: str, value: bytes, *, ttl: float, last: int
+) -> int:
+    """Write ``value`` iff the key's newest revision is ``last`` (0: key absent); new revision."""
+    headers = {
+        "Nats-Expected-Last-Subject-Sequence": str(last),
+        "Nats-TTL": ttl_header(ttl),
+    }
+    try:
+        ack = await js.publish(f"$KV.{bucket}.{key}", value, headers=headers)
+    except nats.js.errors.APIError as exc:
+        if exc.err_code in (10071, 10164):
+            raise LeaseConflict(key) from exc
+        raise
+    return int(ack.seq)
+
+
+async def remove(js: JetStreamContext, bucket: str, key: str, *, last: int | None) -> int:
+    """Delete marker (history 1 drops the value), compare-and-set when ``last`` is given."""
+    headers = {KV_OP: "DEL"}
+    if last is not None:
+        headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
+    try:
+        ack = await js.publish(f"$KV.{bucket}.{key}", b"", headers=headers)
+    except nats.js.errors.APIError as exc:
+        if exc.err_code in (10071, 10164):
+            raise LeaseConflict(key) from exc
+        raise
+    return int(ack.seq)
+
+
+async def latest(js: JetStreamContext, bucket: str, key: str) -> Latest:
+    """Read the newest message of ``key`` straight from the stream (markers included)."""
+    try:
+        msg = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+    except nats.js.errors.NotFoundError:
+        return Latest(0, None)
+    headers = msg.headers or {}
+    if KV_OP in headers or MARKER_REASON in headers or not msg.data:
+        return Latest(int(msg.seq or 0), None)
+    return Latest(int(msg.seq or 0), bytes(msg.data))

@@ -1,0 +1,148 @@
+"""Who may take a request, and in what order: pure functions over registry records."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from .wire import AgentRecord, CapabilityInfo, Priority, Status
+
+_BASE = {Status.UP: 10.0, Status.DEGRADED: 6.0}
+W_LOAD = 4.0
+W_LATENCY = 2.0
+
+
+def capability_of(record: AgentRecord, capability: str) -> CapabilityInfo | None:
+    for cap in record.info.capabilities:
+        if cap.name == capability:
+            return cap
+    return None
+
+
+def major(version: str) -> str:
+    return version.split(".", 1)[0]
+
+
+def reject_reason(
+    record: AgentRecord,
+    capability: str,
+    version: str | None,
+    tags: Sequence[str],
+    priority: Priority,
+) -> str | None:
+    """Why this instance may not take the request, or None when it may."""
+    cap = capability_of(record, capability)
+    if cap is None:
+        return "does not offer it"
+    if version is not None and major(cap.version) != major(version):
+        return f"offers version {cap.version}, not {major(version)}.x"
+    missing = [t for t in tags if t not in record.info.tags]
+    if missing:
+        return f"lacks tag {missing[0]!r}"
+    if record.status == Status.UP:
+        return None
+    if record.status == Status.DEGRADED:
+        return "is DEGRADED (high priority needs UP)" if priority is Priority.HIGH else None
+    return f"is {record.status.value}"
+
+
+def eligible(
+    records: Iterable[AgentRecord],
+    capability: str,
+    version: str | None,
+    tags: Sequence[str],
+    priority: Priority,
+) -> list[AgentRecord]:
+    return [r for r in records if reject_reason(r, capability, version, tags, priority) is None]
+
+
+def explain_miss(
+    records: Iterable[AgentRecord],
+    capability: str,
+    version: str | None,
+    tags: Sequence[str],
+    priority: Priority,
+) -> str:
+    """A sentence saying what was asked and what exists, for CapabilityNotFound."""
+    offering = [r for r in records if capability_of(r, capability) is not None]
+    asked = f"{capability!r}"
+    if version is not None:
+        asked += f" version {major(version)}.x"
+    if tags:
+        asked += f" with tags {list(tags)}"
+    if priority is Priority.HIGH:
+        asked += " at high priority"
+    if not offering:
+        return f"no live agent offers {asked}"
+    reasons = Counter(
+        reject_reason(r, capability, version, tags, priority) or "is eligible" for r in offering
+    )
+    parts = [
+        f"{n} instance{'s' if n > 1 else ''} {'offer' if n > 1 else 'offers'} it but "
+        f"{_plural(reason, n)}"
+        for reason, n in reasons.most_common()
+    ]
+    return f"no live agent can take {asked}: " + "; ".join(parts)
+
+
+def _plural(reason: str, n: int) -> str:
+    if n == 1:
+        return reason
+    for one, many in (
+        ("is ", "are "),
+        ("lacks ", "lack "),
+        ("offers ", "offer "),
+        ("does not", "do not"),
+    ):
+        if reason.startswith(one):
+            return many + reason[len(one) :]
+    return reason
+
+
+def score(record: AgentRecord, max_latency: float) -> float:
+    """The seed formula: base (UP 10, DEGRADED 6) + w_load*(1-load) + w_lat*(1-lat/max)."""
+    hb = record.heartbeat
+    load = min(1.0, max(0.0, hb.load)) if hb else 0.0
+    latency = hb.latency_ms if hb else 0.0
+    lat_term = 1.0 - latency / max_latency if max_latency > 0 else 1.0
+    return _BASE.get(record.status, 0.0) + W_LOAD * (1.0 - load) + W_LATENCY * lat_term
+
+
+def rank(
+    records: Iterable[AgentRecord],
+    capability: str,
+    version: str | None,
+    tags: Sequence[str],
+    priority: Priority,
+) -> list[tuple[AgentRecord, float, str]]:
+    """Eligible instances, best first, with their score and why (for thin clients)."""
+    ok = eligible(records, capability, version, tags, priority)
+    max_latency = max((r.heartbeat.latency_ms for r in ok if r.heartbeat), default=0.0)
+    scored = []
+    for r in ok:
+        s = score(r, max_latency)
+        hb = r.heartbeat
+        why = (
+            f"{r.status.value}, load {hb.load:.2f}, latency {hb.latency_ms:.1f} ms"
+            if hb
+            else f"{r.status.value}, no heartbeat yet"
+        )
+        scored.append((r, s, why))
+    scored.sort(key=lambda t: (-t[1], t[0].info.agent_id))
+    return scored
+
+
+def least_inflight(
+    candidates: Sequence[AgentRecord], inflight: Mapping[str, int], rng: random.Random
+) -> AgentRecord:
+    """The candidate this client has the fewest requests outstanding to (random on ties)."""
+    best: list[AgentRecord] = []
+    low = None
+    for r in candidates:
+        n = inflight.get(r.info.agent_id, 0)
+        if low is None or n < low:
+            best, low = [r], n
+        elif n == low:
+            best.append(r)
+    return best[0] if len(best) == 1 else rng.choice(best)
