@@ -7,6 +7,8 @@ from ._client import Reply as Reply
 from ._client import TopicMessage as TopicMessage
 from ._client import TopicSubscription as TopicSubscription
 from ._handlers import Context as Context
+from ._registry import Registry as Registry
+from ._registry import RegistryStats as RegistryStats
 from .errors import (
     AgentUnavailable,
     BadRequest,
@@ -25,6 +27,8 @@ from .errors import (
     Unauthorized,
 )
 from .settings import ReachSettings as ReachSettings
+from .wire import AgentEvent as AgentEvent
+from .wire import AgentRecord as AgentRecord
 from .wire import Priority as Priority
 from .wire import Status as Status
 
@@ -32,6 +36,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
+    "AgentEvent",
+    "AgentRecord",
     "AgentStats",
     "AgentUnavailable",
     "BadRequest",
@@ -48,6 +54,8 @@ __all__ = [
     "Priority",
     "ReachError",
     "ReachSettings",
+    "Registry",
+    "RegistryStats",
     "RemoteError",
     "Reply",
     "RequestTimeout",

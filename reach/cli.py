@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 
 from ._client import Client
+from ._codec import now_ms
+from ._registry import Registry
 from ._runtime import run_async
 from ._server import NatsServer
-from .errors import ConfigurationError, ReachError
+from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
-from .wire import Priority
+from .wire import AgentEvent, Control, ControlReply, Priority
 
 __all__ = ["main"]
 
@@ -124,6 +129,12 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    registry = None
+    if not args.no_registry:
+        registry = subprocess.Popen(
+            [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
+            stdin=subprocess.DEVNULL,
+        )
     print(server.url, flush=True)
     print(
         f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
@@ -131,6 +142,8 @@ def _up(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
+    if registry is not None:
+        print(f"# registry pid {registry.pid}", file=sys.stderr, flush=True)
     try:
         while not stop:
             if server.proc is not None and server.proc.poll() is not None:
@@ -138,8 +151,140 @@ def _up(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.2)
     finally:
+        if registry is not None and registry.poll() is None:
+            registry.terminate()  # by PID
+            try:
+                registry.wait(10)
+            except subprocess.TimeoutExpired:
+                registry.kill()
+                registry.wait()
         server.close()
     print("# stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+_COLOURS = {"UP": "32", "DEGRADED": "33", "PAUSED": "36", "UNKNOWN": "35", "DOWN": "31"}
+
+
+def _status(text: str, colour: bool) -> str:
+    return f"\033[{_COLOURS.get(text, '0')}m{text}\033[0m" if colour else text
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(_plain(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [c + " " * (w - len(_plain(c))) for c, w in zip(row, widths, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\033\[[0-9;]*m", "", text)
+
+
+async def _agents(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args), name="reach-cli") as client:
+        records = await client.agents(args.capability)
+    if args.json:
+        print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
+        return 0
+    if not records:
+        print("no agents known (is a registry running?)", file=sys.stderr)
+        return 0
+    colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    now = now_ms()
+    rows = []
+    for r in records:
+        hb = r.heartbeat
+        rows.append(
+            [
+                r.info.agent_id,
+                r.info.name,
+                _status(r.status.value, colour),
+                ",".join(f"{c.name}@{c.version}" for c in r.info.capabilities),
+                ",".join(r.info.tags),
+                str(hb.inflight) if hb else "-",
+                f"{hb.load:.2f}" if hb else "-",
+                f"{hb.latency_ms:.1f}ms" if hb else "-",
+                f"{(now - r.last_seen_ms) / 1000:.1f}s" if r.last_seen_ms else "-",
+            ]
+        )
+    header = [
+        "AGENT",
+        "NAME",
+        "STATUS",
+        "CAPABILITIES",
+        "TAGS",
+        "INFLIGHT",
+        "LOAD",
+        "LATENCY",
+        "SEEN",
+    ]
+    print(_table(rows, header))
+    return 0
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args), name="reach-cli") as client:
+        nc = client.nc
+        sub = await nc.subscribe(client.subjects.event("*"))
+        await client.flush()
+        print("# watching agent status events", file=sys.stderr, flush=True)
+        colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        count = 0
+        async for msg in sub.messages:
+            try:
+                ev = msgspec.json.decode(msg.data, type=AgentEvent)
+            except msgspec.DecodeError:
+                continue
+            if args.json:
+                print(json.dumps(msgspec.to_builtins(ev)), flush=True)
+            else:
+                old = ev.old.value if ev.old else "-"
+                new = "gone" if ev.removed else ev.new.value
+                stamp = time.strftime("%H:%M:%S", time.localtime(ev.at_ms / 1000))
+                print(
+                    f"{stamp}  {ev.agent_id:<28} {_status(old, colour)} -> "
+                    f"{_status(new, colour)}  ({ev.reason})",
+                    flush=True,
+                )
+            count += 1
+            if args.count and count >= args.count:
+                break
+    return 0
+
+
+async def _control(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args), name="reach-cli") as client:
+        try:
+            msg = await client.nc.request(
+                client.subjects.ctl(args.agent_id),
+                msgspec.json.encode(Control(command=args.command)),
+                timeout=args.timeout,
+            )
+        except nats.errors.NoRespondersError:
+            raise AgentUnavailable(f"agent {args.agent_id!r} is not running") from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(f"agent {args.agent_id!r} did not answer") from None
+    reply = msgspec.json.decode(msg.data, type=ControlReply)
+    print(json.dumps({"agent_id": reply.agent_id, "status": reply.status.value}))
+    return 0
+
+
+async def _registry(args: argparse.Namespace) -> int:
+    registry = Registry(settings=_settings(args))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with registry:
+        print(
+            f"# registry {registry.registry_id} on {registry.url}, bucket {registry.bucket_name}",
+            file=sys.stderr,
+            flush=True,
+        )
+        await stop.wait()
     return 0
 
 
@@ -181,7 +326,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=os.environ.get("REACH_DATA_DIR", ".reach-data"))
     p.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
     p.add_argument("--monitor-port", type=int, default=None)
+    p.add_argument("--no-registry", action="store_true", help="do not start a registry")
     p.set_defaults(run=_up, is_async=False)
+
+    p = with_url(sub.add_parser("agents", help="the routing table: every known agent"))
+    p.add_argument("--capability", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_agents, is_async=True)
+
+    p = with_url(sub.add_parser("watch", help="agent status transitions as they happen"))
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--count", type=int, default=0, help="exit after this many events")
+    p.set_defaults(run=_watch, is_async=True)
+
+    for command in ("pause", "resume", "drain"):
+        p = with_url(sub.add_parser(command, help=f"{command} one agent (by agent id)"))
+        p.add_argument("agent_id")
+        p.add_argument("--timeout", type=float, default=5.0)
+        p.set_defaults(run=_control, is_async=True, command=command)
+
+    p = with_url(sub.add_parser("registry", help="run a registry replica until Ctrl-C"))
+    p.set_defaults(run=_registry, is_async=True)
 
     p = sub.add_parser("demo", help="a self-contained customer-service scenario")
     p.set_defaults(run=_demo, is_async=False)

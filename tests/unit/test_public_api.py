@@ -11,6 +11,8 @@ def test_public_api_is_pinned():
     assert sorted(reach.__all__) == sorted(
         [
             "Agent",
+            "AgentEvent",
+            "AgentRecord",
             "AgentStats",
             "AgentUnavailable",
             "BadRequest",
@@ -27,6 +29,8 @@ def test_public_api_is_pinned():
             "Priority",
             "ReachError",
             "ReachSettings",
+            "Registry",
+            "RegistryStats",
             "RemoteError",
             "Reply",
             "RequestTimeout",
