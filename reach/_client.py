@@ -195,7 +195,7 @@ class Client:
                 self._table = RoutingTable(
                     self.nc,
                     self.subjects.bucket("agents"),
-                    silence_limit=max(3 * self.settings.heartbeat_interval, 15.0),
+                    silence_limit=max(3 * self.settings.heartbeat_interval, 1.0),
                 )
                 ok = await self._table.start(self.settings.connect_timeout)
             elif self._table.stale:

@@ -110,6 +110,7 @@ class Registry:
         self._watch_ready = asyncio.Event()
         self._watcher: Any = None
         self._running = False
+        self._last_update = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -120,7 +121,6 @@ class Registry:
             self.settings, self.url, self.registry_id, reconnected=self._on_reconnect
         )
         self._js = self._nc.jetstream()
-        self._kv = await _kv.agents_bucket(self._js, self.bucket_name, create=True)
         self._running = True
         await self._start_watch()
         nc, s = self._nc, self.subjects
@@ -227,7 +227,8 @@ class Registry:
     # -- the watch: this replica's view of every record ------------------------------
 
     async def _start_watch(self) -> None:
-        assert self._kv is not None
+        # The bucket lives in memory: after a server restart it may have to be created again.
+        self._kv = await _kv.agents_bucket(self._jsc(), self.bucket_name, create=True)
         old, self._watcher = self._watcher, None
         if old is not None:
             with contextlib.suppress(Exception):
@@ -285,18 +286,21 @@ class Registry:
 
     async def _watchdog(self) -> None:
         """Recreate a watcher that has gone silent (nats-py can stay quiet for ~15 s)."""
-        limit = max(3 * self.settings.heartbeat_interval, 15.0)
+        limit = max(3 * self.settings.heartbeat_interval, 1.0)
         while True:
             await asyncio.sleep(limit / 3)
             if time.monotonic() - self._last_update > limit:
                 log.info(
                     "registry %s: watcher silent for %.0fs, recreating", self.registry_id, limit
                 )
-                with contextlib.suppress(Exception):
+                self._last_update = time.monotonic()
+                try:
                     await self._start_watch()
+                except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as exc:
+                    log.warning("registry %s: watch not restored: %s", self.registry_id, exc)
 
     async def _on_reconnect(self) -> None:
-        self._spawn(self._start_watch())
+        self._last_update = 0.0  # let the watchdog rebuild now, with its error handling
 
     # -- writes ------------------------------------------------------------------------
 
