@@ -215,6 +215,18 @@ class Client:
         records = table.offering(capability) if capability else list(table.records.values())
         return sorted(records, key=lambda r: r.info.agent_id)
 
+    async def changes(self) -> AsyncIterator[AgentRecord | str]:
+        """Follow the routing table: each record as it is written, an agent id when it goes."""
+        table = await self._routing_table()
+        if table is None:
+            raise NotStarted("no routing table: no registry has created the agents bucket yet")
+        queue = table.listen()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            table.unlisten(queue)
+
     async def _close_table(self) -> None:
         if self._table is not None:
             await self._table.stop()
