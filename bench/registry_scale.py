@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,22 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def start_registry(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The registry under test, in its own process so its CPU and memory are its own."""
+    registry: subprocess.Popen[bytes] = subprocess.Popen(
+        [sys.executable, "-m", "reach.cli", "registry"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert registry.stderr is not None
+    while b"registry" not in registry.stderr.readline():
+        pass
+    # keep reading its log so a full pipe can never stall it
+    threading.Thread(target=registry.stderr.read, daemon=True).start()
+    return registry
+
+
 async def run_once(url: str, n: int, seconds: float, warmup: float) -> dict[str, Any]:
     prefix = f"scale{n}"
     env = {
@@ -58,15 +75,7 @@ async def run_once(url: str, n: int, seconds: float, warmup: float) -> dict[str,
         "REACH_HEARTBEAT_INTERVAL": str(INTERVAL),
         "REACH_LEASE_TTL": str(3 * INTERVAL),
     }
-    registry = subprocess.Popen(
-        [sys.executable, "-m", "reach.cli", "registry"],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    assert registry.stderr is not None
-    while b"registry" not in registry.stderr.readline():
-        pass
+    registry = start_registry(env)
     settings = reach.ReachSettings(
         nats_url=url, subject_prefix=prefix, heartbeat_interval=INTERVAL, lease_ttl=3 * INTERVAL
     )
@@ -85,7 +94,7 @@ async def run_once(url: str, n: int, seconds: float, warmup: float) -> dict[str,
             )
             async with sem:
                 await nc.request(
-                    "%s.registry.register" % prefix,
+                    f"{prefix}.registry.register",
                     msgspec.json.encode(Registration(info=info)),
                     timeout=30,
                 )
