@@ -15,6 +15,17 @@ TYPES = {
     "capability": wire.CapabilityInfo,
     "agent-info": wire.AgentInfo,
     "heartbeat": wire.Heartbeat,
+    "agent-record": wire.AgentRecord,
+    "agent-event": wire.AgentEvent,
+    "registration": wire.Registration,
+    "register-reply": wire.RegisterReply,
+    "deregistration": wire.Deregistration,
+    "control": wire.Control,
+    "control-reply": wire.ControlReply,
+    "list-query": wire.ListQuery,
+    "list-reply": wire.ListReply,
+    "route-query": wire.RouteQuery,
+    "route-reply": wire.RouteReply,
 }
 
 

@@ -7,11 +7,32 @@ import msgspec
 import pytest
 
 from reach._subjects import validate_agent_id, validate_capability, validate_topic
-from reach.wire import ERROR_CODES, AgentInfo, ErrorBody, Header, Heartbeat
+from reach.wire import (
+    ERROR_CODES,
+    AgentEvent,
+    AgentInfo,
+    AgentRecord,
+    Control,
+    ErrorBody,
+    Header,
+    Heartbeat,
+    RegisterReply,
+    Registration,
+)
 from sdk.gen_schemas import SCHEMAS, render
 
 VECTORS = sorted((Path(__file__).parents[2] / "sdk" / "vectors").glob("*.json"))
-KNOWN_HEADERS = {v for k, v in vars(Header).items() if not k.startswith("_")}
+KNOWN_HEADERS = {v for k, v in vars(Header).items() if not k.startswith("_")} | {
+    "Nats-TTL",
+    "Nats-Expected-Last-Subject-Sequence",
+}
+BODY_TYPES = {
+    "registration": Registration,
+    "register-reply": RegisterReply,
+    "agent-record": AgentRecord,
+    "agent-event": AgentEvent,
+    "control": Control,
+}
 
 
 def test_schemas_match_wire():
@@ -32,7 +53,10 @@ def test_vector_decodes(path):
     headers = v["headers"]
     assert set(headers) <= KNOWN_HEADERS
     kind = v["kind"]
-    if kind == "error":
+    if kind in BODY_TYPES:
+        decoded = msgspec.json.decode(body, type=BODY_TYPES[kind])
+        assert msgspec.json.decode(msgspec.json.encode(decoded)) == v["body"]
+    elif kind == "error":
         err = msgspec.json.decode(body, type=ErrorBody)
         status, retryable = ERROR_CODES[err.code]
         assert headers[Header.SERVICE_ERROR_CODE] == str(status)
