@@ -96,6 +96,21 @@ async def _listen(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _wait_for_registry(url: str, timeout: float = 15.0) -> None:
+    """So that the URL is printed only once a registry answers."""
+    async with Client(url, name="reach-up") as client:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                await client.nc.request(client.subjects.registry("list"), b"{}", timeout=1)
+                return
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)
+            except nats.errors.TimeoutError:
+                continue
+    print("# registry did not answer yet; agents will register when it does", file=sys.stderr)
+
+
 def _up(args: argparse.Namespace) -> int:
     """Run the wheel's nats-server in the foreground until Ctrl-C or SIGTERM."""
     config = args.config
@@ -135,6 +150,7 @@ def _up(args: argparse.Namespace) -> int:
             [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
             stdin=subprocess.DEVNULL,
         )
+        run_async(_wait_for_registry(server.url))
     print(server.url, flush=True)
     print(
         f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",

@@ -11,6 +11,7 @@ import pytest
 
 import reach
 from reach import Agent, Client, ReachSettings
+from reach.testing import eventually
 
 ROOT = Path(__file__).parents[2]
 
@@ -72,6 +73,45 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
         async with agent:
             code, out, err = await reach_cli("call", "math.add", '{"a": 2, "b": 3}', url=url)
             assert (code, json.loads(out)) == (0, {"sum": 5}), err
+
+            # `reach up` started a registry: the agent is in everyone's table.
+            async def listed():
+                code, out, _ = await reach_cli("agents", "--json", url=url)
+                return code == 0 and [a["info"]["agent_id"] for a in json.loads(out)] == ["calc-1"]
+
+            await eventually(listed, timeout=30)
+            code, out, _ = await reach_cli("agents", "--capability", "math.add", url=url)
+            assert "calc-1" in out
+            assert "UP" in out
+            assert "math.add@1.0" in out
+            watch = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "reach.cli",
+                "watch",
+                "--json",
+                "--count",
+                "2",
+                "--url",
+                url,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            await read_line_containing(watch.stderr, "watching")
+            code, out, err = await reach_cli("pause", "calc-1", url=url)
+            assert (code, json.loads(out)) == (0, {"agent_id": "calc-1", "status": "PAUSED"}), err
+            code, out, err = await reach_cli("resume", "calc-1", url=url)
+            assert json.loads(out)["status"] == "UP"
+            async with asyncio.timeout(30):
+                out, _ = await watch.communicate()
+            seen = [json.loads(line) for line in out.decode().splitlines()]
+            assert [(e["agent_id"], e["old"], e["new"]) for e in seen] == [
+                ("calc-1", "UP", "PAUSED"),
+                ("calc-1", "PAUSED", "UP"),
+            ]
+            code, out, err = await reach_cli("pause", "nobody-here", url=url)
+            assert code == 1
+            assert "agent_unavailable" in err
             code, out, err = await reach_cli(
                 "call", "math.add", "{}", "--agent", "calc-1", "--priority", "high", url=url
             )
