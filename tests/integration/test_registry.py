@@ -405,3 +405,13 @@ async def test_nats_server_restart_on_same_store_table_recovers(tmp_path):
                 assert await client.request("geo.lookup", {}) == {"by": "geo-phoenix"}
     finally:
         server.close()
+
+
+async def test_agent_without_registry_keeps_serving_and_registers_when_one_appears(settings):
+    async with Client(settings=settings) as client, make_agent(settings, "geo-early") as agent:
+        assert not agent._registered
+        assert await client.request("geo.lookup", {}) == {"by": "geo-early"}
+        async with Registry(settings=settings) as registry:
+            await eventually(lambda: "geo-early" in registry.records())
+            await wait_status(client, "geo-early", Status.UP)
+        assert agent._registered
