@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,17 +20,23 @@ from nats.nuid import NUID
 from opentelemetry import propagate, trace
 
 from ._codec import decoder_for, encode_payload, error_from_reply, now_ms
-from ._routing import eligible, explain_miss, least_inflight
+from ._resilience import attempt_budget, backoff_delay
+from ._router import FAILOVER, Router
+from ._routing import Policy, Weights
 from ._subjects import Subjects, validate_agent_id, validate_capability, validate_topic
 from ._table import RoutingTable
 from .errors import (
     AgentUnavailable,
+    Attempt,
     CapabilityNotFound,
+    CircuitOpen,
     ConfigurationError,
     ConnectionFailed,
     InvalidReply,
     NotStarted,
+    RemoteError,
     RequestTimeout,
+    ResourceExhausted,
 )
 from .settings import ReachSettings
 from .wire import AgentRecord, Header, Priority
@@ -120,6 +125,7 @@ class Client:
         *,
         settings: ReachSettings | None = None,
         name: str = "",
+        routing: Policy | str | None = None,
     ) -> None:
         self.settings = settings if settings is not None else ReachSettings()
         self.url = url or self.settings.nats_url
@@ -137,8 +143,17 @@ class Client:
         self._table: RoutingTable | None = None
         self._table_retry_at = 0.0
         self._table_lock = asyncio.Lock()
-        self._inflight: dict[str, int] = {}
-        self._rng = random.Random()
+        self.routing = Policy(routing or self.settings.routing)
+        self.max_attempts = self.settings.max_attempts
+        self.retry_base = self.settings.retry_base
+        self.retry_cap = self.settings.retry_cap
+        self._router = Router(
+            breaker_cooldown=self.settings.breaker_cooldown,
+            retry_ratio=self.settings.retry_budget,
+            rate_limits=self.settings.rate_limits,
+            weights={c: Weights(**w) for c, w in self.settings.routing_weights.items()},
+            task_types=self.settings.task_types,
+        )
 
     @property
     def nc(self) -> NatsConnection:
@@ -271,6 +286,10 @@ class Client:
         request_id: str | None = None,
         version: str | None = None,
         required_tags: Sequence[str] = (),
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+        hedge: bool = False,
+        max_attempts: int | None = None,
     ) -> Any:
         """Call ``capability`` and return the decoded answer; errors raise ``ReachError``s."""
         reply = await self.call(
@@ -283,6 +302,10 @@ class Client:
             request_id=request_id,
             version=version,
             required_tags=required_tags,
+            routing=routing,
+            affinity_key=affinity_key,
+            hedge=hedge,
+            max_attempts=max_attempts,
         )
         return reply.value
 
@@ -298,15 +321,26 @@ class Client:
         request_id: str | None = None,
         version: str | None = None,
         required_tags: Sequence[str] = (),
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+        hedge: bool = False,
+        max_attempts: int | None = None,
     ) -> Reply:
         """Like :meth:`request` but returns the :class:`Reply` (who answered, latency).
 
-        Routing: ``agent_id`` goes to that instance only. Otherwise the routing table picks
-        a live instance (UP; DEGRADED too unless priority is high) that offers the
-        capability in the same major ``version`` with all ``required_tags``; when the table
-        knows no instance of the capability at all (no registry), the NATS queue group
-        chooses.
+        ``capability`` may also be a task type (``REACH_TASK_TYPES`` or the config bucket).
+        Routing: ``agent_id`` goes to that instance only and is never substituted.
+        Otherwise ``routing`` (default: the client's, ``balanced``) picks among live
+        instances in the routing table (UP; DEGRADED too unless priority is high) that offer
+        the capability in the same major ``version`` with all ``required_tags``; with no
+        instance of it in the table at all, the NATS queue group chooses. An attempt that
+        finds nobody, a full queue, an open circuit or no answer in its share of the time
+        moves to another instance while the deadline and the retry budget last;
+        ``failed`` and ``bad_request`` are never retried. ``hedge=True`` sends one
+        duplicate to a second instance after the capability's p95 latency.
         """
+        router = self._router
+        capability = router.resolve(capability)
         self._check_capability(capability)
         try:
             prio = Priority(priority)
@@ -314,54 +348,265 @@ class Client:
             raise ConfigurationError(
                 f"priority {priority!r} is invalid; use high, normal or low"
             ) from None
-        routed: str | None = None
+        try:
+            policy = Policy.DIRECT if agent_id is not None else Policy(routing or self.routing)
+        except ValueError:
+            raise ConfigurationError(
+                f"routing {routing!r} is invalid; use balanced, scored, queue or affinity"
+            ) from None
         if agent_id is not None:
             validate_agent_id(agent_id)
-            subject = self.subjects.agent(agent_id, capability)
-        else:
-            subject = self.subjects.cap(capability)
+        wait = self._default_timeout if timeout is None else timeout
+        if wait <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        refused = router.admit(capability, now)
+        if refused is not None:
+            cls = ResourceExhausted if refused == "resource_exhausted" else CircuitOpen
+            raise cls(
+                f"{capability!r} refused by this client: "
+                + ("rate limit reached" if refused == "resource_exhausted" else "circuit open"),
+                capability=capability,
+            )
+        deadline = now + wait
+        deadline_ms = now_ms() + int(wait * 1000)
+        data = encode_payload(payload)
+        tags = tuple(required_tags)
+        table = None
+        if policy is not Policy.DIRECT and policy is not Policy.QUEUE:
             table = (
                 self._table
                 if self._table is not None and not self._table.stale
                 else (await self._routing_table())
             )
-            offering = table.offering(capability) if table is not None else ()
-            if offering:
-                ok = eligible(offering, capability, version, required_tags, prio)
-                if not ok:
-                    raise CapabilityNotFound(
-                        explain_miss(offering, capability, version, required_tags, prio),
-                        capability=capability,
-                    )
-                routed = least_inflight(ok, self._inflight, self._rng).info.agent_id
-                subject = self.subjects.agent(routed, capability)
-        wait = self._default_timeout if timeout is None else timeout
-        if wait <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout}")
-        headers = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
-        if request_id:
-            headers[Header.REQUEST_ID] = request_id
-        if prio is not Priority.NORMAL:
-            headers[Header.PRIORITY] = prio.value
-        if self.name:
-            headers[Header.CALLER] = self.name
-        if trace.get_current_span().get_span_context().is_valid:
-            propagate.inject(headers)
-        data = encode_payload(payload)
-        if routed is not None:
-            self._inflight[routed] = self._inflight.get(routed, 0) + 1
+        limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
+        attempts: list[Attempt] = []
+        tried: list[str] = []
+        router.budget.record_request(now)
+        last: RemoteError | None = None
+        for n in range(1, limit + 1):
+            remaining = deadline - loop.time()
+            if remaining <= 0 or (n > 1 and not router.budget.try_retry(loop.time())):
+                break
+            if policy is Policy.DIRECT:
+                target: str | None = agent_id
+            else:
+                target = router.choose(
+                    policy,
+                    table,
+                    capability,
+                    version,
+                    tags,
+                    prio,
+                    tried,
+                    affinity_key,
+                    loop.time(),
+                ).agent_id
+            headers = {Header.DEADLINE: str(deadline_ms)}
+            if prio is not Priority.NORMAL:
+                headers[Header.PRIORITY] = prio.value
+            if self.name:
+                headers[Header.CALLER] = self.name
+            if request_id:
+                headers[Header.REQUEST_ID] = request_id
+            if n > 1:
+                headers[Header.ATTEMPT] = str(n)
+            if trace.get_current_span().get_span_context().is_valid:
+                propagate.inject(headers)
+            budget = attempt_budget(remaining, limit - n + 1)
+            started = loop.time()
             try:
-                return await self._send(
-                    subject, data, headers, wait, capability, agent_id, request_id, response_type
+                if hedge and policy is not Policy.DIRECT and target is not None:
+                    reply = await self._hedged(
+                        target,
+                        capability,
+                        data,
+                        headers,
+                        budget,
+                        request_id,
+                        response_type,
+                        table,
+                        version,
+                        tags,
+                        prio,
+                        policy,
+                        affinity_key,
+                    )
+                else:
+                    reply = await self._attempt(
+                        target,
+                        capability,
+                        data,
+                        headers,
+                        budget,
+                        request_id,
+                        response_type,
+                        affinity_key,
+                    )
+            except RemoteError as exc:
+                outcome = exc.outcome
+                attempts.append(
+                    Attempt(target or exc.agent_id or "", outcome, (loop.time() - started) * 1000)
                 )
-            except (CapabilityNotFound, AgentUnavailable):
-                # The table was a moment behind (the instance just left): let NATS choose.
-                subject = self.subjects.cap(capability)
-            finally:
-                self._inflight[routed] -= 1
-        return await self._send(
-            subject, data, headers, wait, capability, agent_id, request_id, response_type
+                if target is not None:
+                    tried.append(target)
+                last = exc
+                if outcome not in FAILOVER or policy is Policy.DIRECT:
+                    if outcome in FAILOVER:
+                        router.request_done(capability, False, loop.time())
+                    exc.attempts = attempts
+                    raise
+                if target is None and outcome == "no_responders":
+                    break  # nobody serves it at all: fail fast, no retry
+                if outcome != "no_responders" and n < limit:
+                    # Busy or slow: back off (full jitter) before the next instance, within
+                    # the deadline. A vanished instance is skipped at once.
+                    pause = backoff_delay(n, router.rng, base=self.retry_base, cap=self.retry_cap)
+                    pause = min(pause, max(0.0, deadline - loop.time() - 0.001))
+                    if pause > 0:
+                        await asyncio.sleep(pause)
+                continue
+            router.request_done(capability, True, loop.time())
+            return reply
+        router.request_done(capability, False, loop.time())
+        raise self._exhausted(capability, attempts, last, wait)
+
+    def _exhausted(
+        self, capability: str, attempts: list[Attempt], last: RemoteError | None, wait: float
+    ) -> RemoteError:
+        """The error for a request whose attempts all failed, saying what was tried."""
+        tried = "; ".join(
+            f"{a.agent_id or 'queue'}: {a.outcome} in {a.duration_ms:.0f} ms" for a in attempts
         )
+        outcomes = {a.outcome for a in attempts}
+        cls: type[RemoteError]
+        if not attempts:
+            cls, why = RequestTimeout, f"no time left within {wait:g}s"
+        elif outcomes <= {"no_responders", "agent_unavailable"}:
+            cls = CapabilityNotFound if all(not a.agent_id for a in attempts) else AgentUnavailable
+            why = "no agent alive"
+        elif outcomes <= {"resource_exhausted", "circuit_open"}:
+            cls, why = ResourceExhausted, "all busy"
+        else:
+            cls, why = RequestTimeout, f"no answer within {wait:g}s"
+        detail = f"; last: {last.message}" if last is not None else ""
+        err = cls(
+            f"{capability!r}: {why} after {len(attempts)} attempt(s) [{tried}]{detail}",
+            capability=capability,
+            agent_id=last.agent_id if last is not None else "",
+            request_id=last.request_id if last is not None else "",
+            attempts=attempts,
+        )
+        return err
+
+    async def _attempt(
+        self,
+        target: str | None,
+        capability: str,
+        data: bytes,
+        headers: dict[str, str],
+        budget: float,
+        request_id: str | None,
+        response_type: Any,
+        affinity_key: str | None,
+    ) -> Reply:
+        router = self._router
+        loop = asyncio.get_running_loop()
+        router.started(target)
+        started = loop.time()
+        outcome = "ok"
+        try:
+            reply = await self._send(
+                self.subjects.agent(target, capability)
+                if target
+                else self.subjects.cap(capability),
+                data,
+                headers,
+                budget,
+                capability,
+                target,
+                request_id,
+                response_type,
+            )
+        except RemoteError as exc:
+            outcome = exc.outcome
+            raise
+        finally:
+            now = loop.time()
+            router.finished(
+                target,
+                capability,
+                outcome,
+                (now - started) * 1000,
+                now,
+                affinity_key if outcome == "ok" else None,
+            )
+        return reply
+
+    async def _hedged(
+        self,
+        target: str,
+        capability: str,
+        data: bytes,
+        headers: dict[str, str],
+        budget: float,
+        request_id: str | None,
+        response_type: Any,
+        table: RoutingTable | None,
+        version: str | None,
+        tags: tuple[str, ...],
+        prio: Priority,
+        policy: Policy,
+        affinity_key: str | None,
+    ) -> Reply:
+        """Send to ``target``; if no answer by the p95, also to a second instance."""
+        delay = self._router.hedge_delay(capability)
+        first = asyncio.ensure_future(
+            self._attempt(
+                target, capability, data, headers, budget, request_id, response_type, affinity_key
+            )
+        )
+        if delay is None or delay >= budget:
+            return await first
+        done, _ = await asyncio.wait({first}, timeout=delay)
+        if done:
+            return first.result()
+        loop = asyncio.get_running_loop()
+        try:
+            other = self._router.choose(
+                policy, table, capability, version, tags, prio, [target], None, loop.time()
+            ).agent_id
+        except RemoteError:
+            return await first
+        if other is None or other == target:
+            return await first
+        second = asyncio.ensure_future(
+            self._attempt(
+                other,
+                capability,
+                data,
+                headers,
+                budget - delay,
+                request_id,
+                response_type,
+                affinity_key,
+            )
+        )
+        pending = {first, second}
+        error: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+                    error = task.exception()
+            assert error is not None
+            raise error
+        finally:
+            for task in pending:
+                task.cancel()
 
     async def _send(
         self,
@@ -389,7 +634,7 @@ class Client:
             msg = await fut
         except TimeoutError:
             raise RequestTimeout(
-                f"{capability!r} got no answer within {wait:g}s",
+                f"{capability!r} got no answer within {wait:.3g}s",
                 capability=capability,
                 agent_id=agent_id or "",
                 request_id=rid,
@@ -402,16 +647,22 @@ class Client:
         latency_ms = (time.perf_counter() - started) * 1000
         hdrs = msg.headers
         if hdrs and not msg.data and hdrs.get("Status") == "503":
+            err: RemoteError
             if agent_id is not None:
-                raise AgentUnavailable(
+                err = AgentUnavailable(
                     f"agent {agent_id!r} is not serving {capability!r}",
                     capability=capability,
                     agent_id=agent_id,
                     request_id=rid,
                 )
-            raise CapabilityNotFound(
-                f"no live agent offers {capability!r}", capability=capability, request_id=rid
-            )
+            else:
+                err = CapabilityNotFound(
+                    f"no live agent offers {capability!r}",
+                    capability=capability,
+                    request_id=rid,
+                )
+            err.outcome = "no_responders"
+            raise err
         if hdrs and Header.SERVICE_ERROR_CODE in hdrs:
             raise error_from_reply(msg.data, hdrs, capability=capability, request_id=rid)
         try:

@@ -14,7 +14,8 @@ import nats.js.errors
 from nats.aio.client import Client as NatsConnection
 
 from . import _kv
-from .wire import AgentRecord
+from ._routing import eligible
+from .wire import AgentRecord, Priority
 
 log = logging.getLogger("reach.table")
 
@@ -43,6 +44,10 @@ class RoutingTable:
         self._last_update = time.monotonic()
         self._rebuilding: asyncio.Task[bool] | None = None
         self._listeners: list[asyncio.Queue[AgentRecord | str]] = []
+        # Eligibility depends on status, version and tags only, not on load: cache the
+        # eligible ids per query and invalidate them per capability when that shape changes.
+        self._cap_gen: dict[str, int] = {}
+        self._eligible: dict[tuple[Any, ...], tuple[int, list[str]]] = {}
 
     # -- reading -----------------------------------------------------------------------
 
@@ -51,6 +56,24 @@ class RoutingTable:
         if not ids:
             return []
         return [self.records[i] for i in ids]
+
+    def eligible_ids(
+        self, capability: str, version: str | None, tags: tuple[str, ...], priority: Priority
+    ) -> list[str]:
+        """Ids of the instances that may take this request (cached until their shape changes)."""
+        gen = self._cap_gen.get(capability, 0)
+        key = (capability, version, tags, priority)
+        hit = self._eligible.get(key)
+        if hit is not None and hit[0] == gen:
+            return hit[1]
+        ids = sorted(
+            r.info.agent_id
+            for r in eligible(self.offering(capability), capability, version, tags, priority)
+        )
+        if len(self._eligible) > 4096:
+            self._eligible.clear()
+        self._eligible[key] = (gen, ids)
+        return ids
 
     def listen(self) -> asyncio.Queue[AgentRecord | str]:
         """A queue of changes: a record when it is written, the agent id when it goes."""
@@ -141,6 +164,9 @@ class RoutingTable:
 
     def _replace(self, snapshot: dict[str, tuple[int, AgentRecord]]) -> None:
         gone = set(self.records) - set(snapshot)
+        for key in gone:
+            for cap in self.records[key].info.capabilities:
+                self._cap_gen[cap.name] = self._cap_gen.get(cap.name, 0) + 1
         self.records = {}
         self._by_cap = {}
         self._revisions = {}
@@ -152,6 +178,10 @@ class RoutingTable:
     def _set(self, key: str, revision: int, record: AgentRecord | None) -> None:
         self.updates += 1
         old = self.records.pop(key, None)
+        if old is None or record is None or _shape(old) != _shape(record):
+            names = {c.name for r in (old, record) if r is not None for c in r.info.capabilities}
+            for name in names:
+                self._cap_gen[name] = self._cap_gen.get(name, 0) + 1
         if old is not None:
             for cap in old.info.capabilities:
                 ids = self._by_cap.get(cap.name)
@@ -182,3 +212,9 @@ class RoutingTable:
                 self._last_update = time.monotonic()
                 if self._nc.is_connected:
                     await self.rebuild(5.0)
+
+
+def _shape(record: AgentRecord) -> tuple[Any, ...]:
+    """What eligibility depends on (a heartbeat's load and latency do not change it)."""
+    info = record.info
+    return (record.status, tuple(info.tags), tuple((c.name, c.version) for c in info.capabilities))

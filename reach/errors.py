@@ -22,8 +22,11 @@ Each error keeps its structured fields (``code``, ``retryable``, ``capability``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "AgentUnavailable",
+    "Attempt",
     "BadRequest",
     "Cancelled",
     "CapabilityNotFound",
@@ -40,6 +43,15 @@ __all__ = [
     "Unauthorized",
     "error_for_code",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try of a request: which instance, what happened, how long it took."""
+
+    agent_id: str
+    outcome: str
+    duration_ms: float
 
 
 class ReachError(Exception):
@@ -85,10 +97,14 @@ class RemoteError(ReachError):
         agent_id: str = "",
         request_id: str = "",
         retryable: bool | None = None,
+        attempts: list[Attempt] | None = None,
     ) -> None:
         self.capability = capability
         self.agent_id = agent_id
         self.request_id = request_id
+        self.attempts: list[Attempt] = list(attempts or [])
+        #: what happened, finer than ``code``: e.g. "no_responders" for a NATS 503
+        self.outcome: str = self.code
         if retryable is not None:
             self.retryable = retryable
         super().__init__(message)

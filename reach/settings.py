@@ -41,7 +41,27 @@ class ReachSettings(BaseSettings):
     register_backoff: float = Field(default=0.5, gt=0)
     register_backoff_max: float = Field(default=15.0, gt=0)
     connect_timeout: float = Field(default=2.0, gt=0)
+    routing: str = "balanced"
+    max_attempts: int = Field(default=3, ge=1)
+    retry_base: float = Field(default=0.2, ge=0)
+    retry_cap: float = Field(default=3.0, ge=0)
+    retry_budget: float = Field(default=0.2, ge=0)
+    breaker_cooldown: float = Field(default=5.0, gt=0)
+    #: capability -> [rate per second, burst]; JSON in REACH_RATE_LIMITS
+    rate_limits: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    #: capability -> {"w_load": .., "w_latency": .., "threshold": ..} for the scored policy
+    routing_weights: dict[str, dict[str, float]] = Field(default_factory=dict)
+    #: task type -> capability, so callers can ask by task type
+    task_types: dict[str, str] = Field(default_factory=dict)
     nats_server_bin: str = ""
+
+    @field_validator("routing")
+    @classmethod
+    def _routing(cls, value: str) -> str:
+        allowed = ("balanced", "scored", "queue", "affinity")
+        if value not in allowed:
+            raise ValueError(f"routing must be one of {', '.join(allowed)}")
+        return value
 
     @field_validator("subject_prefix")
     @classmethod

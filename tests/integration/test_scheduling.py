@@ -57,9 +57,10 @@ async def test_full_queue_answers_resource_exhausted_at_once(reach_settings, rea
         waiting = asyncio.create_task(reach_client.request("work.do", {"n": 2}))
         await eventually(lambda: agent.queue_len == 1)
         with pytest.raises(reach.ResourceExhausted, match="full") as info:
-            await reach_client.request("work.do", {"n": 3}, timeout=60)
+            await reach_client.request("work.do", {"n": 3}, timeout=60, max_attempts=1)
         assert info.value.retryable
         assert info.value.agent_id == agent.agent_id
+        assert [a.outcome for a in info.value.attempts] == ["resource_exhausted"]
         gate.set()
         assert [r["n"] for r in await asyncio.gather(running, waiting)] == [1, 2]
     assert order == [1, 2]
@@ -172,8 +173,11 @@ async def test_stop_past_drain_timeout_tells_callers(reach_settings, reach_clien
     await eventually(lambda: agent.queue_len == 1)
     await agent.stop()
     for task in (pending, queued):
-        with pytest.raises(reach.AgentUnavailable, match="stopped"):
+        with pytest.raises(reach.AgentUnavailable, match="no agent alive") as info:
             await task
+        # told at once that the agent stopped; the retry then found nobody
+        assert info.value.attempts[0].outcome == "agent_unavailable"
+        assert info.value.attempts[-1].outcome == "no_responders"
 
 
 async def test_priority_enum_and_string_are_equivalent(reach_settings, reach_client):

@@ -1,0 +1,201 @@
+"""Pure reliability machinery: backoff, retry budget, circuit breakers, token buckets,
+peak-EWMA latency and deadline arithmetic. No I/O and no event loop: time is passed in."""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def backoff_delay(
+    attempt: int, rng: random.Random, *, base: float = 0.2, cap: float = 3.0
+) -> float:
+    """Exponential backoff with full jitter: uniform(0, min(cap, base * 2**(attempt-1)))."""
+    if attempt < 1:
+        return 0.0
+    return rng.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
+
+
+def attempt_budget(remaining: float, attempts_left: int) -> float:
+    """Time one attempt may take so that the ones after it still fit in the deadline;
+    the last attempt gets everything left."""
+    if remaining <= 0:
+        return 0.0
+    if attempts_left <= 1:
+        return remaining
+    return remaining / attempts_left
+
+
+class RetryBudget:
+    """Retries at most ``ratio`` of requests over a sliding window, plus a small floor,
+    so a bad minute never multiplies traffic (after Finagle's RetryBudget)."""
+
+    def __init__(self, *, ratio: float = 0.2, floor: int = 10, window: float = 10.0) -> None:
+        self.ratio = ratio
+        self.floor = floor
+        self.window = window
+        self._requests: deque[float] = deque()
+        self._retries: deque[float] = deque()
+
+    def _trim(self, now: float) -> None:
+        edge = now - self.window
+        for q in (self._requests, self._retries):
+            while q and q[0] <= edge:
+                q.popleft()
+
+    def record_request(self, now: float) -> None:
+        self._requests.append(now)
+
+    def try_retry(self, now: float) -> bool:
+        """Spend one retry if the budget allows it."""
+        self._trim(now)
+        if len(self._retries) >= self.floor + self.ratio * len(self._requests):
+            return False
+        self._retries.append(now)
+        return True
+
+    @property
+    def retries(self) -> int:
+        return len(self._retries)
+
+
+class BreakerState(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Opens when the error rate over the last ``window`` outcomes passes ``threshold`` (with
+    at least ``min_volume`` outcomes) or after ``max_consecutive`` failures in a row; stays
+    open for ``cooldown``; then lets one probe through (half-open)."""
+
+    def __init__(
+        self,
+        *,
+        window: int = 20,
+        min_volume: int = 10,
+        threshold: float = 0.5,
+        max_consecutive: int = 5,
+        cooldown: float = 5.0,
+    ) -> None:
+        self.window = window
+        self.min_volume = min_volume
+        self.threshold = threshold
+        self.max_consecutive = max_consecutive
+        self.cooldown = cooldown
+        self.state = BreakerState.CLOSED
+        self._outcomes: deque[bool] = deque(maxlen=window)
+        self._consecutive = 0
+        self._opened_at = 0.0
+        self._probing = False
+
+    def allow(self, now: float) -> bool:
+        """May a request go through now? (Half-open admits one probe at a time.)"""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            if now - self._opened_at < self.cooldown:
+                return False
+            self.state = BreakerState.HALF_OPEN
+            self._probing = False
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def would_allow(self, now: float) -> bool:
+        """Like ``allow`` without taking the half-open probe slot."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            return now - self._opened_at >= self.cooldown
+        return not self._probing
+
+    def clean(self) -> bool:
+        """Closed with no failure in its window: nothing worth remembering."""
+        return self.state is BreakerState.CLOSED and all(self._outcomes)
+
+    def success(self, now: float) -> None:
+        self._consecutive = 0
+        if self.state is not BreakerState.CLOSED:
+            self.state = BreakerState.CLOSED
+            self._outcomes.clear()
+            self._probing = False
+        self._outcomes.append(True)
+
+    def failure(self, now: float) -> None:
+        self._consecutive += 1
+        self._outcomes.append(False)
+        if self.state is BreakerState.HALF_OPEN:
+            self._open(now)
+            return
+        failures = sum(1 for ok in self._outcomes if not ok)
+        if self._consecutive >= self.max_consecutive or (
+            len(self._outcomes) >= self.min_volume
+            and failures / len(self._outcomes) > self.threshold
+        ):
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.state = BreakerState.OPEN
+        self._opened_at = now
+        self._probing = False
+
+
+class TokenBucket:
+    """``rate`` tokens per second up to ``burst``; a request takes one or fails fast."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._at = now
+
+    def take(self, now: float) -> bool:
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class PeakEwma:
+    """Latency that jumps up at once on a slow reply and decays slowly (time constant
+    ``tau`` seconds), as in Finagle's and Linkerd's peak-EWMA balancers."""
+
+    tau: float = 10.0
+    value: float = 0.0
+    at: float = 0.0
+    samples: int = 0
+
+    def observe(self, latency_ms: float, now: float) -> None:
+        if self.samples == 0 or latency_ms > self.value:
+            self.value = latency_ms
+        else:
+            w = math.exp(-max(0.0, now - self.at) / self.tau)
+            self.value = self.value * w + latency_ms * (1.0 - w)
+        self.at = now
+        self.samples += 1
+
+
+@dataclass(slots=True)
+class LatencyWindow:
+    """The last ``size`` latencies of a capability, for its p95 (the hedging delay)."""
+
+    size: int = 200
+    values: deque[float] = field(default_factory=lambda: deque(maxlen=200))
+
+    def add(self, latency_ms: float) -> None:
+        self.values.append(latency_ms)
+
+    def quantile(self, q: float) -> float | None:
+        if len(self.values) < 20:
+            return None
+        ordered = sorted(self.values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

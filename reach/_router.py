@@ -1,0 +1,245 @@
+"""A client's routing state: who to send to next, and what it learnt from past answers.
+
+Synchronous and free of I/O: the request path in ``_client`` asks it for a target, sends,
+and reports the outcome back. Time comes in as ``now`` (the event loop's clock).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._resilience import (
+    BreakerState,
+    CircuitBreaker,
+    LatencyWindow,
+    PeakEwma,
+    RetryBudget,
+    TokenBucket,
+)
+from ._routing import (
+    Policy,
+    Weights,
+    balanced_cost,
+    explain_miss,
+    rank,
+    two_choices,
+)
+from ._table import RoutingTable
+from .errors import CapabilityNotFound, CircuitOpen
+from .wire import Priority
+
+# Outcomes that say "try another instance" (the others end the request).
+FAILOVER = frozenset(
+    {"no_responders", "resource_exhausted", "circuit_open", "timeout", "agent_unavailable"}
+)
+# Outcomes that count against an instance's breaker.
+INSTANCE_FAILURE = FAILOVER | {"failed"}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where an attempt goes: an instance (``agent_id``) or the queue group (None)."""
+
+    agent_id: str | None
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        breaker_cooldown: float = 5.0,
+        retry_ratio: float = 0.2,
+        rate_limits: dict[str, tuple[float, float]] | None = None,
+        weights: dict[str, Weights] | None = None,
+        task_types: dict[str, str] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.rng = rng or random.Random()
+        self.breaker_cooldown = breaker_cooldown
+        self.budget = RetryBudget(ratio=retry_ratio)
+        self.inflight: dict[str, int] = {}
+        self.ewma: dict[str, PeakEwma] = {}
+        self.cap_latency: dict[str, LatencyWindow] = {}
+        self.cap_typical: dict[str, float] = {}
+        self.instance_breakers: dict[str, CircuitBreaker] = {}
+        self.cap_breakers: dict[str, CircuitBreaker] = {}
+        self.affinity: dict[tuple[str, str], str] = {}
+        self.rate_limits = dict(rate_limits or {})
+        self.buckets: dict[str, TokenBucket] = {}
+        self.weights: dict[str, Weights] = dict(weights or {})
+        self.task_types: dict[str, str] = dict(task_types or {})
+
+    # -- before a request --------------------------------------------------------------
+
+    def resolve(self, name: str) -> str:
+        """Three-level routing: a task type maps to the capability that serves it."""
+        return self.task_types.get(name, name)
+
+    def admit(self, capability: str, now: float) -> str | None:
+        """Why the request must fail fast (rate limit or open capability breaker), or None."""
+        limit = self.rate_limits.get(capability)
+        if limit is not None:
+            bucket = self.buckets.get(capability)
+            if bucket is None:
+                bucket = self.buckets[capability] = TokenBucket(limit[0], limit[1], now)
+            if not bucket.take(now):
+                return "resource_exhausted"
+        breaker = self.cap_breakers.get(capability)
+        if breaker is not None and not breaker.allow(now):
+            return "circuit_open"
+        return None
+
+    # -- choosing ----------------------------------------------------------------------
+
+    def choose(
+        self,
+        policy: Policy,
+        table: RoutingTable | None,
+        capability: str,
+        version: str | None,
+        tags: tuple[str, ...],
+        priority: Priority,
+        tried: Sequence[str],
+        affinity_key: str | None,
+        now: float,
+    ) -> Choice:
+        """The next target. The queue group when the table knows no instance of the
+        capability at all; ``CapabilityNotFound`` when instances exist but none fits."""
+        if policy is Policy.QUEUE or table is None:
+            return Choice(None)
+        offering = table.offering(capability)
+        if not offering:
+            return Choice(None)
+        ids = table.eligible_ids(capability, version, tags, priority)
+        if not ids:
+            raise CapabilityNotFound(
+                explain_miss(offering, capability, version, tags, priority), capability=capability
+            )
+        pool = self._usable(ids, tried, now)
+        if (
+            not pool
+            and tried
+            and all(
+                i == tried[-1]
+                or i not in self.instance_breakers
+                or self.instance_breakers[i].would_allow(now)
+                for i in ids
+            )
+        ):
+            return Choice(None)  # only the instance just tried is left: let NATS choose
+        if not pool:
+            raise CircuitOpen(
+                f"every instance of {capability!r} is unavailable or its circuit is open",
+                capability=capability,
+            )
+        if policy is Policy.AFFINITY and affinity_key is not None:
+            sticky = self.affinity.get((capability, affinity_key))
+            if sticky is not None and sticky in pool:
+                return self._take(sticky, now)
+        if policy is Policy.SCORED:
+            weights = self.weights.get(capability, Weights())
+            records = [table.records[i] for i in pool]
+            ranked = rank(records, capability, version, tags, priority, weights)
+            if not ranked:
+                raise CapabilityNotFound(
+                    f"no instance of {capability!r} scores above {weights.threshold}",
+                    capability=capability,
+                )
+            return self._take(ranked[0][0].info.agent_id, now)
+        typical = self.cap_typical.get(capability, 1.0)
+
+        def cost(agent_id: str) -> float:
+            ewma = self.ewma.get(agent_id)
+            return balanced_cost(
+                table.records[agent_id],
+                self.inflight.get(agent_id, 0),
+                ewma.value if ewma is not None else None,
+                typical,
+            )
+
+        return self._take(two_choices(pool, self.rng, cost), now)
+
+    def _usable(self, ids: list[str], tried: Sequence[str], now: float) -> list[str]:
+        """Instances whose breaker lets traffic through, untried ones first, never the one
+        tried last."""
+        breakers = self.instance_breakers
+        if not tried and not breakers:
+            return ids
+        last = tried[-1] if tried else None
+        allowed = [
+            i for i in ids if i != last and (i not in breakers or breakers[i].would_allow(now))
+        ]
+        fresh = [i for i in allowed if i not in tried]
+        return fresh or allowed
+
+    def _take(self, agent_id: str, now: float) -> Choice:
+        breaker = self.instance_breakers.get(agent_id)
+        if breaker is not None and breaker.state is not BreakerState.CLOSED:
+            breaker.allow(now)  # the half-open probe
+        return Choice(agent_id)
+
+    # -- after an attempt --------------------------------------------------------------
+
+    def started(self, agent_id: str | None) -> None:
+        if agent_id is not None:
+            self.inflight[agent_id] = self.inflight.get(agent_id, 0) + 1
+
+    def finished(
+        self,
+        agent_id: str | None,
+        capability: str,
+        outcome: str,
+        latency_ms: float,
+        now: float,
+        affinity_key: str | None = None,
+    ) -> None:
+        if agent_id is not None:
+            self.inflight[agent_id] = self.inflight.get(agent_id, 1) - 1
+        if outcome == "ok":
+            window = self.cap_latency.get(capability)
+            if window is None:
+                window = self.cap_latency[capability] = LatencyWindow()
+            window.add(latency_ms)
+            typical = self.cap_typical.get(capability)
+            self.cap_typical[capability] = (
+                latency_ms if typical is None else typical + 0.1 * (latency_ms - typical)
+            )
+        if agent_id is None:
+            return
+        if outcome == "ok":
+            ewma = self.ewma.get(agent_id)
+            if ewma is None:
+                ewma = self.ewma[agent_id] = PeakEwma()
+            ewma.observe(latency_ms, now)
+            if affinity_key is not None:
+                self.affinity[(capability, affinity_key)] = agent_id
+        breaker = self.instance_breakers.get(agent_id)
+        if outcome in INSTANCE_FAILURE:
+            if breaker is None:
+                breaker = self.instance_breakers[agent_id] = CircuitBreaker(
+                    cooldown=self.breaker_cooldown
+                )
+            breaker.failure(now)
+        elif breaker is not None:
+            breaker.success(now)
+            if breaker.clean():
+                del self.instance_breakers[agent_id]
+
+    def request_done(self, capability: str, ok: bool, now: float) -> None:
+        """The capability breaker counts whole requests, after failover."""
+        breaker = self.cap_breakers.get(capability)
+        if ok:
+            if breaker is not None:
+                breaker.success(now)
+            return
+        if breaker is None:
+            breaker = self.cap_breakers[capability] = CircuitBreaker(cooldown=self.breaker_cooldown)
+        breaker.failure(now)
+
+    def hedge_delay(self, capability: str) -> float | None:
+        """Seconds to wait before a hedge: the capability's p95 latency (None: too few)."""
+        window = self.cap_latency.get(capability)
+        p95 = window.quantile(0.95) if window is not None else None
+        return None if p95 is None else p95 / 1000
