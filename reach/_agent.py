@@ -8,6 +8,7 @@ import logging
 import random
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -53,6 +54,9 @@ _register_reply = msgspec.json.Decoder(RegisterReply)
 _control = msgspec.json.Decoder(Control)
 _EWMA_ALPHA = 0.2
 _DEADLINE_SWEEP = 0.05
+_TIMEOUTS_TO_DEGRADE = 3
+_TIMEOUT_WINDOW = 10.0
+_RECOVER_AFTER = 10
 
 
 @dataclass(slots=True)
@@ -157,6 +161,9 @@ class Agent:
         self._need_register = True
         self._registered = False
         self._overloaded = False
+        self._timeout_degraded = False
+        self._timeouts: deque[float] = deque()
+        self._recoveries = 0
         self._paused = False
         self._drain_requested = asyncio.Event()
         self._tasks: asyncio.TaskGroup | None = None
@@ -483,6 +490,14 @@ class Agent:
         if not self._accepting:
             await self._reply_error(msg, ErrorCode.AGENT_UNAVAILABLE, "agent is stopping")
             return
+        if priority is Priority.HIGH and self.status == Status.DEGRADED:
+            self.stats.rejected += 1
+            await self._reply_error(
+                msg,
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"agent {self.agent_id} is DEGRADED: high priority goes to an UP instance",
+            )
+            return
         if self._paused and msg.subject == cap.direct:
             # Paused: queue groups already route elsewhere; direct callers must go elsewhere.
             await self._reply_error(msg, ErrorCode.AGENT_UNAVAILABLE, "agent is paused")
@@ -529,7 +544,7 @@ class Agent:
                     self._idle.set()
                 if self._overloaded and len(self._queue) * 4 <= self.max_queue:
                     self._overloaded = False
-                    if self.status == Status.DEGRADED:
+                    if self.status == Status.DEGRADED and not self._timeout_degraded:
                         self._set_status(Status.UP)
 
     async def _run(self, job: _Job) -> None:
@@ -561,6 +576,7 @@ class Agent:
             if not job.expired or task is None:
                 raise
             task.uncancel()
+            self._handler_timed_out()
             self._count_error(cap, "deadline passed while running")
             await self._reply_error(msg, ErrorCode.TIMEOUT, "deadline passed while running")
             return
@@ -579,6 +595,13 @@ class Agent:
         finally:
             if job.deadline_ms is not None and task is not None:
                 self._deadlines.pop(task, None)
+        if self._timeout_degraded:
+            self._recoveries += 1
+            if self._recoveries >= _RECOVER_AFTER:
+                self._timeout_degraded = False
+                self._timeouts.clear()
+                if self.status == Status.DEGRADED and not self._overloaded:
+                    self._set_status(Status.UP)
         elapsed = time.perf_counter_ns() - started
         cap.processing_ns += elapsed
         ms = elapsed / 1e6
@@ -594,6 +617,18 @@ class Agent:
             await self._conn().publish(msg.reply, body, reply=cap.direct, headers=headers)
         except (nats.errors.Error, OSError) as exc:
             log.warning("agent %s: reply to %s lost: %s", self.agent_id, job.request_id, exc)
+
+    def _handler_timed_out(self) -> None:
+        """3 handler timeouts within 10 s: DEGRADED (no high priority) until 10 successes."""
+        now = time.monotonic()
+        self._timeouts.append(now)
+        while self._timeouts and self._timeouts[0] < now - _TIMEOUT_WINDOW:
+            self._timeouts.popleft()
+        self._recoveries = 0
+        if len(self._timeouts) >= _TIMEOUTS_TO_DEGRADE and not self._timeout_degraded:
+            self._timeout_degraded = True
+            if self.status == Status.UP:
+                self._set_status(Status.DEGRADED)
 
     async def _deadline_watch(self) -> None:
         """Cancel handlers still running past their caller's deadline.

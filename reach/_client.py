@@ -20,6 +20,7 @@ from nats.nuid import NUID
 from opentelemetry import propagate, trace
 
 from ._codec import decoder_for, encode_payload, error_from_reply, now_ms
+from ._config import ConfigMirror, config_bucket
 from ._resilience import attempt_budget, backoff_delay
 from ._router import FAILOVER, Router
 from ._routing import Policy, Weights
@@ -143,6 +144,8 @@ class Client:
         self._table: RoutingTable | None = None
         self._table_retry_at = 0.0
         self._table_lock = asyncio.Lock()
+        self._config: ConfigMirror | None = None
+        self._config_ok = False
         self.routing = Policy(routing or self.settings.routing)
         self.max_attempts = self.settings.max_attempts
         self.retry_base = self.settings.retry_base
@@ -197,13 +200,37 @@ class Client:
         """Rebuild the routing table's watcher (nats-py's own can stay silent for ~15 s)."""
         if self._table is not None:
             self._table.rebuild_soon()
+        self._config_ok = False  # restarted on the next request
+
+    async def set_routing_weights(
+        self,
+        capability: str,
+        *,
+        w_load: float = 4.0,
+        w_latency: float = 2.0,
+        threshold: float = 0.3,
+    ) -> None:
+        """Change the ``scored`` weights of a capability for every client, no restart."""
+        validate_capability(capability)
+        kv = await config_bucket(self.nc, self.subjects.bucket("config"), create=True)
+        body = {"w_load": w_load, "w_latency": w_latency, "threshold": threshold}
+        await kv.put(f"weights.{capability}", msgspec.json.encode(body))
+
+    async def set_task_type(self, task_type: str, capability: str) -> None:
+        """Let callers ask for ``task_type``; it is served by ``capability``."""
+        validate_capability(task_type)
+        validate_capability(capability)
+        kv = await config_bucket(self.nc, self.subjects.bucket("config"), create=True)
+        await kv.put(f"task.{task_type}", capability.encode())
+
+    def _fresh(self) -> bool:
+        table = self._table
+        return table is not None and not table.stale and self._config_ok
 
     async def _routing_table(self) -> RoutingTable | None:
         """Start following the registry's bucket on first use; None while it is unavailable."""
         table = self._table
-        if table is not None and not table.stale:
-            return table
-        if time.monotonic() < self._table_retry_at:
+        if self._fresh() or time.monotonic() < self._table_retry_at:
             return table
         async with self._table_lock:
             if self._table is None:
@@ -217,8 +244,14 @@ class Client:
                 ok = await self._table.rebuild(self.settings.connect_timeout)
             else:
                 ok = True
-            if not ok:
-                # No registry has created the bucket yet: use the queue group, look again later.
+            if self._config is None or not self._config_ok:
+                if self._config is None:
+                    self._config = ConfigMirror(
+                        self.nc, self.subjects.bucket("config"), self._router
+                    )
+                self._config_ok = await self._config.start(self.settings.connect_timeout)
+            if not ok or not self._config_ok:
+                # No registry (or config) bucket yet: use the queue group, look again later.
                 self._table_retry_at = time.monotonic() + self.settings.heartbeat_interval
         return self._table
 
@@ -243,6 +276,9 @@ class Client:
             table.unlisten(queue)
 
     async def _close_table(self) -> None:
+        if self._config is not None:
+            await self._config.stop()
+            self._config = None
         if self._table is not None:
             await self._table.stop()
             self._table = None
@@ -340,6 +376,9 @@ class Client:
         duplicate to a second instance after the capability's p95 latency.
         """
         router = self._router
+        table = None
+        if agent_id is None:
+            table = self._table if self._fresh() else await self._routing_table()
         capability = router.resolve(capability)
         self._check_capability(capability)
         try:

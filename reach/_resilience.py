@@ -48,6 +48,8 @@ class RetryBudget:
 
     def record_request(self, now: float) -> None:
         self._requests.append(now)
+        if self._requests[0] <= now - self.window:
+            self._trim(now)
 
     def try_retry(self, now: float) -> bool:
         """Spend one retry if the budget allows it."""
