@@ -1,0 +1,273 @@
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reach import Priority, Status
+from reach._resilience import (
+    BreakerState,
+    CircuitBreaker,
+    PeakEwma,
+    RetryBudget,
+    TokenBucket,
+    attempt_budget,
+    backoff_delay,
+)
+from reach._router import Router
+from reach._routing import Policy, Weights, balanced_cost, normalised, rank, score, two_choices
+from reach._table import RoutingTable
+from reach.errors import CapabilityNotFound, CircuitOpen
+from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
+
+
+def rec(agent_id, status=Status.UP, *, latency=10.0, load=0.0, queue=0, conc=8, tags=()):
+    return AgentRecord(
+        info=AgentInfo(
+            agent_id=agent_id,
+            name="w",
+            max_concurrency=conc,
+            tags=list(tags),
+            capabilities=[CapabilityInfo(name="work.do")],
+        ),
+        status=status,
+        heartbeat=Heartbeat(agent_id=agent_id, latency_ms=latency, load=load, queue_len=queue),
+    )
+
+
+def table_of(*records):
+    table = RoutingTable(None, "test", silence_limit=1.0)
+    for i, r in enumerate(records, 1):
+        table._set(r.info.agent_id, i, r)
+    return table
+
+
+# -- backoff and deadlines ----------------------------------------------------------------
+
+
+@given(st.integers(min_value=1, max_value=30), st.integers(min_value=0, max_value=2**32))
+def test_backoff_is_full_jitter_within_bounds(attempt, seed):
+    delay = backoff_delay(attempt, random.Random(seed), base=0.2, cap=3.0)
+    assert 0.0 <= delay <= min(3.0, 0.2 * 2 ** (attempt - 1))
+
+
+def test_backoff_grows_then_caps():
+    rng = random.Random(1)
+    means = [sum(backoff_delay(a, rng) for _ in range(2000)) / 2000 for a in (1, 2, 3, 6)]
+    assert means[0] == pytest.approx(0.1, rel=0.15)
+    assert means[1] == pytest.approx(0.2, rel=0.15)
+    assert means[2] == pytest.approx(0.4, rel=0.15)
+    assert means[3] == pytest.approx(1.5, rel=0.15)
+    assert backoff_delay(0, rng) == 0.0
+
+
+def test_attempt_budget_leaves_room_for_later_attempts():
+    assert attempt_budget(3.0, 3) == pytest.approx(1.0)
+    assert attempt_budget(3.0, 1) == 3.0
+    assert attempt_budget(0.0, 3) == 0.0
+    assert attempt_budget(-1.0, 2) == 0.0
+
+
+# -- retry budget --------------------------------------------------------------------------
+
+
+def test_retry_budget_is_a_share_of_requests_plus_a_floor():
+    budget = RetryBudget(ratio=0.2, floor=2, window=10.0)
+    assert budget.try_retry(0.0)
+    assert budget.try_retry(0.0)
+    assert not budget.try_retry(0.0)  # floor spent, no requests yet
+    for _ in range(50):
+        budget.record_request(1.0)
+    granted = sum(budget.try_retry(1.0) for _ in range(100))
+    assert granted == 10  # 2 floor + 20% of 50, less the 2 already spent
+    # the window slides: old retries and requests stop counting
+    assert budget.try_retry(20.0)
+
+
+# -- circuit breaker -----------------------------------------------------------------------
+
+
+def test_breaker_opens_after_consecutive_failures_then_half_opens_then_closes():
+    b = CircuitBreaker(max_consecutive=5, cooldown=5.0)
+    for _ in range(4):
+        b.failure(0.0)
+    assert b.state is BreakerState.CLOSED
+    assert b.allow(0.0)
+    b.failure(0.0)
+    assert b.state is BreakerState.OPEN
+    assert not b.allow(4.9)
+    assert b.allow(5.0)  # the half-open probe
+    assert b.state is BreakerState.HALF_OPEN
+    assert not b.allow(5.0)  # one probe at a time
+    b.success(5.1)
+    assert b.state is BreakerState.CLOSED
+    assert b.allow(5.1)
+
+
+def test_breaker_half_open_failure_reopens():
+    b = CircuitBreaker(max_consecutive=1, cooldown=1.0)
+    b.failure(0.0)
+    assert b.allow(1.0)
+    b.failure(1.0)
+    assert b.state is BreakerState.OPEN
+    assert not b.allow(1.5)
+
+
+def test_breaker_opens_on_error_rate_with_minimum_volume():
+    b = CircuitBreaker(window=20, min_volume=10, threshold=0.5, max_consecutive=100)
+    for i in range(9):
+        (b.failure if i % 3 else b.success)(0.0)  # 6 of 9 failed, under min volume
+    assert b.state is BreakerState.CLOSED
+    b.failure(0.0)  # 7 of 10 > 50%
+    assert b.state is BreakerState.OPEN
+
+
+# -- token bucket and peak EWMA ------------------------------------------------------------
+
+
+def test_token_bucket_rate_and_burst():
+    tb = TokenBucket(rate=10.0, burst=3.0, now=0.0)
+    assert [tb.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert not tb.take(0.05)
+    assert tb.take(0.1)
+    assert [tb.take(10.0) for _ in range(4)] == [True, True, True, False]
+
+
+def test_peak_ewma_jumps_up_and_decays_slowly():
+    e = PeakEwma(tau=10.0)
+    e.observe(10.0, 0.0)
+    e.observe(100.0, 1.0)
+    assert e.value == 100.0  # up at once
+    e.observe(10.0, 2.0)
+    assert 90.0 < e.value < 100.0  # down slowly
+    e.observe(10.0, 60.0)
+    assert e.value < 11.0
+
+
+# -- policies ------------------------------------------------------------------------------
+
+
+def test_balanced_cost_orders_by_expected_time_to_answer():
+    fast = rec("fast", latency=10)
+    slow = rec("slow", latency=50)
+    busy_fast = rec("busy", latency=10, queue=40, conc=8)
+    assert balanced_cost(fast, 0, None, 1) < balanced_cost(slow, 0, None, 1)
+    assert balanced_cost(busy_fast, 0, None, 1) > balanced_cost(slow, 0, None, 1)
+    assert balanced_cost(fast, 16, None, 1) > balanced_cost(fast, 0, None, 1)  # own in-flight
+    assert balanced_cost(fast, 0, 200.0, 1) > balanced_cost(slow, 0, None, 1)  # measured wins
+    degraded = rec("d", Status.DEGRADED, latency=10)
+    assert balanced_cost(degraded, 0, None, 1) == 2 * balanced_cost(fast, 0, None, 1)
+    never = AgentRecord(info=fast.info, status=Status.UP)
+    assert balanced_cost(never, 0, None, 33.0) == pytest.approx(33.0)  # capability median
+
+
+def test_two_choices_never_picks_the_most_expensive_of_many():
+    ids = [f"i{n}" for n in range(10)]
+    cost = {i: n for n, i in enumerate(ids)}
+    rng = random.Random(3)
+    picks = [two_choices(ids, rng, cost.__getitem__) for _ in range(2000)]
+    assert "i9" not in picks
+    assert picks.count("i0") > picks.count("i5") > 0
+
+
+def test_scored_formula_threshold_and_weights():
+    a, b = rec("a", latency=10, load=0.1), rec("b", latency=100, load=0.9)
+    w = Weights(w_load=4, w_latency=2, threshold=0.3)
+    assert score(a, 100, w) == pytest.approx(10 + 4 * 0.9 + 2 * 0.9)
+    assert normalised(score(a, 100, w), w) == pytest.approx(15.4 / 16)
+    assert [
+        r.info.agent_id for r, _, _ in rank([b, a], "work.do", None, (), Priority.NORMAL, w)
+    ] == ["a", "b"]
+    strict = Weights(threshold=0.9)
+    assert [
+        r.info.agent_id for r, _, _ in rank([b, a], "work.do", None, (), Priority.NORMAL, strict)
+    ] == ["a"]
+
+
+def test_router_balanced_avoids_the_slow_instance_and_fails_over_elsewhere():
+    table = table_of(rec("fast", latency=5), rec("slow", latency=500), rec("mid", latency=20))
+    router = Router(rng=random.Random(5))
+    picks = [
+        router.choose(
+            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 0.0
+        ).agent_id
+        for _ in range(300)
+    ]
+    assert "slow" not in picks
+    # failover: never the same instance twice in a row, untried ones first
+    again = router.choose(
+        Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, ["fast"], None, 0.0
+    ).agent_id
+    assert again in {"slow", "mid"}
+
+
+def test_router_affinity_sticks_then_moves_when_the_instance_is_gone():
+    table = table_of(rec("a"), rec("b"), rec("c"))
+    router = Router(rng=random.Random(1))
+    router.finished("b", "work.do", "ok", 5.0, 0.0, affinity_key="session-1")
+    for _ in range(20):
+        assert (
+            router.choose(
+                Policy.AFFINITY, table, "work.do", None, (), Priority.NORMAL, [], "session-1", 0.0
+            ).agent_id
+            == "b"
+        )
+    table._set("b", 10, None)  # b leaves
+    moved = router.choose(
+        Policy.AFFINITY, table, "work.do", None, (), Priority.NORMAL, [], "session-1", 0.0
+    ).agent_id
+    assert moved in {"a", "c"}
+    router.finished(moved, "work.do", "ok", 5.0, 0.0, affinity_key="session-1")
+    assert router.affinity[("work.do", "session-1")] == moved
+
+
+def test_router_skips_open_breakers_and_says_so_when_all_are_open():
+    table = table_of(rec("a"), rec("b"))
+    router = Router(rng=random.Random(2), breaker_cooldown=5.0)
+    for _ in range(5):
+        router.finished("a", "work.do", "no_responders", 1.0, 0.0)
+    picks = {
+        router.choose(
+            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 1.0
+        ).agent_id
+        for _ in range(50)
+    }
+    assert picks == {"b"}
+    for _ in range(5):
+        router.finished("b", "work.do", "timeout", 1.0, 0.0)
+    with pytest.raises(CircuitOpen):
+        router.choose(Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 1.0)
+
+
+def test_router_queue_when_table_knows_nothing_and_not_found_when_filtered():
+    router = Router()
+    empty = table_of()
+    assert (
+        router.choose(
+            Policy.BALANCED, empty, "work.do", None, (), Priority.NORMAL, [], None, 0.0
+        ).agent_id
+        is None
+    )
+    table = table_of(rec("a", Status.DEGRADED))
+    with pytest.raises(CapabilityNotFound, match="DEGRADED"):
+        router.choose(Policy.BALANCED, table, "work.do", None, (), Priority.HIGH, [], None, 0.0)
+
+
+def test_router_admission_rate_limit_and_task_types():
+    router = Router(rate_limits={"work.do": (1.0, 2.0)}, task_types={"job": "work.do"})
+    assert router.resolve("job") == "work.do"
+    assert router.resolve("other.cap") == "other.cap"
+    assert [router.admit("work.do", 0.0) for _ in range(3)] == [None, None, "resource_exhausted"]
+    assert router.admit("work.do", 1.0) is None
+    for _ in range(5):
+        router.request_done("work.do", False, 2.0)
+    assert router.admit("work.do", 2.0) == "circuit_open"
+
+
+def test_eligible_cache_follows_status_changes_not_load():
+    table = table_of(rec("a"), rec("b"))
+    assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
+    table._set("a", 5, rec("a", load=0.9))  # load only: same shape
+    assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
+    table._set("a", 6, rec("a", Status.PAUSED))
+    assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["b"]
