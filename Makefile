@@ -31,7 +31,10 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,fast,bench]'
 	$(PY) bench/request_reply.py
+	$(PY) bench/registry_scale.py
+	$(PY) bench/routing.py all
 
 schemas: $(STAMP)
 	$(PY) -m sdk.gen_schemas

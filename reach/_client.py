@@ -511,6 +511,34 @@ class Client:
         router.request_done(capability, False, loop.time())
         raise self._exhausted(capability, attempts, last, wait)
 
+    async def pick(
+        self,
+        capability: str,
+        *,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
+        priority: Priority | str = Priority.NORMAL,
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+    ) -> str | None:
+        """The agent id the next request would go to (None: the NATS queue group).
+
+        Raises ``CapabilityNotFound`` when instances exist but none fits, like a request.
+        """
+        table = self._table if self._fresh() else await self._routing_table()
+        capability = self._router.resolve(capability)
+        return self._router.choose(
+            Policy(routing or self.routing),
+            table,
+            capability,
+            version,
+            tuple(required_tags),
+            Priority(priority),
+            (),
+            affinity_key,
+            asyncio.get_running_loop().time(),
+        ).agent_id
+
     def _exhausted(
         self, capability: str, attempts: list[Attempt], last: RemoteError | None, wait: float
     ) -> RemoteError:

@@ -109,11 +109,11 @@ class Router:
         capability at all; ``CapabilityNotFound`` when instances exist but none fits."""
         if policy is Policy.QUEUE or table is None:
             return Choice(None)
-        offering = table.offering(capability)
-        if not offering:
+        if not table.offers(capability):
             return Choice(None)
         ids = table.eligible_ids(capability, version, tags, priority)
         if not ids:
+            offering = table.offering(capability)
             raise CapabilityNotFound(
                 explain_miss(offering, capability, version, tags, priority), capability=capability
             )

@@ -51,6 +51,10 @@ class RoutingTable:
 
     # -- reading -----------------------------------------------------------------------
 
+    def offers(self, capability: str) -> bool:
+        """Does any known instance (in any status) offer it? O(1), for the request path."""
+        return bool(self._by_cap.get(capability))
+
     def offering(self, capability: str) -> list[AgentRecord]:
         ids = self._by_cap.get(capability)
         if not ids:
