@@ -170,6 +170,28 @@ async def closed_loop(fn: Any, seconds: float, inflight: int) -> tuple[float, li
     return len(lat) / (time.perf_counter() - t0), lat
 
 
+async def open_loop(fn: Any, rate: float, seconds: float) -> list[float]:
+    """Latencies (ms) at a fixed offered rate, so every policy faces the same load."""
+    lat: list[float] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one() -> None:
+        t = time.perf_counter()
+        await fn()
+        lat.append((time.perf_counter() - t) * 1000)
+
+    start = time.perf_counter()
+    n = 0
+    while time.perf_counter() - start < seconds:
+        task = asyncio.ensure_future(one())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        n += 1
+        await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
+    await asyncio.gather(*tasks)
+    return lat
+
+
 # -- overhead: balanced vs queue vs raw ------------------------------------------------
 
 
@@ -212,12 +234,14 @@ async def overhead(url: str, rounds: int, seconds: float) -> dict[str, Any]:
 # -- skewed fleet ------------------------------------------------------------------------
 
 
-async def skewed(url: str, rounds: int, seconds: float, png: Path | None) -> dict[str, Any]:
+async def skewed(
+    url: str, rounds: int, seconds: float, png: Path | None, rate: float = 800.0
+) -> dict[str, Any]:
     prefix = "skew"
     delays = [0.002, 0.002, 0.002, 0.010]  # one instance 5x slower
     policies = ("queue", "scored", "balanced")
     lat: dict[str, list[float]] = {p: [] for p in policies}
-    rate: dict[str, list[float]] = {p: [] for p in policies}
+    rates: dict[str, list[float]] = {p: [] for p in policies}
     share: dict[str, dict[str, int]] = {p: {} for p in policies}
     with Fleet(url, prefix, delays, 8):
         async with reach.Client(settings=settings(url, prefix)) as client:
@@ -235,12 +259,14 @@ async def skewed(url: str, rounds: int, seconds: float, png: Path | None) -> dic
                         r = await client.call("bench.work", {}, routing=p)
                         share[p][r.agent_id] = share[p].get(r.agent_id, 0) + 1
 
-                    r, samples = await closed_loop(one, seconds, 16)
-                    rate[policy].append(r)
-                    lat[policy].extend(samples)
+                    # latency at the same offered load for every policy
+                    lat[policy].extend(await open_loop(one, rate, seconds))
+                    # throughput with 16 in flight
+                    r, _ = await closed_loop(one, seconds, 16)
+                    rates[policy].append(r)
     out = {
         p: {
-            "req_per_s": round(statistics.median(rate[p])),
+            "req_per_s_16_inflight": round(statistics.median(rates[p])),
             "p50_ms": round(pct(lat[p], 0.5), 2),
             "p99_ms": round(pct(lat[p], 0.99), 2),
             "slow_share": round(share[p].get("bench-3", 0) / max(1, sum(share[p].values())), 3),
@@ -268,7 +294,7 @@ def chart(lat: dict[str, list[float]], png: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms, log scale)")
     ax.set_ylabel("share of requests")
-    ax.set_title("4 instances, one 5x slower, 16 in flight: latency CDF per routing policy")
+    ax.set_title("4 instances, one 5x slower, same offered load: latency CDF per policy")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -171,7 +171,7 @@ class PeakEwma:
     """Latency that jumps up at once on a slow reply and decays slowly (time constant
     ``tau`` seconds), as in Finagle's and Linkerd's peak-EWMA balancers."""
 
-    tau: float = 10.0
+    tau: float = 1.0
     value: float = 0.0
     at: float = 0.0
     samples: int = 0
