@@ -169,7 +169,7 @@ class Agent:
         self._tasks: asyncio.TaskGroup | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._outstanding = 0
-        self._deadlines: dict[asyncio.Task[None], _Job] = {}
+        self._deadlines: dict[asyncio.Task[Any], _Job] = {}
         self._deadline_armed = asyncio.Event()
         self._running = False
         self._accepting = False
@@ -526,11 +526,13 @@ class Agent:
         await self._reply_error(msg, ErrorCode.BAD_REQUEST, reason)
 
     async def _worker(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
         while True:
             job = await self._queue.get()
             self.stats.inflight += 1
             try:
-                await self._run(job)
+                await self._run(job, task)
             except asyncio.CancelledError:
                 # Stopped past drain_timeout: tell the caller instead of leaving it waiting.
                 await self._reply_error(
@@ -547,7 +549,7 @@ class Agent:
                     if self.status == Status.DEGRADED and not self._timeout_degraded:
                         self._set_status(Status.UP)
 
-    async def _run(self, job: _Job) -> None:
+    async def _run(self, job: _Job, task: asyncio.Task[Any]) -> None:
         cap, msg = job.cap, job.msg
         if job.deadline_ms is not None and job.deadline_ms <= now_ms():
             self.stats.expired += 1
@@ -564,8 +566,7 @@ class Agent:
         args: tuple[Any, ...] = (payload,)
         if cap.spec.wants_context:
             args = (payload, self._context(job))
-        task = asyncio.current_task()
-        if job.deadline_ms is not None and task is not None:
+        if job.deadline_ms is not None:
             self._deadlines[task] = job
             if not self._deadline_armed.is_set():
                 self._deadline_armed.set()
@@ -573,7 +574,7 @@ class Agent:
             result = await cap.spec.fn(*args)
             body = encode_payload(result)
         except asyncio.CancelledError:
-            if not job.expired or task is None:
+            if not job.expired:
                 raise
             task.uncancel()
             self._handler_timed_out()
@@ -593,7 +594,7 @@ class Agent:
             )
             return
         finally:
-            if job.deadline_ms is not None and task is not None:
+            if job.deadline_ms is not None:
                 self._deadlines.pop(task, None)
         if self._timeout_degraded:
             self._recoveries += 1

@@ -100,6 +100,9 @@ async def connect_nats(
         raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
 
 
+_PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
+
+
 def _expire(fut: asyncio.Future[Msg]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
@@ -378,21 +381,25 @@ class Client:
         router = self._router
         table = None
         if agent_id is None:
-            table = self._table if self._fresh() else await self._routing_table()
+            table = self._table
+            if not self._fresh() and time.monotonic() >= self._table_retry_at:
+                table = await self._routing_table()
         capability = router.resolve(capability)
         self._check_capability(capability)
-        try:
-            prio = Priority(priority)
-        except ValueError:
-            raise ConfigurationError(
-                f"priority {priority!r} is invalid; use high, normal or low"
-            ) from None
-        try:
-            policy = Policy.DIRECT if agent_id is not None else Policy(routing or self.routing)
-        except ValueError:
-            raise ConfigurationError(
-                f"routing {routing!r} is invalid; use balanced, scored, queue or affinity"
-            ) from None
+        prio = _PRIORITIES.get(priority)
+        if prio is None:
+            raise ConfigurationError(f"priority {priority!r} is invalid; use high, normal or low")
+        if agent_id is not None:
+            policy = Policy.DIRECT
+        elif routing is None:
+            policy = self.routing
+        else:
+            try:
+                policy = Policy(routing)
+            except ValueError:
+                raise ConfigurationError(
+                    f"routing {routing!r} is invalid; use balanced, scored, queue or affinity"
+                ) from None
         if agent_id is not None:
             validate_agent_id(agent_id)
         wait = self._default_timeout if timeout is None else timeout
@@ -473,16 +480,35 @@ class Client:
                         affinity_key,
                     )
                 else:
-                    reply = await self._attempt(
-                        target,
-                        capability,
-                        data,
-                        headers,
-                        budget,
-                        request_id,
-                        response_type,
-                        affinity_key,
-                    )
+                    # _attempt inlined: this is the hot path
+                    router.started(target)
+                    outcome = "ok"
+                    try:
+                        reply = await self._send(
+                            self.subjects.agent(target, capability)
+                            if target
+                            else self.subjects.cap(capability),
+                            data,
+                            headers,
+                            budget,
+                            capability,
+                            target,
+                            request_id,
+                            response_type,
+                        )
+                    except RemoteError as exc:
+                        outcome = exc.outcome
+                        raise
+                    finally:
+                        end = loop.time()
+                        router.finished(
+                            target,
+                            capability,
+                            outcome,
+                            (end - started) * 1000,
+                            end,
+                            affinity_key if outcome == "ok" else None,
+                        )
             except RemoteError as exc:
                 outcome = exc.outcome
                 attempts.append(

@@ -17,26 +17,34 @@ _ORDER = (Priority.HIGH, Priority.NORMAL, Priority.LOW)
 class PriorityQueue(Generic[T]):
     """High before normal before low, FIFO within a level, bounded in total."""
 
-    __slots__ = ("_levels", "maxlen")
+    __slots__ = ("_levels", "_size", "maxlen")
 
     def __init__(self, maxlen: int) -> None:
         self.maxlen = maxlen
         self._levels: dict[Priority, deque[T]] = {p: deque() for p in _ORDER}
+        self._size = 0
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._levels.values())
+        return self._size
 
-    def push(self, priority: Priority, item: T) -> bool:
+    def push(self, priority: Priority, item: T, *, front: bool = False) -> bool:
         """Queue ``item``; False (and nothing queued) when the queue is full."""
-        if len(self) >= self.maxlen:
+        if self._size >= self.maxlen and not front:
             return False
-        self._levels[priority].append(item)
+        if front:
+            self._levels[priority].appendleft(item)
+        else:
+            self._levels[priority].append(item)
+        self._size += 1
         return True
 
     def pop(self) -> T | None:
+        if not self._size:
+            return None
         for level in _ORDER:
             q = self._levels[level]
             if q:
+                self._size -= 1
                 return q.popleft()
         return None
 
@@ -75,7 +83,7 @@ class WorkQueue(Generic[T]):
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 # Handed an item at the moment we were cancelled: give it back.
-                self._queue._levels[Priority.HIGH].appendleft(waiter.result())
+                self._queue.push(Priority.HIGH, waiter.result(), front=True)
             raise
 
     def drain(self) -> Iterator[T]:
