@@ -522,8 +522,13 @@ class Client:
                         router.request_done(capability, False, loop.time())
                     exc.attempts = attempts
                     raise
+                if target is None and outcome == "no_responders" and len(attempts) == 1:
+                    # Nobody serves it at all: fail fast, no retry, the plain message (and no
+                    # breaker: no-responders is already instant).
+                    exc.attempts = attempts
+                    raise
                 if target is None and outcome == "no_responders":
-                    break  # nobody serves it at all: fail fast, no retry
+                    break
                 if outcome != "no_responders" and n < limit:
                     # Busy or slow: back off (full jitter) before the next instance, within
                     # the deadline. A vanished instance is skipped at once.
@@ -534,7 +539,8 @@ class Client:
                 continue
             router.request_done(capability, True, loop.time())
             return reply
-        router.request_done(capability, False, loop.time())
+        if any(a.outcome != "no_responders" for a in attempts):
+            router.request_done(capability, False, loop.time())
         raise self._exhausted(capability, attempts, last, wait)
 
     async def pick(
