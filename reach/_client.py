@@ -480,35 +480,16 @@ class Client:
                         affinity_key,
                     )
                 else:
-                    # _attempt inlined: this is the hot path
-                    router.started(target)
-                    outcome = "ok"
-                    try:
-                        reply = await self._send(
-                            self.subjects.agent(target, capability)
-                            if target
-                            else self.subjects.cap(capability),
-                            data,
-                            headers,
-                            budget,
-                            capability,
-                            target,
-                            request_id,
-                            response_type,
-                        )
-                    except RemoteError as exc:
-                        outcome = exc.outcome
-                        raise
-                    finally:
-                        end = loop.time()
-                        router.finished(
-                            target,
-                            capability,
-                            outcome,
-                            (end - started) * 1000,
-                            end,
-                            affinity_key if outcome == "ok" else None,
-                        )
+                    reply = await self._attempt(
+                        target,
+                        capability,
+                        data,
+                        headers,
+                        budget,
+                        request_id,
+                        response_type,
+                        affinity_key,
+                    )
             except RemoteError as exc:
                 outcome = exc.outcome
                 attempts.append(

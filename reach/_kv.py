@@ -32,13 +32,21 @@ class Latest:
     value: bytes | None
 
 
-async def agents_bucket(js: JetStreamContext, bucket: str, *, create: bool) -> KeyValue:
-    """Bind the leases bucket, creating it (memory, history 1, markers on) when asked."""
+async def bind_bucket(js: JetStreamContext, config: KeyValueConfig, *, create: bool) -> KeyValue:
+    """Bind a bucket, creating it with ``config`` when asked and missing."""
+    assert config.bucket is not None
     try:
-        return await js.key_value(bucket)
+        return await js.key_value(config.bucket)
     except nats.js.errors.BucketNotFoundError:
         if not create:
             raise
+    with contextlib.suppress(nats.js.errors.BadRequestError):
+        return await js.create_key_value(config=config)
+    return await js.key_value(config.bucket)  # a concurrent writer created it first
+
+
+async def agents_bucket(js: JetStreamContext, bucket: str, *, create: bool) -> KeyValue:
+    """The leases bucket: memory storage, history 1, expiry markers on."""
     config = KeyValueConfig(
         bucket=bucket,
         history=1,
@@ -46,9 +54,7 @@ async def agents_bucket(js: JetStreamContext, bucket: str, *, create: bool) -> K
         limit_marker_ttl=MARKER_TTL,
         description="Agent-Reach leases: one record per agent, TTL renewed by heartbeats",
     )
-    with contextlib.suppress(nats.js.errors.BadRequestError):
-        return await js.create_key_value(config=config)
-    return await js.key_value(bucket)  # a concurrent registry created it first
+    return await bind_bucket(js, config, create=create)
 
 
 def ttl_header(ttl: float) -> str:
