@@ -437,6 +437,8 @@ class Client:
                 break
             if policy is Policy.DIRECT:
                 target: str | None = agent_id
+            elif table is None:
+                target = None  # no registry bucket (yet): the queue group decides
             else:
                 target = router.choose(
                     policy,
