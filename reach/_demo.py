@@ -105,8 +105,10 @@ def _line(text: str = "") -> None:
 
 
 CRASHY_AGENT = """
-import asyncio, sys
+import asyncio, os, sys, threading
 from reach import Agent
+# Exit with the demo, however the demo ends: our stdin closes when it does.
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
 agent = Agent("logistics", "logistics-3", max_concurrency=2)
 
 @agent.capability("logistics.track")
@@ -157,7 +159,7 @@ async def run_demo() -> int:
                     "REACH_HEARTBEAT_INTERVAL": "0.5",
                     "REACH_LEASE_TTL": "2",
                 },
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # closes when the demo ends, however it ends
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
