@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -81,7 +81,6 @@ class _Entry:
     revision: int
     record: AgentRecord | None
     asked_reregister_ms: int = 0
-    pending: set[int] = field(default_factory=set)
 
 
 class Registry:
@@ -275,6 +274,10 @@ class Registry:
             entries[key] = _Entry(revision, record)
             return
         previous = current.record if current is not None else None
+        if operation == "DEL":
+            # Deregistered or forgotten: nothing to keep (a later CAS re-reads the revision).
+            entries.pop(key, None)
+            return
         entries[key] = _Entry(revision, None)
         if initial or previous is None or operation != "PURGE":
             return
@@ -289,6 +292,7 @@ class Registry:
         limit = max(3 * self.settings.heartbeat_interval, 1.0)
         while True:
             await asyncio.sleep(limit / 3)
+            self._prune()
             if time.monotonic() - self._last_update > limit:
                 log.info(
                     "registry %s: watcher silent for %.0fs, recreating", self.registry_id, limit
@@ -298,6 +302,16 @@ class Registry:
                     await self._start_watch()
                 except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as exc:
                     log.warning("registry %s: watch not restored: %s", self.registry_id, exc)
+
+    def _prune(self) -> None:
+        """Forget keys without a record that nobody has heard of for a minute, so agent
+        churn (and heartbeats with made-up ids) cannot grow this map without bound."""
+        old = now_ms() - 60_000
+        stale = [
+            k for k, e in self._entries.items() if e.record is None and e.asked_reregister_ms < old
+        ]
+        for key in stale:
+            del self._entries[key]
 
     async def _on_reconnect(self) -> None:
         self._last_update = 0.0  # let the watchdog rebuild now, with its error handling

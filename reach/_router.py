@@ -34,6 +34,8 @@ from .wire import Priority
 FAILOVER = frozenset(
     {"no_responders", "resource_exhausted", "circuit_open", "timeout", "agent_unavailable"}
 )
+_MAX_AFFINITY = 100_000  # remembered sessions per client
+
 # Outcomes that count against an instance's breaker.
 INSTANCE_FAILURE = FAILOVER | {"failed"}
 
@@ -214,7 +216,11 @@ class Router:
                 ewma = self.ewma[agent_id] = PeakEwma()
             ewma.observe(latency_ms, now)
             if affinity_key is not None:
-                self.affinity[(capability, affinity_key)] = agent_id
+                key = (capability, affinity_key)
+                self.affinity.pop(key, None)
+                self.affinity[key] = agent_id
+                if len(self.affinity) > _MAX_AFFINITY:
+                    del self.affinity[next(iter(self.affinity))]  # the least recently used
         breaker = self.instance_breakers.get(agent_id)
         if outcome in INSTANCE_FAILURE:
             if breaker is None:

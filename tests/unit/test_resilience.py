@@ -271,3 +271,30 @@ def test_eligible_cache_follows_status_changes_not_load():
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
     table._set("a", 6, rec("a", Status.PAUSED))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["b"]
+
+
+def test_affinity_memory_is_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr("reach._router._MAX_AFFINITY", 3)
+    router = Router()
+    for key in ("s1", "s2", "s3"):
+        router.finished("a", "work.do", "ok", 1.0, 0.0, affinity_key=key)
+    router.finished("b", "work.do", "ok", 1.0, 0.0, affinity_key="s1")  # s1 used again
+    router.finished("a", "work.do", "ok", 1.0, 0.0, affinity_key="s4")
+    assert set(router.affinity) == {("work.do", k) for k in ("s3", "s1", "s4")}
+    assert router.affinity[("work.do", "s1")] == "b"
+
+
+def test_registry_forgets_keys_without_records():
+    from reach import ReachSettings, Registry
+    from reach._codec import now_ms
+    from reach._registry import _Entry
+
+    registry = Registry(settings=ReachSettings())
+    record = rec("alive")
+    registry._entries = {
+        "alive": _Entry(1, record),
+        "gone": _Entry(2, None),
+        "just-asked": _Entry(0, None, asked_reregister_ms=now_ms()),
+    }
+    registry._prune()
+    assert set(registry._entries) == {"alive", "just-asked"}
