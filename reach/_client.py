@@ -60,6 +60,22 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True)
+class _Call:
+    """What stays the same across the attempts of one request."""
+
+    capability: str
+    data: bytes
+    request_id: str | None
+    response_type: Any
+    affinity_key: str | None
+    version: str | None
+    tags: tuple[str, ...]
+    priority: Priority
+    policy: Policy
+    table: RoutingTable | None
+
+
+@dataclass(frozen=True, slots=True)
 class TopicMessage:
     """One broadcast notification."""
 
@@ -226,15 +242,17 @@ class Client:
         kv = await config_bucket(self.nc, self.subjects.bucket("config"), create=True)
         await kv.put(f"task.{task_type}", capability.encode())
 
-    def _fresh(self) -> bool:
+    def _table_due(self) -> bool:
+        """Should the table (or the config mirror) be started or rebuilt before routing?
+        Checked without awaiting, so the request path pays nothing once both run."""
         table = self._table
-        return table is not None and not table.stale and self._config_ok
+        fresh = table is not None and not table.stale and self._config_ok
+        return not fresh and time.monotonic() >= self._table_retry_at
 
     async def _routing_table(self) -> RoutingTable | None:
         """Start following the registry's bucket on first use; None while it is unavailable."""
-        table = self._table
-        if self._fresh() or time.monotonic() < self._table_retry_at:
-            return table
+        if not self._table_due():
+            return self._table
         async with self._table_lock:
             if self._table is None:
                 self._table = RoutingTable(
@@ -381,9 +399,7 @@ class Client:
         router = self._router
         table = None
         if agent_id is None:
-            table = self._table
-            if not self._fresh() and time.monotonic() >= self._table_retry_at:
-                table = await self._routing_table()
+            table = await self._routing_table() if self._table_due() else self._table
         capability = router.resolve(capability)
         self._check_capability(capability)
         prio = _PRIORITIES.get(priority)
@@ -418,15 +434,28 @@ class Client:
         deadline = now + wait
         deadline_ms = now_ms() + int(wait * 1000)
         data = encode_payload(payload)
-        tags = tuple(required_tags)
-        table = None
-        if policy is not Policy.DIRECT and policy is not Policy.QUEUE:
-            table = (
-                self._table
-                if self._table is not None and not self._table.stale
-                else (await self._routing_table())
-            )
         limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
+        base = {Header.DEADLINE: str(deadline_ms)}
+        if prio is not Priority.NORMAL:
+            base[Header.PRIORITY] = prio.value
+        if self.name:
+            base[Header.CALLER] = self.name
+        if request_id:
+            base[Header.REQUEST_ID] = request_id
+        if trace.get_current_span().get_span_context().is_valid:
+            propagate.inject(base)
+        call = _Call(
+            capability,
+            data,
+            request_id,
+            response_type,
+            affinity_key,
+            version,
+            tuple(required_tags),
+            prio,
+            policy,
+            table,
+        )
         attempts: list[Attempt] = []
         tried: list[str] = []
         router.budget.record_request(now)
@@ -444,54 +473,21 @@ class Client:
                     policy,
                     table,
                     capability,
-                    version,
-                    tags,
+                    call.version,
+                    call.tags,
                     prio,
                     tried,
                     affinity_key,
                     loop.time(),
                 ).agent_id
-            headers = {Header.DEADLINE: str(deadline_ms)}
-            if prio is not Priority.NORMAL:
-                headers[Header.PRIORITY] = prio.value
-            if self.name:
-                headers[Header.CALLER] = self.name
-            if request_id:
-                headers[Header.REQUEST_ID] = request_id
-            if n > 1:
-                headers[Header.ATTEMPT] = str(n)
-            if trace.get_current_span().get_span_context().is_valid:
-                propagate.inject(headers)
+            headers = base if n == 1 else {**base, Header.ATTEMPT: str(n)}
             budget = attempt_budget(remaining, limit - n + 1)
             started = loop.time()
             try:
                 if hedge and policy is not Policy.DIRECT and target is not None:
-                    reply = await self._hedged(
-                        target,
-                        capability,
-                        data,
-                        headers,
-                        budget,
-                        request_id,
-                        response_type,
-                        table,
-                        version,
-                        tags,
-                        prio,
-                        policy,
-                        affinity_key,
-                    )
+                    reply = await self._hedged(call, target, headers, budget)
                 else:
-                    reply = await self._attempt(
-                        target,
-                        capability,
-                        data,
-                        headers,
-                        budget,
-                        request_id,
-                        response_type,
-                        affinity_key,
-                    )
+                    reply = await self._attempt(call, target, headers, budget)
             except RemoteError as exc:
                 outcome = exc.outcome
                 attempts.append(
@@ -505,12 +501,12 @@ class Client:
                         router.request_done(capability, False, loop.time())
                     exc.attempts = attempts
                     raise
-                if target is None and outcome == "no_responders" and len(attempts) == 1:
-                    # Nobody serves it at all: fail fast, no retry, the plain message (and no
-                    # breaker: no-responders is already instant).
-                    exc.attempts = attempts
-                    raise
                 if target is None and outcome == "no_responders":
+                    # Nobody serves it at all: fail fast, no retry, no breaker (no-responders
+                    # is already instant); alone, it keeps its plain message.
+                    if len(attempts) == 1:
+                        exc.attempts = attempts
+                        raise
                     break
                 if outcome != "no_responders" and n < limit:
                     # Busy or slow: back off (full jitter) before the next instance, within
@@ -540,7 +536,7 @@ class Client:
 
         Raises ``CapabilityNotFound`` when instances exist but none fits, like a request.
         """
-        table = self._table if self._fresh() else await self._routing_table()
+        table = await self._routing_table() if self._table_due() else self._table
         capability = self._router.resolve(capability)
         return self._router.choose(
             Policy(routing or self.routing),
@@ -583,34 +579,20 @@ class Client:
         return err
 
     async def _attempt(
-        self,
-        target: str | None,
-        capability: str,
-        data: bytes,
-        headers: dict[str, str],
-        budget: float,
-        request_id: str | None,
-        response_type: Any,
-        affinity_key: str | None,
+        self, call: _Call, target: str | None, headers: dict[str, str], budget: float
     ) -> Reply:
         router = self._router
         loop = asyncio.get_running_loop()
         router.started(target)
         started = loop.time()
         outcome = "ok"
+        subject = (
+            self.subjects.agent(target, call.capability)
+            if target
+            else self.subjects.cap(call.capability)
+        )
         try:
-            reply = await self._send(
-                self.subjects.agent(target, capability)
-                if target
-                else self.subjects.cap(capability),
-                data,
-                headers,
-                budget,
-                capability,
-                target,
-                request_id,
-                response_type,
-            )
+            return await self._send(call, subject, headers, budget, target)
         except RemoteError as exc:
             outcome = exc.outcome
             raise
@@ -618,37 +600,19 @@ class Client:
             now = loop.time()
             router.finished(
                 target,
-                capability,
+                call.capability,
                 outcome,
                 (now - started) * 1000,
                 now,
-                affinity_key if outcome == "ok" else None,
+                call.affinity_key if outcome == "ok" else None,
             )
-        return reply
 
     async def _hedged(
-        self,
-        target: str,
-        capability: str,
-        data: bytes,
-        headers: dict[str, str],
-        budget: float,
-        request_id: str | None,
-        response_type: Any,
-        table: RoutingTable | None,
-        version: str | None,
-        tags: tuple[str, ...],
-        prio: Priority,
-        policy: Policy,
-        affinity_key: str | None,
+        self, call: _Call, target: str, headers: dict[str, str], budget: float
     ) -> Reply:
         """Send to ``target``; if no answer by the p95, also to a second instance."""
-        delay = self._router.hedge_delay(capability)
-        first = asyncio.ensure_future(
-            self._attempt(
-                target, capability, data, headers, budget, request_id, response_type, affinity_key
-            )
-        )
+        delay = self._router.hedge_delay(call.capability)
+        first = asyncio.ensure_future(self._attempt(call, target, headers, budget))
         if delay is None or delay >= budget:
             return await first
         done, _ = await asyncio.wait({first}, timeout=delay)
@@ -657,24 +621,21 @@ class Client:
         loop = asyncio.get_running_loop()
         try:
             other = self._router.choose(
-                policy, table, capability, version, tags, prio, [target], None, loop.time()
+                call.policy,
+                call.table,
+                call.capability,
+                call.version,
+                call.tags,
+                call.priority,
+                [target],
+                None,
+                loop.time(),
             ).agent_id
         except RemoteError:
             return await first
         if other is None or other == target:
             return await first
-        second = asyncio.ensure_future(
-            self._attempt(
-                other,
-                capability,
-                data,
-                headers,
-                budget - delay,
-                request_id,
-                response_type,
-                affinity_key,
-            )
-        )
+        second = asyncio.ensure_future(self._attempt(call, other, headers, budget - delay))
         pending = {first, second}
         error: BaseException | None = None
         try:
@@ -692,16 +653,14 @@ class Client:
 
     async def _send(
         self,
+        call: _Call,
         subject: str,
-        data: bytes,
         headers: dict[str, str],
         wait: float,
-        capability: str,
         agent_id: str | None,
-        request_id: str | None,
-        response_type: Any,
     ) -> Reply:
         nc = self.nc
+        capability, request_id, response_type = call.capability, call.request_id, call.response_type
         self._seq += 1
         token = str(self._seq)
         reply_to = self._inbox + token
@@ -712,7 +671,7 @@ class Client:
         expiry = loop.call_later(wait, _expire, fut)
         started = time.perf_counter()
         try:
-            await nc.publish(subject, data, reply=reply_to, headers=headers)
+            await nc.publish(subject, call.data, reply=reply_to, headers=headers)
             msg = await fut
         except TimeoutError:
             raise RequestTimeout(

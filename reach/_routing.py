@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .wire import AgentRecord, CapabilityInfo, Priority, Status
@@ -198,18 +198,3 @@ def two_choices(ids: Sequence[str], rng: random.Random, cost: Callable[[str], fl
         j += 1
     a, b = ids[i], ids[j]
     return a if cost(a) <= cost(b) else b
-
-
-def least_inflight(
-    candidates: Sequence[AgentRecord], inflight: Mapping[str, int], rng: random.Random
-) -> AgentRecord:
-    """The candidate this client has the fewest requests outstanding to (random on ties)."""
-    best: list[AgentRecord] = []
-    low = None
-    for r in candidates:
-        n = inflight.get(r.info.agent_id, 0)
-        if low is None or n < low:
-            best, low = [r], n
-        elif n == low:
-            best.append(r)
-    return best[0] if len(best) == 1 else rng.choice(best)

@@ -64,6 +64,11 @@ class WorkQueue(Generic[T]):
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def idle(self) -> int:
+        """Workers parked in ``get()``, waiting for an item."""
+        return sum(1 for w in self._waiters if not w.done())
+
     def offer(self, priority: Priority, item: T) -> bool:
         while self._waiters:
             waiter = self._waiters.popleft()

@@ -34,9 +34,7 @@ class RoutingTable:
         self.bucket = bucket
         self.records: dict[str, AgentRecord] = {}
         self._by_cap: dict[str, set[str]] = {}
-        self._revisions: dict[str, int] = {}
         self.stale = True
-        self.updates = 0
         self._silence_limit = silence_limit
         self._watcher: Any = None
         self._consumer: asyncio.Task[None] | None = None
@@ -140,7 +138,7 @@ class RoutingTable:
         return True
 
     async def _consume(self, watcher: Any, ready: asyncio.Future[None]) -> None:
-        snapshot: dict[str, tuple[int, AgentRecord]] = {}
+        snapshot: dict[str, AgentRecord] = {}
         initial = True
         async for entry in watcher:
             self._last_update = time.monotonic()
@@ -160,27 +158,25 @@ class RoutingTable:
                     continue
             if initial:
                 if record is not None:
-                    snapshot[entry.key] = (entry.revision, record)
+                    snapshot[entry.key] = record
                 else:
                     snapshot.pop(entry.key, None)
             else:
-                self._set(entry.key, entry.revision, record)
+                self._set(entry.key, record)
 
-    def _replace(self, snapshot: dict[str, tuple[int, AgentRecord]]) -> None:
+    def _replace(self, snapshot: dict[str, AgentRecord]) -> None:
         gone = set(self.records) - set(snapshot)
         for key in gone:
             for cap in self.records[key].info.capabilities:
                 self._cap_gen[cap.name] = self._cap_gen.get(cap.name, 0) + 1
         self.records = {}
         self._by_cap = {}
-        self._revisions = {}
-        for key, (rev, record) in snapshot.items():
-            self._set(key, rev, record)
+        for key, record in snapshot.items():
+            self._set(key, record)
         for key in gone:
             self._notify(key)
 
-    def _set(self, key: str, revision: int, record: AgentRecord | None) -> None:
-        self.updates += 1
+    def _set(self, key: str, record: AgentRecord | None) -> None:
         old = self.records.pop(key, None)
         if old is None or record is None or _shape(old) != _shape(record):
             names = {c.name for r in (old, record) if r is not None for c in r.info.capabilities}
@@ -194,12 +190,10 @@ class RoutingTable:
                     if not ids:
                         del self._by_cap[cap.name]
         if record is None:
-            self._revisions.pop(key, None)
             if old is not None:
                 self._notify(key)
             return
         self.records[key] = record
-        self._revisions[key] = revision
         for cap in record.info.capabilities:
             self._by_cap.setdefault(cap.name, set()).add(key)
         self._notify(record)

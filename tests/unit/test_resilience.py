@@ -37,8 +37,8 @@ def rec(agent_id, status=Status.UP, *, latency=10.0, load=0.0, queue=0, conc=8, 
 
 def table_of(*records):
     table = RoutingTable(None, "test", silence_limit=1.0)
-    for i, r in enumerate(records, 1):
-        table._set(r.info.agent_id, i, r)
+    for r in records:
+        table._set(r.info.agent_id, r)
     return table
 
 
@@ -212,7 +212,7 @@ def test_router_affinity_sticks_then_moves_when_the_instance_is_gone():
             ).agent_id
             == "b"
         )
-    table._set("b", 10, None)  # b leaves
+    table._set("b", None)  # b leaves
     moved = router.choose(
         Policy.AFFINITY, table, "work.do", None, (), Priority.NORMAL, [], "session-1", 0.0
     ).agent_id
@@ -267,9 +267,9 @@ def test_router_admission_rate_limit_and_task_types():
 def test_eligible_cache_follows_status_changes_not_load():
     table = table_of(rec("a"), rec("b"))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
-    table._set("a", 5, rec("a", load=0.9))  # load only: same shape
+    table._set("a", rec("a", load=0.9))  # load only: same shape
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
-    table._set("a", 6, rec("a", Status.PAUSED))
+    table._set("a", rec("a", Status.PAUSED))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["b"]
 
 

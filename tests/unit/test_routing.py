@@ -1,9 +1,7 @@
-import random
-
 import pytest
 
 from reach import Priority, Status
-from reach._routing import eligible, explain_miss, least_inflight, rank, reject_reason, score
+from reach._routing import eligible, explain_miss, rank, reject_reason, score
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
 
 H, N = Priority.HIGH, Priority.NORMAL
@@ -85,11 +83,3 @@ def test_score_formula_and_rank_order():
     assert rank([rec("x", heartbeat=False)], "geo.lookup", None, (), N)[0][2] == (
         "UP, no heartbeat yet"
     )
-
-
-def test_least_inflight_picks_the_least_busy_and_spreads_ties():
-    a, b, c = rec("a"), rec("b"), rec("c")
-    rng = random.Random(7)
-    assert least_inflight([a, b, c], {"a": 3, "b": 1, "c": 2}, rng) is b
-    picks = {least_inflight([a, b, c], {}, rng).info.agent_id for _ in range(60)}
-    assert picks == {"a", "b", "c"}

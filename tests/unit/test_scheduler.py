@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from reach import Priority
 from reach._scheduler import PriorityQueue, WorkQueue
+from reach.testing import eventually
 
 H, N, L = Priority.HIGH, Priority.NORMAL, Priority.LOW
 
@@ -38,7 +39,7 @@ def test_pop_order_is_stable_sort_by_priority(items):
 async def test_work_queue_hands_items_to_waiting_workers():
     wq: WorkQueue[str] = WorkQueue(1)
     getter = asyncio.ensure_future(wq.get())
-    await asyncio.sleep(0)  # let the getter park
+    await eventually(lambda: wq.idle == 1)
     assert wq.offer(L, "direct")
     assert await getter == "direct"
     assert len(wq) == 0
