@@ -22,9 +22,10 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from . import _srv
-from ._client import Client, connect_nats, flush_nats
+from ._client import Client
 from ._codec import encode_json, encode_payload, error_reply, now_ms
 from ._handlers import Context, Handler, HandlerSpec, inspect_handler
+from ._nats import connect_nats, flush_nats
 from ._runtime import run_async
 from ._scheduler import WorkQueue
 from ._subjects import validate_agent_id, validate_capability, validate_topic

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -21,6 +21,7 @@ from opentelemetry import propagate, trace
 
 from ._codec import decoder_for, encode_payload, error_from_reply, now_ms
 from ._config import ConfigMirror, config_bucket
+from ._nats import connect_nats, flush_nats
 from ._resilience import attempt_budget, backoff_delay
 from ._router import FAILOVER, Router
 from ._routing import Policy, Weights
@@ -88,52 +89,12 @@ class TopicMessage:
         return decoder_for(type_)(self.data)
 
 
-async def connect_nats(
-    settings: ReachSettings,
-    url: str,
-    name: str,
-    reconnected: Callable[[], Awaitable[None]] | None = None,
-) -> NatsConnection:
-    """Open a NATS connection, translating nats-py's failures into ConnectionFailed."""
-
-    async def on_error(exc: Exception) -> None:
-        log.warning("nats connection %s: %s", name, exc)
-
-    try:
-        # nats-py retries the first connect forever when reconnects are unlimited; bound it.
-        async with asyncio.timeout(settings.connect_timeout * 3):
-            return await nats.connect(
-                url,
-                name=name,
-                connect_timeout=settings.connect_timeout,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
-                error_cb=on_error,
-                reconnected_cb=reconnected,
-            )
-    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-        raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
-
-
 _PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
-
-
-async def flush_nats(nc: NatsConnection) -> None:
-    """Return once the server has processed everything sent so far.
-
-    nats-py 2.16 writes the flush PING straight to the socket, ahead of commands still in
-    its pending buffer, so one PONG can arrive before earlier SUBs are processed (seen here:
-    a no-responders reply 1 time in 200 right after an agent started). By the first PONG the
-    buffer has been written, so a second round trip covers it.
-    """
-    await nc.flush()
-    await nc.flush()
 
 
 class Client:

@@ -26,8 +26,8 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 
 from . import _kv
-from ._client import connect_nats, flush_nats
 from ._codec import encode_json, error_reply, now_ms
+from ._nats import connect_nats, flush_nats
 from ._routing import explain_miss, rank
 from ._subjects import Subjects, validate_agent_id
 from .errors import NotStarted

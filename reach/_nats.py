@@ -1,0 +1,89 @@
+"""The one place that talks to nats-py about connections: connect, flush, and the
+translation of nats-py's exceptions into ``ReachError``s.
+
+Everything above this module catches ``ReachError`` subclasses (or the ``TRANSIENT`` tuple
+for best-effort sends); nats-py's own exception classes are named here and nowhere else
+on the request, agent and registry paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsConnection
+
+from .errors import ConnectionFailed
+from .settings import ReachSettings
+
+__all__ = ["TRANSIENT", "NatsConnection", "connect_nats", "flush_nats", "translate"]
+
+log = logging.getLogger("reach.nats")
+
+#: What a send, a KV call or a request may raise when the server is away or slow. Best-effort
+#: sends (a heartbeat, an error reply, an event) catch exactly these and log them.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    nats.errors.Error,
+    nats.js.errors.Error,
+    OSError,
+    TimeoutError,
+)
+
+
+async def connect_nats(
+    settings: ReachSettings,
+    url: str,
+    name: str,
+    reconnected: Callable[[], Awaitable[None]] | None = None,
+) -> NatsConnection:
+    """Open a NATS connection that reconnects forever; ConnectionFailed if the first fails."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats connection %s: %s", name, exc)
+
+    try:
+        # nats-py retries the first connect forever when reconnects are unlimited; bound it.
+        async with asyncio.timeout(settings.connect_timeout * 3):
+            return await nats.connect(
+                url,
+                name=name,
+                connect_timeout=settings.connect_timeout,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                error_cb=on_error,
+                reconnected_cb=reconnected,
+            )
+    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
+
+
+async def flush_nats(nc: NatsConnection) -> None:
+    """Return once the server has processed everything sent so far.
+
+    nats-py 2.16 writes the flush PING straight to the socket, ahead of commands still in
+    its pending buffer, so one PONG can arrive before earlier SUBs are processed (seen here:
+    a no-responders reply 1 time in 200 right after an agent started). By the first PONG the
+    buffer has been written, so a second round trip covers it.
+    """
+    await nc.flush()
+    await nc.flush()
+
+
+@contextmanager
+def translate(url: str = "") -> Iterator[None]:
+    """Turn a lost or closed connection into ``ConnectionFailed`` (the one boundary)."""
+    try:
+        yield
+    except (
+        nats.errors.ConnectionClosedError,
+        nats.errors.OutboundBufferLimitError,
+        nats.errors.StaleConnectionError,
+        nats.errors.ConnectionReconnectingError,
+    ) as exc:
+        raise ConnectionFailed(f"not connected to NATS: {exc}", url=url) from exc

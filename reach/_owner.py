@@ -1,0 +1,91 @@
+"""Ownership of background work: every task an Agent, Client or Registry starts lives here.
+
+Closing the owner cancels and awaits all of them. A loop that crashes is logged, counted
+and restarted with backoff (``keep``); a one-off task that fails is logged and counted
+(``spawn``). Nothing dies silently and nothing outlives its owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+__all__ = ["TaskOwner"]
+
+log = logging.getLogger("reach.tasks")
+
+
+class TaskOwner:
+    """A set of tasks with one owner; like a TaskGroup whose children may fail alone."""
+
+    def __init__(self, owner: str, *, backoff: float = 0.1, backoff_max: float = 5.0) -> None:
+        self.owner = owner
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.failures = 0
+        self.restarts = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> asyncio.Task[Any]:
+        """Run ``coro`` as an owned task; a failure is logged and counted."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self.owner} is closed; cannot start {name or 'a task'}")
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.owner}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def keep(
+        self, factory: Callable[[], Coroutine[Any, Any, None]], name: str
+    ) -> asyncio.Task[Any]:
+        """Run the loop ``factory()`` for the owner's life, restarting it after a crash."""
+        return self.spawn(self._supervise(factory, name), name)
+
+    async def _supervise(self, factory: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        delay = self.backoff
+        while True:
+            try:
+                await factory()
+                return  # a loop that ends by itself is done
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.failures += 1
+                self.restarts += 1
+                log.exception("%s: %s crashed; restarting in %.2fs", self.owner, name, delay)
+            await asyncio.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 2, self.backoff_max)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.failures += 1
+            log.error("%s: task %s failed", self.owner, task.get_name(), exc_info=exc)
+
+    async def close(self) -> None:
+        """Cancel every task and wait for all of them to finish."""
+        self._closed = True
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def reopen(self) -> None:
+        """Allow spawning again after ``close`` (an agent or client started a second time)."""
+        self._closed = False
