@@ -30,6 +30,7 @@ __all__ = ["main"]
 
 
 def _settings(args: argparse.Namespace) -> ReachSettings:
+    """The command's settings, built once here at the edge (``--url`` over ``REACH_*``)."""
     if getattr(args, "url", None):
         return ReachSettings(nats_url=args.url)
     return ReachSettings()
@@ -52,9 +53,9 @@ def _print_value(data: bytes) -> None:
         print(data.decode("utf-8", "replace"))
 
 
-async def _call(args: argparse.Namespace) -> int:
+async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     payload = _parse_json(args.payload)
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+    async with Client(settings=settings, name="reach-cli") as client:
         reply = await client.call(
             args.capability,
             payload,
@@ -68,16 +69,16 @@ async def _call(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _publish(args: argparse.Namespace) -> int:
+async def _publish(args: argparse.Namespace, settings: ReachSettings) -> int:
     payload = _parse_json(args.payload)
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+    async with Client(settings=settings, name="reach-cli") as client:
         await client.publish(args.topic, payload)
         await client.flush()
     return 0
 
 
-async def _listen(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _listen(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         sub = await client.subscribe(args.topic)
         print(f"# listening on {args.topic}", file=sys.stderr, flush=True)
         count = 0
@@ -96,9 +97,9 @@ async def _listen(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _wait_for_registry(url: str, timeout: float = 15.0) -> None:
+async def _wait_for_registry(settings: ReachSettings, timeout: float = 15.0) -> None:
     """So that the URL is printed only once a registry answers."""
-    async with Client(url, name="reach-up") as client:
+    async with Client(settings=settings, name="reach-up") as client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -111,7 +112,7 @@ async def _wait_for_registry(url: str, timeout: float = 15.0) -> None:
     print("# registry did not answer yet; agents will register when it does", file=sys.stderr)
 
 
-def _up(args: argparse.Namespace) -> int:
+def _up(args: argparse.Namespace, settings: ReachSettings) -> int:
     """Run the wheel's nats-server in the foreground until Ctrl-C or SIGTERM."""
     config = args.config
     if config is None and Path("nats-server.conf").is_file():
@@ -144,23 +145,23 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    registry = None
-    if not args.no_registry:
-        registry = subprocess.Popen(
-            [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
-            stdin=subprocess.DEVNULL,
-        )
-        run_async(_wait_for_registry(server.url))
-    print(server.url, flush=True)
-    print(
-        f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
-        file=sys.stderr,
-        flush=True,
-    )
-    print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
-    if registry is not None:
-        print(f"# registry pid {registry.pid}", file=sys.stderr, flush=True)
+    registry: subprocess.Popen[bytes] | None = None
     try:
+        if not args.no_registry:
+            registry = subprocess.Popen(
+                [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
+                stdin=subprocess.DEVNULL,
+            )
+            run_async(_wait_for_registry(settings.model_copy(update={"nats_url": server.url})))
+        print(server.url, flush=True)
+        print(
+            f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
+        if registry is not None:
+            print(f"# registry pid {registry.pid}", file=sys.stderr, flush=True)
         while not stop:
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"nats-server exited with {server.proc.returncode}", file=sys.stderr)
@@ -199,8 +200,8 @@ def _plain(text: str) -> str:
     return re.sub(r"\033\[[0-9;]*m", "", text)
 
 
-async def _agents(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         records = await client.agents(args.capability)
     if args.json:
         print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
@@ -241,8 +242,8 @@ async def _agents(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _watch(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _watch(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         nc = client.nc
         sub = await nc.subscribe(client.subjects.event("*"))
         await client.flush()
@@ -271,8 +272,8 @@ async def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _control(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _control(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         try:
             msg = await client.nc.request(
                 client.subjects.ctl(args.agent_id),
@@ -288,8 +289,8 @@ async def _control(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _registry(args: argparse.Namespace) -> int:
-    registry = Registry(settings=_settings(args))
+async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
+    registry = Registry(settings=settings)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -304,7 +305,7 @@ async def _registry(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
     from ._demo import run_demo
 
     return run_async(run_demo())
@@ -372,10 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        settings = _settings(args)  # once, before anything starts: bad values stop us here
         if args.is_async:
-            code: int = run_async(args.run(args))
+            code: int = run_async(args.run(args, settings))
         else:
-            code = args.run(args)
+            code = args.run(args, settings)
     except ReachError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """End to end through processes: `reach up`, `reach call|publish|listen`, `agent.run()`."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -156,6 +157,38 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
     assert up.returncode == 0
     with pytest.raises(ProcessLookupError):
         os.kill(server_pid, 0)
+
+
+async def test_reach_up_checks_settings_before_it_starts_anything(tmp_path):
+    """Settings are built once, at the edge, before a server or registry is started: bad
+    ``REACH_*`` values end the command with an error and leave no process behind."""
+    up = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "up",
+        "--port",
+        "-1",
+        "--data-dir",
+        str(tmp_path / "data"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, "REACH_TIMEOUT_MS": "0"},
+    )
+    async with asyncio.timeout(60):
+        _, err = await up.communicate()
+    assert up.returncode == 2
+    assert "timeout_ms" in err.decode()
+    log = tmp_path / "data" / "nats-server.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    orphans = set()
+    for pid in {int(line[1 : line.index("]")]) for line in lines}:  # "[pid] date [INF] ..."
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            orphans.add(pid)
+    assert orphans == set()
+    assert lines == []  # no server was even started
 
 
 async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_server):
