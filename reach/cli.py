@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -306,9 +307,23 @@ async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 
 def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
-    from ._demo import run_demo
-
-    return run_async(run_demo())
+    """Run ``sdk/examples/demo.py``: the demo is built from the example agents, which live
+    in the repository (``make demo``), not in the installed package."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        script = root / "sdk" / "examples" / "demo.py"
+        if script.is_file():
+            break
+    else:
+        print(
+            "error: the demo runs the example agents of the repository: clone it and run "
+            "'make demo' (or 'python sdk/examples/demo.py')",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(script.parent))  # its sibling example agents
+    demo = runpy.run_path(str(script))
+    code: int = run_async(demo["main"]())
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_url(sub.add_parser("registry", help="run a registry replica until Ctrl-C"))
     p.set_defaults(run=_registry, is_async=True)
 
-    p = sub.add_parser("demo", help="a self-contained customer-service scenario")
+    p = sub.add_parser("demo", help="the customer-service desk (sdk/examples/demo.py)")
     p.set_defaults(run=_demo, is_async=False)
     return parser
 

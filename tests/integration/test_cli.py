@@ -191,16 +191,22 @@ async def test_reach_up_checks_settings_before_it_starts_anything(tmp_path):
     assert lines == []  # no server was even started
 
 
-async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_server):
+async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(reach_settings):
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         str(ROOT / "sdk" / "examples" / "logistics.py"),
+        "logistics-sigterm",
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "REACH_NATS_URL": nats_server.url, "REACH_DRAIN_TIMEOUT": "20"},
+        env={
+            **os.environ,
+            "REACH_NATS_URL": reach_settings.nats_url,
+            "REACH_SUBJECT_PREFIX": reach_settings.subject_prefix,
+            "REACH_DRAIN_TIMEOUT": "20",
+        },
     )
     try:
-        await read_line_containing(proc.stderr, "serving logistics.track")
-        async with Client(nats_server.url) as client:
+        await read_line_containing(proc.stderr, "logistics-sigterm serving logistics.track")
+        async with Client(settings=reach_settings) as client:
             calls = [
                 asyncio.create_task(
                     client.request("logistics.track", {"order_id": f"o{i}"}, timeout=30)
@@ -238,4 +244,6 @@ async def test_demo_runs_end_to_end():
     assert "logistics-1" in text
     assert "logistics-2" in text
     assert "fails fast" in text
+    assert "logistics-3 is killed" in text
+    assert "logistics-2 is drained" in text
     assert "Demo OK" in text
