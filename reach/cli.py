@@ -22,7 +22,7 @@ from ._client import Client
 from ._codec import now_ms
 from ._registry import Registry
 from ._runtime import run_async
-from ._server import NatsServer
+from ._server import NatsServer, config_with_store
 from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
 from .wire import AgentEvent, Control, ControlReply, Priority
@@ -121,15 +121,7 @@ def _up(args: argparse.Namespace, settings: ReachSettings) -> int:
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     if config is not None:
-        # nats-server refuses -sd beside a store_dir in the file: write the data dir in.
-        text = Path(config).read_text()
-        store = f'store_dir: "{data_dir / "jetstream"}"'
-        text, found = re.subn(r"(?m)^\s*store_dir\s*[:=].*$", store, text)
-        if not found:
-            text += f"\njetstream {{\n  {store}\n}}\n"
-        effective = data_dir / "nats-server.effective.conf"
-        effective.write_text(text)
-        config = str(effective)
+        config = str(config_with_store(config, data_dir))
     server = NatsServer(
         store_dir=data_dir / "jetstream",
         port=args.port,
@@ -307,22 +299,14 @@ async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 
 def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
-    """Run ``sdk/examples/demo.py``: the demo is built from the example agents, which live
-    in the repository (``make demo``), not in the installed package."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        script = root / "sdk" / "examples" / "demo.py"
-        if script.is_file():
-            break
-    else:
-        print(
-            "error: the demo runs the example agents of the repository: clone it and run "
-            "'make demo' (or 'python sdk/examples/demo.py')",
-            file=sys.stderr,
-        )
-        return 2
-    sys.path.insert(0, str(script.parent))  # its sibling example agents
-    demo = runpy.run_path(str(script))
-    code: int = run_async(demo["main"]())
+    """Run ``sdk/examples/demo.py``: it is built from the example agents, which live in the
+    repository (``make demo``), not in the installed package."""
+    roots = (Path.cwd(), Path(__file__).resolve().parents[1])
+    found = [r / "sdk/examples/demo.py" for r in roots if (r / "sdk/examples/demo.py").is_file()]
+    if not found:
+        raise ConfigurationError("the demo runs the repository's sdk/examples: run 'make demo'")
+    sys.path.insert(0, str(found[0].parent))  # its sibling example agents
+    code: int = run_async(runpy.run_path(str(found[0]))["main"]())
     return code
 
 
