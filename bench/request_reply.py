@@ -214,6 +214,17 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             )
 
         await eventually(both_known, timeout=60)
+        # Status changes while measuring (an instance whose queue passes 80% of max_queue
+        # reports DEGRADED, and balanced routing then steers away from it).
+        changes: dict[str, int] = {}
+
+        async def on_event(msg: Any) -> None:
+            ev = msgspec.json.decode(msg.data, type=reach.AgentEvent)
+            key = f"{ev.agent_id} -> {'gone' if ev.removed else ev.new.value}"
+            changes[key] = changes.get(key, 0) + 1
+
+        await client.nc.subscribe(client.subjects.event("*"), cb=on_event)
+        await client.flush()
 
         async def reach_call() -> None:
             await client.request(CAP, body, timeout=5)
@@ -254,7 +265,12 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             per_round.append(rates)
     await nc.close()
 
-    out: dict[str, Any] = {"variants": {}, "ratios": {}, "rounds": per_round}
+    out: dict[str, Any] = {
+        "variants": {},
+        "ratios": {},
+        "rounds": per_round,
+        "status_changes": changes,
+    }
     for name in names:
         out["variants"][name] = {
             f"{mode}_{what}": value
@@ -331,6 +347,8 @@ def main() -> int:
             f"bench-{i} {c['raw']:,} / {c['reach']:,}" for i, c in sorted(out["served"].items())
         )
     )
+    changes = ", ".join(f"{k} x{n}" for k, n in sorted(out["status_changes"].items()))
+    print(f"status changes while measuring: {changes or 'none'}")
     print()
     print(table(out, args))
     return 0
