@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/reach demo
+	$(PY) sdk/examples/demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check reach services sdk tests bench

@@ -1,11 +1,27 @@
-"""Request/reply overhead: reach.Client -> reach.Agent vs raw nats-py, same server, same run.
+"""Request/reply on the default path: reach vs raw nats-py, same server, same run.
 
-Both sides do the same application work (a 256-byte JSON payload, decoded and re-encoded by
-the responder with msgspec); the difference is what Agent-Reach adds (headers, deadline,
-priority queue and workers, error mapping). Responders run in a child process; the client
-side alternates raw and reach rounds and reports medians and the reach/raw ratio.
+What users get by default: a registry running (its own process), two agent instances (one
+process each, default settings: balanced routing, max_concurrency 8, max_queue 64) and a
+`reach.Client` whose routing table holds both. Each instance process also runs a raw nats-py
+responder in queue group `raw`, doing the same per-request work as the reach handler: msgspec
+JSON decode of the 256-byte request and encode of the reply.
 
-    python bench/request_reply.py [--rounds 5] [--seconds 2] [--inflight 64]
+Client variants, all in this process, all sending the same 256 pre-encoded bytes and
+decoding the reply:
+- `reach`: `client.request(capability, body)`, balanced routing to a direct subject.
+- `raw nc.request`: nats-py's own `nc.request`. By default it IS a muxed inbox: one
+  wildcard subscription `_INBOX.<nuid>.*` for all replies, a future per request keyed by a
+  token, and `asyncio.wait_for` for the timeout (`old_style=True` would be a subscription
+  per request; not measured).
+- `raw mux`: the same muxed inbox written by hand with a subscription callback and one
+  `loop.call_later` timer per request instead of `wait_for` (the technique reach's Client
+  uses): the tightest raw baseline.
+
+Rounds interleave every variant (rotating their order), sequentially and with N in flight;
+ratios reach/raw are computed within each round and the median over rounds is reported.
+
+    python bench/request_reply.py [--quick] [--rounds 5] [--seconds 2] [--inflight 64]
+                                  [--uvloop] [--json]
 """
 
 from __future__ import annotations
@@ -17,78 +33,165 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import nats
 
 import reach
-from reach.testing import NatsServer
+from reach.testing import NatsServer, eventually
 
-PAYLOAD = {
-    "order_id": "A-1029384756",
-    "customer": "c-000123",
-    "note": "x" * 150,
-    "items": [{"sku": "sku-1", "qty": 2}, {"sku": "sku-2", "qty": 1}],
-}
 RAW = "bench.raw"
 CAP = "bench.echo"
+SIZE = 256
 
 
-def _payload_bytes() -> bytes:
-    data = msgspec.json.encode(PAYLOAD)
-    return data + b" " * (256 - len(data)) if len(data) < 256 else data
+def payload() -> bytes:
+    """A realistic JSON request of exactly SIZE bytes."""
+    value: dict[str, Any] = {
+        "order_id": "A-1029384756",
+        "customer": "c-000123",
+        "items": [{"sku": "sku-1", "qty": 2}, {"sku": "sku-2", "qty": 1}],
+        "note": "",
+    }
+    value["note"] = "x" * (SIZE - len(msgspec.json.encode(value)))
+    body = msgspec.json.encode(value)
+    assert len(body) == SIZE, len(body)
+    return body
 
 
-def responders(url: str, ready: Any, stop: Any) -> None:
+# -- child processes: the registry, and two instances (a reach agent + a raw responder) ----
+
+
+def run_registry(url: str, ready: Any, stop: Any) -> None:
     async def main() -> None:
+        async with reach.Registry(settings=reach.ReachSettings(nats_url=url)):
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    asyncio.run(main())
+
+
+def run_instance(url: str, index: int, ready: Any, stop: Any, served: Any) -> None:
+    async def main() -> None:
+        count = {"raw": 0, "reach": 0}
         nc = await nats.connect(url)
 
         async def raw(msg: Any) -> None:
-            value = msgspec.json.decode(msg.data)
-            await nc.publish(msg.reply, msgspec.json.encode(value))
+            count["raw"] += 1
+            await nc.publish(msg.reply, msgspec.json.encode(msgspec.json.decode(msg.data)))
 
-        await nc.subscribe(RAW, cb=raw)
+        await nc.subscribe(RAW, queue="raw", cb=raw)
         await nc.flush()
-        agent = reach.Agent(
-            "bench", settings=reach.ReachSettings(nats_url=url), max_concurrency=64, max_queue=1024
-        )
+        agent = reach.Agent("bench", f"bench-{index}", settings=reach.ReachSettings(nats_url=url))
 
         @agent.capability(CAP)
         async def echo(value: dict[str, Any]) -> dict[str, Any]:
+            count["reach"] += 1
             return value
 
         async with agent:
             ready.set()
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await nc.close()
+        served.put((index, count))
 
     asyncio.run(main())
 
 
-async def sequential(fn: Any, seconds: float) -> tuple[float, list[float]]:
+class Fleet:
+    """The registry and the two instances, each in its own process."""
+
+    def __init__(self, url: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.served: Any = ctx.Queue()
+        self.readies = [ctx.Event() for _ in range(3)]
+        self.procs = [ctx.Process(target=run_registry, args=(url, self.readies[0], self.stop))]
+        self.procs += [
+            ctx.Process(
+                target=run_instance, args=(url, i, self.readies[i + 1], self.stop, self.served)
+            )
+            for i in range(2)
+        ]
+
+    def __enter__(self) -> Fleet:
+        for proc, ready in zip(self.procs, self.readies, strict=True):
+            proc.start()
+            if not ready.wait(60):
+                raise RuntimeError("a bench process did not start")
+        return self
+
+    def counts(self) -> dict[int, dict[str, int]]:
+        """What each instance served, once it has stopped."""
+        return dict(self.served.get(timeout=30) for _ in range(2))
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+# -- the client side ----------------------------------------------------------------------
+
+
+class Mux:
+    """A hand-written muxed inbox: one wildcard subscription, futures by token, a timer."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.pending: dict[str, asyncio.Future[Any]] = {}
+        self.prefix = ""
+        self.seq = 0
+
+    async def start(self) -> None:
+        self.prefix = self.nc.new_inbox() + "."
+        await self.nc.subscribe(self.prefix + "*", cb=self.on_reply)
+        await self.nc.flush()
+
+    async def on_reply(self, msg: Any) -> None:
+        fut = self.pending.get(msg.subject[len(self.prefix) :])
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    async def request(self, subject: str, body: bytes, timeout: float) -> Any:
+        self.seq += 1
+        token = str(self.seq)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[token] = fut
+        timer = asyncio.get_running_loop().call_later(timeout, expire, fut)
+        try:
+            await self.nc.publish(subject, body, reply=self.prefix + token)
+            return await fut
+        finally:
+            timer.cancel()
+            del self.pending[token]
+
+
+def expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+Call = Callable[[], Awaitable[None]]
+
+
+async def closed_loop(fn: Call, seconds: float, inflight: int) -> tuple[float, list[float]]:
+    """Requests per second and per-request latencies (s) with ``inflight`` callers."""
     lat: list[float] = []
-    end = time.perf_counter() + seconds
-    t0 = time.perf_counter()
-    while (now := time.perf_counter()) < end:
-        await fn()
-        lat.append(time.perf_counter() - now)
-    return len(lat) / (time.perf_counter() - t0), lat
-
-
-async def concurrent(fn: Any, seconds: float, inflight: int) -> float:
-    count = 0
     end = time.perf_counter() + seconds
 
     async def worker() -> None:
-        nonlocal count
-        while time.perf_counter() < end:
+        while (t := time.perf_counter()) < end:
             await fn()
-            count += 1
+            lat.append(time.perf_counter() - t)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(inflight)))
-    return count / (time.perf_counter() - t0)
+    return len(lat) / (time.perf_counter() - t0), lat
 
 
 def pct(values: list[float], q: float) -> float:
@@ -96,91 +199,160 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    body = _payload_bytes()
+async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    body = payload()
+    settings = reach.ReachSettings(nats_url=url)
     nc = await nats.connect(url)
-    client = await reach.Client(settings=reach.ReachSettings(nats_url=url)).connect()
+    mux = Mux(nc)
+    await mux.start()
+    async with reach.Client(settings=settings, name="bench") as client:
 
-    async def raw_call() -> None:
-        msg = await nc.request(RAW, msgspec.json.encode(msgspec.json.decode(body)), timeout=5)
-        msgspec.json.decode(msg.data)
+        async def both_known() -> bool:
+            records = await client.agents(CAP)
+            return len(records) == 2 and all(
+                r.status == reach.Status.UP and r.heartbeat for r in records
+            )
 
-    async def reach_call() -> None:
-        await client.request(CAP, body, timeout=5)
+        await eventually(both_known, timeout=60)
+        # Status changes while measuring (an instance whose queue passes 80% of max_queue
+        # reports DEGRADED, and balanced routing then steers away from it).
+        changes: dict[str, int] = {}
 
-    for fn in (raw_call, reach_call):  # warm up
-        await sequential(fn, 0.3)
-    results: dict[str, dict[str, list[float]]] = {
-        k: {"seq": [], "p50": [], "p99": [], "conc": []} for k in ("raw", "reach")
-    }
-    for _ in range(args.rounds):
-        for name, fn in (("raw", raw_call), ("reach", reach_call)):
-            rate, lat = await sequential(fn, args.seconds)
-            r = results[name]
-            r["seq"].append(rate)
-            r["p50"].append(pct(lat, 0.5) * 1e6)
-            r["p99"].append(pct(lat, 0.99) * 1e6)
-            r["conc"].append(await concurrent(fn, args.seconds, args.inflight))
-    await client.close()
+        async def on_event(msg: Any) -> None:
+            ev = msgspec.json.decode(msg.data, type=reach.AgentEvent)
+            key = f"{ev.agent_id} -> {'gone' if ev.removed else ev.new.value}"
+            changes[key] = changes.get(key, 0) + 1
+
+        await client.nc.subscribe(client.subjects.event("*"), cb=on_event)
+        await client.flush()
+
+        async def reach_call() -> None:
+            await client.request(CAP, body, timeout=5)
+
+        async def raw_request() -> None:
+            msg = await nc.request(RAW, body, timeout=5)
+            msgspec.json.decode(msg.data)
+
+        async def raw_mux() -> None:
+            msg = await mux.request(RAW, body, 5)
+            msgspec.json.decode(msg.data)
+
+        variants: dict[str, Call] = {
+            "reach": reach_call,
+            "raw nc.request": raw_request,
+            "raw mux": raw_mux,
+        }
+        # Same answer on every path, and reach really spreads over both instances.
+        assert len((await nc.request(RAW, body, timeout=5)).data) == SIZE
+        assert len((await mux.request(RAW, body, 5)).data) == SIZE
+        by = {(await client.call(CAP, body)).agent_id for _ in range(200)}
+        assert by == {"bench-0", "bench-1"}, by
+        for fn in variants.values():  # warm up
+            await closed_loop(fn, args.warmup, 1)
+            await closed_loop(fn, args.warmup, args.inflight)
+
+        names = list(variants)
+        per_round: list[dict[str, dict[str, float]]] = []
+        lat: dict[str, dict[str, list[float]]] = {n: {"seq": [], "conc": []} for n in names}
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            rates: dict[str, dict[str, float]] = {n: {} for n in names}
+            for mode, inflight in (("seq", 1), ("conc", args.inflight)):
+                for name in order:
+                    rate, values = await closed_loop(variants[name], args.seconds, inflight)
+                    rates[name][mode] = rate
+                    lat[name][mode] += values
+            per_round.append(rates)
     await nc.close()
-    med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in results.items()}
-    return {
-        "raw": med["raw"],
-        "reach": med["reach"],
-        "ratio_sequential": med["reach"]["seq"] / med["raw"]["seq"],
-        "ratio_inflight": med["reach"]["conc"] / med["raw"]["conc"],
-        "rounds": args.rounds,
-        "seconds": args.seconds,
-        "inflight": args.inflight,
-        "loop": "uvloop" if args.uvloop else "asyncio",
+
+    out: dict[str, Any] = {
+        "variants": {},
+        "ratios": {},
+        "rounds": per_round,
+        "status_changes": changes,
     }
+    for name in names:
+        out["variants"][name] = {
+            f"{mode}_{what}": value
+            for mode in ("seq", "conc")
+            for what, value in (
+                ("rate", statistics.median(r[name][mode] for r in per_round)),
+                ("p50_us", pct(lat[name][mode], 0.5) * 1e6),
+                ("p99_us", pct(lat[name][mode], 0.99) * 1e6),
+            )
+        }
+    for raw in ("raw nc.request", "raw mux"):
+        out["ratios"][raw] = {
+            mode: statistics.median(r["reach"][mode] / r[raw][mode] for r in per_round)
+            for mode in ("seq", "conc")
+        }
+    return out
+
+
+def table(out: dict[str, Any], args: argparse.Namespace) -> str:
+    n = args.inflight
+    rows = [
+        f"| client | sequential req/s | p50 / p99 µs | {n} in flight req/s | p50 / p99 µs |",
+        "|---|---|---|---|---|",
+    ]
+    for name, v in out["variants"].items():
+        rows.append(
+            f"| {name} | {v['seq_rate']:,.0f} | {v['seq_p50_us']:,.0f} / {v['seq_p99_us']:,.0f}"
+            f" | {v['conc_rate']:,.0f} | {v['conc_p50_us']:,.0f} / {v['conc_p99_us']:,.0f} |"
+        )
+    for raw, r in out["ratios"].items():
+        rows.append(f"| **reach / {raw}** | **{r['seq']:.2f}x** | | **{r['conc']:.2f}x** | |")
+    return "\n".join(rows)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds x 1 s, short warm-up")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--inflight", type=int, default=64)
     parser.add_argument("--uvloop", action="store_true", help="run the client on uvloop")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    with NatsServer() as server:
-        ctx = mp.get_context("spawn")
-        ready, stop = ctx.Event(), ctx.Event()
-        child = ctx.Process(target=responders, args=(server.url, ready, stop))
-        child.start()
-        try:
-            if not ready.wait(30):
-                print("responders did not start", file=sys.stderr)
-                return 1
-            if args.uvloop:
-                import uvloop
+    args.warmup = 0.5
+    if args.quick:
+        args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
+    with NatsServer() as server, Fleet(server.url) as fleet:
+        if args.uvloop:
+            import uvloop
 
-                out = uvloop.run(run(args, server.url))
-            else:
-                out = asyncio.run(run(args, server.url))
-        finally:
-            stop.set()
-            child.join(10)
-            if child.is_alive():
-                child.kill()
+            out = uvloop.run(measure(args, server.url))
+        else:
+            out = asyncio.run(measure(args, server.url))
+        fleet.stop.set()
+        out["served"] = fleet.counts()
+    out["setup"] = {
+        "rounds": args.rounds,
+        "seconds": args.seconds,
+        "inflight": args.inflight,
+        "loop": "uvloop" if args.uvloop else "asyncio",
+        "payload_bytes": SIZE,
+    }
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(
-        f"request/reply, 256-byte JSON, {args.rounds} alternating rounds x {args.seconds}s, "
-        f"medians ({out['loop']})"
+        f"request/reply, {SIZE}-byte JSON; registry + 2 instances (balanced) vs 2 raw queue-group"
+        f" responders; {args.rounds} interleaved rounds x {args.seconds:g} s;"
+        f" {out['setup']['loop']}"
     )
-    print(f"{'':8}{'seq rt/s':>10}{'p50 us':>9}{'p99 us':>9}{f'{args.inflight} in flight/s':>18}")
-    for k in ("raw", "reach"):
-        m = out[k]
-        print(f"{k:8}{m['seq']:>10.0f}{m['p50']:>9.0f}{m['p99']:>9.0f}{m['conc']:>18.0f}")
     print(
-        f"ratio reach/raw: sequential {out['ratio_sequential']:.2f}x (goal >= 0.85), "
-        f"{args.inflight} in flight {out['ratio_inflight']:.2f}x (goal >= 0.75)"
+        "served per instance (raw, reach): "
+        + ", ".join(
+            f"bench-{i} {c['raw']:,} / {c['reach']:,}" for i, c in sorted(out["served"].items())
+        )
     )
+    changes = ", ".join(f"{k} x{n}" for k, n in sorted(out["status_changes"].items()))
+    print(f"status changes while measuring: {changes or 'none'}")
+    print()
+    print(table(out, args))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

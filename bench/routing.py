@@ -1,13 +1,16 @@
 """Routing benchmarks: decision cost, overhead, a skewed fleet, and a SIGKILL under load.
 
     python bench/routing.py decision [--sizes 10 100 1000]
-    python bench/routing.py overhead [--rounds 5 --seconds 2]
+    python bench/routing.py overhead [--rounds 5 --seconds 2]   (3 instances)
     python bench/routing.py skewed   [--rounds 3 --seconds 4 --png bench/results/skewed.png]
+                                     (default heartbeat interval; --no-png without matplotlib)
     python bench/routing.py failure  [--rate 500 --seconds 30 --kill-at 10]
     python bench/routing.py all
 
 Everything runs against one local nats-server and a registry; agents live in child
 processes, the client in this one. Ratios compare runs made in the same process run.
+Settings are the defaults (5 s heartbeats, 15 s leases) except where a bench says otherwise:
+`decision` keeps its simulated leases alive while it measures.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from reach.testing import NatsServer, eventually
 from reach.wire import AgentInfo, CapabilityInfo, Heartbeat, Registration
 
 RESULTS = Path(__file__).parent / "results"
-FAST = {"heartbeat_interval": 1.0, "lease_ttl": 3.0}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -42,7 +44,17 @@ def pct(values: list[float], q: float) -> float:
 
 
 def settings(url: str, prefix: str, **kw: Any) -> reach.ReachSettings:
-    return reach.ReachSettings(nats_url=url, subject_prefix=prefix, **{**FAST, **kw})
+    return reach.ReachSettings(nats_url=url, subject_prefix=prefix, **kw)
+
+
+async def whole_fleet(client: reach.Client, n: int) -> None:
+    """Wait until the client's routing table holds all n instances, UP."""
+
+    async def known() -> bool:
+        records = await client.agents("bench.work")
+        return len(records) == n and all(r.status == reach.Status.UP for r in records)
+
+    await eventually(known, timeout=60)
 
 
 # -- decision cost ----------------------------------------------------------------------
@@ -197,11 +209,12 @@ async def open_loop(fn: Any, rate: float, seconds: float) -> list[float]:
 
 async def overhead(url: str, rounds: int, seconds: float) -> dict[str, Any]:
     prefix = "ovh"
+    instances = 3
     body = msgspec.json.encode({"order_id": "A-1", "note": "x" * 200})
-    with Fleet(url, prefix, [0.0], 64):
+    with Fleet(url, prefix, [0.0] * instances, 64):
         nc = await nats.connect(url)
         async with reach.Client(settings=settings(url, prefix)) as client:
-            await client.agents()
+            await whole_fleet(client, instances)
 
             async def raw() -> None:
                 msg = await nc.request(f"{prefix}.raw", body, timeout=5)
@@ -224,6 +237,7 @@ async def overhead(url: str, rounds: int, seconds: float) -> dict[str, Any]:
         await nc.close()
     med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in res.items()}
     return {
+        "instances": instances,
         "throughput": {k: {m: round(v) for m, v in r.items()} for k, r in med.items()},
         "balanced_vs_queue_seq": round(med["balanced"]["seq"] / med["queue"]["seq"], 3),
         "balanced_vs_queue_64": round(med["balanced"]["conc"] / med["queue"]["conc"], 3),
@@ -245,7 +259,7 @@ async def skewed(
     share: dict[str, dict[str, int]] = {p: {} for p in policies}
     with Fleet(url, prefix, delays, 8):
         async with reach.Client(settings=settings(url, prefix)) as client:
-            await client.agents()
+            await whole_fleet(client, len(delays))
             for policy in policies:  # warm up: heartbeats and this client's EWMAs
 
                 async def warm(p: str = policy) -> None:
@@ -274,6 +288,7 @@ async def skewed(
         for p in policies
     }
     out["balanced_p99_vs_queue"] = round(out["balanced"]["p99_ms"] / out["queue"]["p99_ms"], 3)
+    out["heartbeat_interval_s"] = settings(url, prefix).heartbeat_interval  # the default
     if png is not None:
         chart(lat, png)
         out["png"] = str(png)
@@ -401,6 +416,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--png", type=Path, default=RESULTS / "skewed.png")
+    parser.add_argument("--no-png", action="store_true", help="skip the chart (no matplotlib)")
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--kill-at", type=float, default=30.0)
@@ -414,7 +430,8 @@ def main() -> int:
             elif which == "overhead":
                 report[which] = asyncio.run(overhead(server.url, args.rounds, args.seconds))
             elif which == "skewed":
-                report[which] = asyncio.run(skewed(server.url, args.rounds, args.seconds, args.png))
+                png = None if args.no_png else args.png
+                report[which] = asyncio.run(skewed(server.url, args.rounds, args.seconds, png))
             else:
                 report[which] = asyncio.run(
                     failure(server.url, args.rate, args.duration, args.kill_at)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Self
 
 from .errors import ConfigurationError, ConnectionFailed
+
+_POLL = 0.01  # seconds between looks at the ports file or the process
 
 
 def nats_server_binary(explicit: str = "") -> str:
@@ -36,11 +40,30 @@ def nats_server_binary(explicit: str = "") -> str:
     )
 
 
+def config_with_store(config: str | Path, data_dir: Path) -> Path:
+    """A copy of ``config`` in ``data_dir`` whose JetStream store is ``data_dir/jetstream``.
+
+    nats-server refuses ``-sd`` beside a ``store_dir`` in the file, so the dir is written in.
+    """
+    text = Path(config).read_text()
+    store = f'store_dir: "{data_dir / "jetstream"}"'
+    text, found = re.subn(r"(?m)^\s*store_dir\s*[:=].*$", store, text)
+    if not found:
+        text += f"\njetstream {{\n  {store}\n}}\n"
+    effective = data_dir / "nats-server.effective.conf"
+    effective.write_text(text)
+    return effective
+
+
 class NatsServer:
     """A nats-server process on loopback with JetStream in a store dir, stopped by its PID.
 
     ``port=-1`` lets the server pick a free port; readiness comes from the ports file it
     writes. ``restart()`` reuses the same port and store, so clients reconnect to it.
+
+    Sync code (session fixtures, the CLI) uses ``start``/``stop``/``kill``/``restart``/``close``
+    or ``with``; async code uses ``astart``/``astop``/``akill``/``arestart``/``aclose`` or
+    ``async with``, which poll with ``asyncio.sleep`` and never block the event loop.
     """
 
     def __init__(
@@ -93,9 +116,8 @@ class NatsServer:
             cmd += ["-js", "-sd", str(self.store_dir)]
         return cmd + list(self.extra_args)
 
-    def start(self, timeout: float = 10.0) -> Self:
-        if self.proc is not None and self.proc.poll() is None:
-            return self
+    def _spawn(self) -> Path:
+        """Start the process; the path of the ports file that says it is ready."""
         ports_dir = self.work_dir / "ports"
         if ports_dir.exists():
             for old in ports_dir.iterdir():
@@ -106,52 +128,118 @@ class NatsServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        ports_file = ports_dir / f"{Path(self.binary).name}_{self.proc.pid}.ports"
+        return ports_dir / f"{Path(self.binary).name}_{self.proc.pid}.ports"
+
+    def _ready(self, ports_file: Path) -> bool:
+        """True once the ports file holds the client URL; ConnectionFailed if the server died."""
+        assert self.proc is not None
+        if ports_file.exists():
+            try:
+                self.url = json.loads(ports_file.read_text())["nats"][0]
+            except (ValueError, KeyError, IndexError):
+                pass  # written but not complete yet
+            else:
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return True
+        if self.proc.poll() is not None:
+            raise ConnectionFailed(
+                f"nats-server exited with {self.proc.returncode}; see {self.log_file}"
+            )
+        return False
+
+    def _running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 10.0) -> Self:
+        """Start and wait (blocking) until it accepts clients; for sync code and fixtures."""
+        if self._running():
+            return self
+        ports_file = self._spawn()
         deadline = time.monotonic() + timeout
-        while True:
-            if ports_file.exists():
-                try:
-                    info = json.loads(ports_file.read_text())
-                    self.url = info["nats"][0]
-                    break
-                except (ValueError, KeyError, IndexError):
-                    pass  # written but not complete yet
-            if self.proc.poll() is not None:
-                raise ConnectionFailed(
-                    f"nats-server exited with {self.proc.returncode}; see {self.log_file}"
-                )
+        while not self._ready(ports_file):
             if time.monotonic() > deadline:
                 self.kill()
                 raise ConnectionFailed(f"nats-server not ready within {timeout}s")
-            time.sleep(0.01)
-        self.port = int(self.url.rsplit(":", 1)[1])
+            time.sleep(_POLL)
         return self
 
-    def _signal(self, sig: signal.Signals, wait: float) -> None:
+    async def astart(self, timeout: float = 10.0) -> Self:
+        """``start()`` for async code: waits for readiness without blocking the loop."""
+        if self._running():
+            return self
+        ports_file = self._spawn()
+        deadline = time.monotonic() + timeout
+        while True:
+            await asyncio.sleep(_POLL)
+            if self._ready(ports_file):
+                return self
+            if time.monotonic() > deadline:
+                await self.akill()
+                raise ConnectionFailed(f"nats-server not ready within {timeout}s")
+
+    def _send(self, sig: signal.Signals) -> subprocess.Popen[bytes] | None:
+        """Signal the process by its PID; None if there is none running."""
         proc = self.proc
         if proc is None or proc.poll() is not None:
-            return
+            return None
         os.kill(proc.pid, sig)
+        return proc
+
+    def _signal(self, sig: signal.Signals, wait: float) -> None:
+        proc = self._send(sig)
+        if proc is None:
+            return
         try:
             proc.wait(wait)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
 
+    async def _asignal(self, sig: signal.Signals, wait: float) -> None:
+        proc = self._send(sig)
+        if proc is None:
+            return
+        deadline = time.monotonic() + wait
+        while True:
+            await asyncio.sleep(_POLL)
+            if proc.poll() is not None:
+                return
+            if time.monotonic() > deadline and sig != signal.SIGKILL:
+                os.kill(proc.pid, signal.SIGKILL)
+                sig = signal.SIGKILL
+
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful stop (SIGTERM), then SIGKILL if it lingers."""
         self._signal(signal.SIGTERM, timeout)
 
+    async def astop(self, timeout: float = 10.0) -> None:
+        """``stop()`` for async code: awaits the exit without blocking the loop."""
+        await self._asignal(signal.SIGTERM, timeout)
+
     def kill(self) -> None:
         self._signal(signal.SIGKILL, 10.0)
+
+    async def akill(self) -> None:
+        """``kill()`` for async code."""
+        await self._asignal(signal.SIGKILL, 10.0)
 
     def restart(self, timeout: float = 10.0) -> Self:
         """Stop and start again on the same port and store dir."""
         self.stop()
         return self.start(timeout)
 
+    async def arestart(self, timeout: float = 10.0) -> Self:
+        """``restart()`` for async code."""
+        await self.astop()
+        return await self.astart(timeout)
+
     def close(self) -> None:
         self.stop()
+        self._tmp.cleanup()
+
+    async def aclose(self) -> None:
+        """``close()`` for async code."""
+        await self.astop()
         self._tmp.cleanup()
 
     def __enter__(self) -> Self:
@@ -159,3 +247,9 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> Self:
+        return await self.astart()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

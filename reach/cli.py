@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from ._client import Client
 from ._codec import now_ms
 from ._registry import Registry
 from ._runtime import run_async
-from ._server import NatsServer
+from ._server import NatsServer, config_with_store
 from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
 from .wire import AgentEvent, Control, ControlReply, Priority
@@ -30,6 +31,7 @@ __all__ = ["main"]
 
 
 def _settings(args: argparse.Namespace) -> ReachSettings:
+    """The command's settings, built once here at the edge (``--url`` over ``REACH_*``)."""
     if getattr(args, "url", None):
         return ReachSettings(nats_url=args.url)
     return ReachSettings()
@@ -52,9 +54,9 @@ def _print_value(data: bytes) -> None:
         print(data.decode("utf-8", "replace"))
 
 
-async def _call(args: argparse.Namespace) -> int:
+async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     payload = _parse_json(args.payload)
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+    async with Client(settings=settings, name="reach-cli") as client:
         reply = await client.call(
             args.capability,
             payload,
@@ -68,16 +70,16 @@ async def _call(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _publish(args: argparse.Namespace) -> int:
+async def _publish(args: argparse.Namespace, settings: ReachSettings) -> int:
     payload = _parse_json(args.payload)
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+    async with Client(settings=settings, name="reach-cli") as client:
         await client.publish(args.topic, payload)
         await client.flush()
     return 0
 
 
-async def _listen(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _listen(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         sub = await client.subscribe(args.topic)
         print(f"# listening on {args.topic}", file=sys.stderr, flush=True)
         count = 0
@@ -96,9 +98,9 @@ async def _listen(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _wait_for_registry(url: str, timeout: float = 15.0) -> None:
+async def _wait_for_registry(settings: ReachSettings, timeout: float = 15.0) -> None:
     """So that the URL is printed only once a registry answers."""
-    async with Client(url, name="reach-up") as client:
+    async with Client(settings=settings, name="reach-up") as client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -111,7 +113,7 @@ async def _wait_for_registry(url: str, timeout: float = 15.0) -> None:
     print("# registry did not answer yet; agents will register when it does", file=sys.stderr)
 
 
-def _up(args: argparse.Namespace) -> int:
+def _up(args: argparse.Namespace, settings: ReachSettings) -> int:
     """Run the wheel's nats-server in the foreground until Ctrl-C or SIGTERM."""
     config = args.config
     if config is None and Path("nats-server.conf").is_file():
@@ -119,15 +121,7 @@ def _up(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     if config is not None:
-        # nats-server refuses -sd beside a store_dir in the file: write the data dir in.
-        text = Path(config).read_text()
-        store = f'store_dir: "{data_dir / "jetstream"}"'
-        text, found = re.subn(r"(?m)^\s*store_dir\s*[:=].*$", store, text)
-        if not found:
-            text += f"\njetstream {{\n  {store}\n}}\n"
-        effective = data_dir / "nats-server.effective.conf"
-        effective.write_text(text)
-        config = str(effective)
+        config = str(config_with_store(config, data_dir))
     server = NatsServer(
         store_dir=data_dir / "jetstream",
         port=args.port,
@@ -144,23 +138,23 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    registry = None
-    if not args.no_registry:
-        registry = subprocess.Popen(
-            [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
-            stdin=subprocess.DEVNULL,
-        )
-        run_async(_wait_for_registry(server.url))
-    print(server.url, flush=True)
-    print(
-        f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
-        file=sys.stderr,
-        flush=True,
-    )
-    print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
-    if registry is not None:
-        print(f"# registry pid {registry.pid}", file=sys.stderr, flush=True)
+    registry: subprocess.Popen[bytes] | None = None
     try:
+        if not args.no_registry:
+            registry = subprocess.Popen(
+                [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
+                stdin=subprocess.DEVNULL,
+            )
+            run_async(_wait_for_registry(settings.model_copy(update={"nats_url": server.url})))
+        print(server.url, flush=True)
+        print(
+            f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
+        if registry is not None:
+            print(f"# registry pid {registry.pid}", file=sys.stderr, flush=True)
         while not stop:
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"nats-server exited with {server.proc.returncode}", file=sys.stderr)
@@ -199,8 +193,8 @@ def _plain(text: str) -> str:
     return re.sub(r"\033\[[0-9;]*m", "", text)
 
 
-async def _agents(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         records = await client.agents(args.capability)
     if args.json:
         print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
@@ -241,8 +235,8 @@ async def _agents(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _watch(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _watch(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         nc = client.nc
         sub = await nc.subscribe(client.subjects.event("*"))
         await client.flush()
@@ -271,8 +265,8 @@ async def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _control(args: argparse.Namespace) -> int:
-    async with Client(settings=_settings(args), name="reach-cli") as client:
+async def _control(args: argparse.Namespace, settings: ReachSettings) -> int:
+    async with Client(settings=settings, name="reach-cli") as client:
         try:
             msg = await client.nc.request(
                 client.subjects.ctl(args.agent_id),
@@ -288,8 +282,8 @@ async def _control(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _registry(args: argparse.Namespace) -> int:
-    registry = Registry(settings=_settings(args))
+async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
+    registry = Registry(settings=settings)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -304,10 +298,16 @@ async def _registry(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
-
-    return run_async(run_demo())
+def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
+    """Run ``sdk/examples/demo.py``: it is built from the example agents, which live in the
+    repository (``make demo``), not in the installed package."""
+    roots = (Path.cwd(), Path(__file__).resolve().parents[1])
+    found = [r / "sdk/examples/demo.py" for r in roots if (r / "sdk/examples/demo.py").is_file()]
+    if not found:
+        raise ConfigurationError("the demo runs the repository's sdk/examples: run 'make demo'")
+    sys.path.insert(0, str(found[0].parent))  # its sibling example agents
+    code: int = run_async(runpy.run_path(str(found[0]))["main"]())
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_url(sub.add_parser("registry", help="run a registry replica until Ctrl-C"))
     p.set_defaults(run=_registry, is_async=True)
 
-    p = sub.add_parser("demo", help="a self-contained customer-service scenario")
+    p = sub.add_parser("demo", help="the customer-service desk (sdk/examples/demo.py)")
     p.set_defaults(run=_demo, is_async=False)
     return parser
 
@@ -372,10 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        settings = _settings(args)  # once, before anything starts: bad values stop us here
         if args.is_async:
-            code: int = run_async(args.run(args))
+            code: int = run_async(args.run(args, settings))
         else:
-            code = args.run(args)
+            code = args.run(args, settings)
     except ReachError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

@@ -6,6 +6,14 @@ Installed as a pytest plugin (entry point ``reach``), so in any project that dep
     async def test_translate(reach_settings):
         agent = Agent("translator", settings=reach_settings)
         ...
+
+A test that needs a server of its own (to kill or restart it) uses the async side of
+``NatsServer``, which never blocks the event loop::
+
+    async with NatsServer() as server:
+        ...
+        await server.akill()
+        await server.astart()  # same port and store
 """
 
 from __future__ import annotations

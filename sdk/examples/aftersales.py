@@ -1,28 +1,44 @@
-"""After-sales agent: refunds, and it listens to every order-status broadcast."""
+"""After-sales agent: refunds, and it listens to every order-status broadcast.
+
+python sdk/examples/aftersales.py [AGENT_ID]
+"""
+
+import sys
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from reach import Agent, BadRequest
+from reach import Agent, BadRequest, ReachSettings
 
 
 class OrderRef(msgspec.Struct):
     order_id: str
 
 
-agent = Agent("aftersales")
-
-
-@agent.capability("aftersales.refund", version="1.0")
-async def refund(ref: OrderRef) -> dict:
-    if not ref.order_id:
-        raise BadRequest("order_id is empty")  # a refusal the caller is meant to read
-    return {"order_id": ref.order_id, "refund": "approved"}
-
-
-@agent.on_topic("order.*")
-async def on_status(update: dict, topic: str) -> None:
+async def print_status(update: dict, topic: str) -> None:
     print(f"{topic}: {update}", flush=True)
 
 
+def build(
+    settings: ReachSettings,
+    agent_id: str | None = None,
+    on_status: Callable[[dict, str], Awaitable[None]] = print_status,
+) -> Agent:
+    """The agent, on settings made by whoever runs it; ``on_status`` hears ``order.*``."""
+    agent = Agent("aftersales", agent_id, settings=settings)
+
+    @agent.capability("aftersales.refund", version="1.0")
+    async def refund(ref: OrderRef) -> dict:
+        if not ref.order_id:
+            raise BadRequest("order_id is empty")  # a refusal the caller is meant to read
+        return {"order_id": ref.order_id, "refund": "approved"}
+
+    @agent.on_topic("order.*")
+    async def on_order_status(update: dict, topic: str) -> None:
+        await on_status(update, topic)
+
+    return agent
+
+
 if __name__ == "__main__":
-    agent.run()
+    build(ReachSettings(), *sys.argv[1:2]).run()

@@ -1,8 +1,13 @@
-"""Intent agent: classifies a customer's question and routes it to the right capability."""
+"""Intent agent: classifies a customer's question and routes it to the right capability.
+
+python sdk/examples/intent.py [AGENT_ID]
+"""
+
+import sys
 
 import msgspec
 
-from reach import Agent, Context
+from reach import Agent, Context, ReachSettings
 
 
 class Question(msgspec.Struct):
@@ -11,24 +16,30 @@ class Question(msgspec.Struct):
     order_id: str = ""
 
 
-agent = Agent("intent", tags=["frontdesk"])
-
 ROUTES = {
     "refund": "aftersales.refund",
     "parcel": "logistics.track",
     "track": "logistics.track",
     "arrive": "logistics.track",
+    "delivery": "logistics.track",
 }
 
 
-@agent.capability("support.ask", version="1.0")
-async def ask(q: Question, ctx: Context) -> dict:
-    target = next((cap for word, cap in ROUTES.items() if word in q.text.lower()), None)
-    if target is None:
-        return {"intent": "smalltalk", "answer": "We are open 9-17."}
-    reply = await ctx.client.call(target, {"order_id": q.order_id}, timeout=ctx.remaining())
-    return {"intent": target, "served_by": reply.agent_id, "answer": reply.value}
+def build(settings: ReachSettings, agent_id: str | None = None) -> Agent:
+    """The agent, on settings made by whoever runs it (this file's ``__main__``, the demo)."""
+    agent = Agent("intent", agent_id, tags=["frontdesk"], settings=settings)
+
+    @agent.capability("support.ask", version="1.0", description="classify and route a question")
+    async def ask(q: Question, ctx: Context) -> dict:
+        text = q.text.lower()
+        target = next((cap for word, cap in ROUTES.items() if word in text), None)
+        if target is None:
+            return {"intent": "smalltalk", "answer": "We are open 9-17, Monday to Friday."}
+        reply = await ctx.client.call(target, {"order_id": q.order_id}, timeout=ctx.remaining())
+        return {"intent": target, "served_by": reply.agent_id, "answer": reply.value}
+
+    return agent
 
 
 if __name__ == "__main__":
-    agent.run()
+    build(ReachSettings(), *sys.argv[1:2]).run()

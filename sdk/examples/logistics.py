@@ -1,25 +1,34 @@
-"""Logistics agent: tracks orders and broadcasts status changes. Run several instances."""
+"""Logistics agent: tracks orders and broadcasts status changes. Run several instances.
+
+python sdk/examples/logistics.py [AGENT_ID]
+"""
 
 import asyncio
+import sys
 
 import msgspec
 
-from reach import Agent, Context
+from reach import Agent, Context, ReachSettings
 
 
 class OrderRef(msgspec.Struct):
     order_id: str
 
 
-agent = Agent("logistics", tags=["eu"], max_concurrency=4)
+def build(settings: ReachSettings, agent_id: str | None = None, max_concurrency: int = 4) -> Agent:
+    """The agent, on settings made by whoever runs it (this file's ``__main__``, the demo)."""
+    agent = Agent(
+        "logistics", agent_id, tags=["eu"], max_concurrency=max_concurrency, settings=settings
+    )
 
+    @agent.capability("logistics.track", version="1.0", description="where is an order")
+    async def track(ref: OrderRef, ctx: Context) -> dict:
+        await asyncio.sleep(0.02)  # stands in for a carrier API call
+        await ctx.client.publish("order.status", {"order_id": ref.order_id, "status": "in transit"})
+        return {"order_id": ref.order_id, "eta_days": 2, "agent": agent.agent_id}
 
-@agent.capability("logistics.track", version="1.0", description="where is an order")
-async def track(ref: OrderRef, ctx: Context) -> dict:
-    await asyncio.sleep(0.02)  # stands in for a carrier API call
-    await ctx.client.publish("order.status", {"order_id": ref.order_id, "status": "in transit"})
-    return {"order_id": ref.order_id, "eta_days": 2, "agent": agent.agent_id}
+    return agent
 
 
 if __name__ == "__main__":
-    agent.run()
+    build(ReachSettings(), *sys.argv[1:2]).run()

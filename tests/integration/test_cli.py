@@ -1,6 +1,7 @@
 """End to end through processes: `reach up`, `reach call|publish|listen`, `agent.run()`."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -158,16 +159,54 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
         os.kill(server_pid, 0)
 
 
-async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(nats_server):
+async def test_reach_up_checks_settings_before_it_starts_anything(tmp_path):
+    """Settings are built once, at the edge, before a server or registry is started: bad
+    ``REACH_*`` values end the command with an error and leave no process behind."""
+    up = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "up",
+        "--port",
+        "-1",
+        "--data-dir",
+        str(tmp_path / "data"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, "REACH_TIMEOUT_MS": "0"},
+    )
+    async with asyncio.timeout(60):
+        _, err = await up.communicate()
+    assert up.returncode == 2
+    assert "timeout_ms" in err.decode()
+    log = tmp_path / "data" / "nats-server.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    orphans = set()
+    for pid in {int(line[1 : line.index("]")]) for line in lines}:  # "[pid] date [INF] ..."
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            orphans.add(pid)
+    assert orphans == set()
+    assert lines == []  # no server was even started
+
+
+async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(reach_settings):
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         str(ROOT / "sdk" / "examples" / "logistics.py"),
+        "logistics-sigterm",
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "REACH_NATS_URL": nats_server.url, "REACH_DRAIN_TIMEOUT": "20"},
+        env={
+            **os.environ,
+            "REACH_NATS_URL": reach_settings.nats_url,
+            "REACH_SUBJECT_PREFIX": reach_settings.subject_prefix,
+            "REACH_DRAIN_TIMEOUT": "20",
+        },
     )
     try:
-        await read_line_containing(proc.stderr, "serving logistics.track")
-        async with Client(nats_server.url) as client:
+        await read_line_containing(proc.stderr, "logistics-sigterm serving logistics.track")
+        async with Client(settings=reach_settings) as client:
             calls = [
                 asyncio.create_task(
                     client.request("logistics.track", {"order_id": f"o{i}"}, timeout=30)
@@ -205,4 +244,6 @@ async def test_demo_runs_end_to_end():
     assert "logistics-1" in text
     assert "logistics-2" in text
     assert "fails fast" in text
+    assert "logistics-3 is killed" in text
+    assert "logistics-2 is drained" in text
     assert "Demo OK" in text
