@@ -71,11 +71,11 @@ def beat(agent_id: str, seq: int, **fields: object) -> bytes:
 
 async def stored(nc: NatsConnection, s: ReachSettings, agent_id: str) -> AgentRecord | None:
     """The record in KV right now, or None (absent, a marker, or undecodable)."""
-    kv = await nc.jetstream().key_value(f"{s.subject_prefix.replace('.', '_')}_agents")
     try:
+        kv = await nc.jetstream().key_value(f"{s.subject_prefix.replace('.', '_')}_agents")
         entry = await kv.get(agent_id)
-    except nats.js.errors.KeyNotFoundError:  # deleted and purged keys too
-        return None
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+        return None  # no bucket yet, or the key deleted or purged
     if not entry.value:
         return None
     try:

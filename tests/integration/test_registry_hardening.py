@@ -120,14 +120,18 @@ async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
     # Long leases: this test is about churn through the API, not about expiry.
     settings = fast_settings(nats_server.url, lease_ttl=60.0)
     n, batch = 10_000, 500
-    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+    async with (
+        Registry(settings=settings) as registry,
+        Client(settings=settings) as client,
+        make_agent(settings, "geo-steady"),  # a fleet is never silent: the bucket keeps moving
+    ):
         nc = client.nc
         for start in range(0, n, batch):
             replies = await asyncio.gather(
                 *(register(nc, settings, info(f"churn-{i}")) for i in range(start, start + batch))
             )
             assert all(not r.headers or ERROR not in r.headers for r in replies)
-        await eventually(lambda: registry.footprint()["records"] == n, timeout=30)
+        await eventually(lambda: registry.footprint()["records"] == n + 1, timeout=30)
         for start in range(0, n, batch):
             await asyncio.gather(
                 *(deregister(nc, settings, f"churn-{i}") for i in range(start, start + batch))
@@ -136,14 +140,15 @@ async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
         for i in range(n):
             await heartbeat(nc, settings, f"ghost-{i}", beat(f"ghost-{i}", 1))
         await client.flush()
-        await eventually(lambda: registry.stats.heartbeats == n, timeout=30)
+        await eventually(lambda: registry.stats.reregister_requests >= n, timeout=30)
 
         def small() -> bool:
             return all(size <= 16 for size in registry.footprint().values())
 
         await eventually(small, timeout=30)
-        assert registry.stats.registrations == registry.stats.deregistrations == n
-        assert registry.records() == {}
+        assert registry.stats.registrations >= n + 1
+        assert registry.stats.deregistrations == n
+        assert list(registry.records()) == ["geo-steady"]
 
 
 # -- checked input -----------------------------------------------------------------------
@@ -255,7 +260,11 @@ async def test_corrupt_record_of_a_running_agent_is_healed_by_its_heartbeats(set
 
 async def test_wall_clock_step_back_does_not_silence_reregister_requests(settings, monkeypatch):
     """Throttling "register again" requests is a local interval: the monotonic clock."""
-    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+    async with (
+        Registry(settings=settings) as registry,
+        Client(settings=settings) as client,
+        make_agent(settings, "geo-steady"),  # keeps the bucket moving, as a fleet does
+    ):
         nc = client.nc
         asked: list[str] = []
 
