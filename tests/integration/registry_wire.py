@@ -74,7 +74,11 @@ async def stored(nc: NatsConnection, s: ReachSettings, agent_id: str) -> AgentRe
     try:
         kv = await nc.jetstream().key_value(f"{s.subject_prefix.replace('.', '_')}_agents")
         entry = await kv.get(agent_id)
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+    except (
+        nats.js.errors.BucketNotFoundError,
+        nats.js.errors.KeyNotFoundError,
+        nats.js.errors.InvalidKeyError,
+    ):
         return None  # no bucket yet, or the key deleted or purged
     if not entry.value:
         return None

@@ -281,7 +281,8 @@ async def test_two_registries_race_on_one_key_and_the_newest_heartbeat_wins(sett
             nonlocal seq
             for _ in range(40):
                 seq += 1
-                await heartbeat(nc, settings, "geo-race", beat("geo-race", seq, sent_ms=int(time.time() * 1000)))
+                body = beat("geo-race", seq, sent_ms=int(time.time() * 1000))
+                await heartbeat(nc, settings, "geo-race", body)
             await client.flush()
             return (
                 r1.stats.cas_conflicts + r2.stats.cas_conflicts > 0
@@ -293,8 +294,10 @@ async def test_two_registries_race_on_one_key_and_the_newest_heartbeat_wins(sett
 
         async def newest() -> bool:
             record = await stored(nc, settings, "geo-race")
-            return record is not None and record.heartbeat is not None and (
-                record.heartbeat.seq == seq
+            return (
+                record is not None
+                and record.heartbeat is not None
+                and (record.heartbeat.seq == seq)
             )
 
         await eventually(newest)

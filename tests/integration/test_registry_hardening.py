@@ -14,7 +14,6 @@ from reach import Client, Registry, Status
 from reach.testing import NatsServer, eventually
 from reach.wire import AgentRecord, CapabilityInfo, Control
 
-from .test_registry import make_agent
 from .registry_wire import (
     ERROR,
     WireAgent,
@@ -26,6 +25,7 @@ from .registry_wire import (
     register,
     stored,
 )
+from .test_registry import make_agent
 
 
 @pytest.fixture
@@ -107,8 +107,10 @@ async def test_a_stopped_registry_starts_again(settings):
     registry = Registry(settings=settings)
     await registry.start()
     await registry.stop()
-    async with registry, Client(settings=settings) as client, WireAgent(
-        client.nc, settings, "geo-again"
+    async with (
+        registry,
+        Client(settings=settings) as client,
+        WireAgent(client.nc, settings, "geo-again"),
     ):
         await eventually(lambda: "geo-again" in registry.records())
 
@@ -232,7 +234,8 @@ async def test_corrupt_record_is_replaced_by_the_next_registration(settings):
         reply = await register(client.nc, settings, info("geo-corrupt"))
         assert not reply.headers or ERROR not in reply.headers, reply.headers
         record = await stored(client.nc, settings, "geo-corrupt")
-        assert record is not None and record.status == Status.UP
+        assert record is not None
+        assert record.status == Status.UP
 
 
 async def test_corrupt_record_of_a_running_agent_is_healed_by_its_heartbeats(settings):
