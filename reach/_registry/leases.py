@@ -76,9 +76,10 @@ class Leases:
         raise _kv.LeaseConflict(agent_id)
 
     async def remove(self, agent_id: str, last: int | None) -> None:
-        """Delete the key (compare-and-set when ``last`` is given)."""
+        """Delete the key (compare-and-set when ``last`` is given). The delete marker
+        expires like a lease marker does, so agent churn cannot grow the bucket."""
         core = self.core
-        rev = await _kv.remove(core.jsc(), core.bucket, agent_id, last=last)
+        rev = await _kv.remove(core.jsc(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL)
         core.entries.stored(agent_id, rev, None)
 
     async def exists(self, agent_id: str) -> bool:

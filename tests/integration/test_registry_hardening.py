@@ -288,3 +288,18 @@ async def test_wall_clock_step_back_does_not_silence_reregister_requests(setting
 
         await eventually(asked_again, timeout=10)
         assert registry.stats.reregister_requests >= 2
+
+
+async def test_removed_keys_leave_no_permanent_marker_in_the_bucket(settings):
+    """Every write carries a TTL, deletes included: churn cannot grow the bucket forever
+    (a plain delete marker stays in the stream until the bucket is dropped)."""
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        nc = client.nc
+        async with WireAgent(nc, settings, "geo-brief"):
+            pass
+        await deregister(nc, settings, "geo-brief")
+        stream = f"KV_{client.subjects.bucket('agents')}"
+        subject = f"$KV.{client.subjects.bucket('agents')}.geo-brief"
+        newest = await nc.jetstream().get_msg(stream, subject=subject)
+        assert newest.headers["KV-Operation"] == "DEL"
+        assert newest.headers["Nats-TTL"].endswith("ms")
