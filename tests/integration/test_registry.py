@@ -112,6 +112,8 @@ async def test_registration_and_record_contents(settings):
             reply = await client.call("geo.lookup", {})
             assert reply.agent_id == "geo-1"
             assert (await client.agents("nothing.here")) == []
+            # an honest agent's numbers are stored as sent
+            assert registry.stats.clamped == registry.stats.dropped_invalid == 0
 
 
 async def test_sigkill_goes_unknown_then_down_then_gone_with_events_in_order(settings):

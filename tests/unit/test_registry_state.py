@@ -1,6 +1,7 @@
 """The registry's pure parts: its view of the bucket, the re-register throttle, input checks."""
 
 import math
+import time
 
 import msgspec
 import pytest
@@ -157,6 +158,8 @@ def beat(**fields) -> Heartbeat:
 def test_sane_heartbeat_passes_unchanged():
     hb = beat(seq=3, inflight=2, queue_len=1, load=0.25, latency_ms=12.5, served=10)
     assert sanitize_heartbeat(hb) == (hb, False)
+    now = beat(seq=4, sent_ms=int(time.time() * 1000))  # unix ms is a big number
+    assert sanitize_heartbeat(now) == (now, False)
 
 
 @pytest.mark.parametrize(
