@@ -189,8 +189,9 @@ class Registry:
 
     def _unavailable(self, exc: BaseException) -> str:
         cause = type(exc).__name__
-        detail = getattr(exc, "description", None) or str(exc)
-        if detail and detail != "None":
+        # JetStream API errors carry a description (often none); others say it in str().
+        detail = getattr(exc, "description", None) if hasattr(exc, "err_code") else str(exc)
+        if detail:
             cause += f": {detail}"
         return (
             f"registry {self.registry_id} cannot open KV bucket {self.bucket_name!r} on "

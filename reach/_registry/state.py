@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client as NatsConnection
@@ -213,10 +213,10 @@ class Core:
     owner: TaskOwner
     nc: NatsConnection | None = None
     js: JetStreamContext | None = None
-    lease_ttl: float = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.lease_ttl = self.settings.lease_ttl
+    @property
+    def lease_ttl(self) -> float:
+        return self.settings.lease_ttl
 
     def conn(self) -> NatsConnection:
         if self.nc is None:
