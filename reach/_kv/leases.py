@@ -78,9 +78,14 @@ async def write_lease(
     return int(ack.seq)
 
 
-async def remove(js: JetStreamContext, bucket: str, key: str, *, last: int | None) -> int:
-    """Delete marker (history 1 drops the value), compare-and-set when ``last`` is given."""
+async def remove(
+    js: JetStreamContext, bucket: str, key: str, *, last: int | None, ttl: float | None = None
+) -> int:
+    """Delete marker (history 1 drops the value), compare-and-set when ``last`` is given.
+    With ``ttl`` the marker itself expires, so keys that come and go leave nothing behind."""
     headers = {KV_OP: "DEL"}
+    if ttl is not None:
+        headers["Nats-TTL"] = ttl_header(ttl)
     if last is not None:
         headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
     try:

@@ -282,19 +282,3 @@ def test_affinity_memory_is_bounded_least_recently_used_first(monkeypatch):
     router.finished("a", "work.do", "ok", 1.0, 0.0, affinity_key="s4")
     assert set(router.affinity) == {("work.do", k) for k in ("s3", "s1", "s4")}
     assert router.affinity[("work.do", "s1")] == "b"
-
-
-def test_registry_forgets_keys_without_records():
-    from reach import ReachSettings, Registry
-    from reach._codec import now_ms
-    from reach._registry import _Entry
-
-    registry = Registry(settings=ReachSettings())
-    record = rec("alive")
-    registry._entries = {
-        "alive": _Entry(1, record),
-        "gone": _Entry(2, None),
-        "just-asked": _Entry(0, None, asked_reregister_ms=now_ms()),
-    }
-    registry._prune()
-    assert set(registry._entries) == {"alive", "just-asked"}

@@ -1,0 +1,185 @@
+"""The registry's request/reply API: ``register``, ``deregister``, ``list`` and ``route``.
+
+Each request is answered, always: with its reply, with ``bad_request`` naming the field
+when the body does not decode or does not check out (counted), or with ``failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.msg import Msg
+
+from .._codec import encode_json, error_reply, now_ms
+from .._nats import TRANSIENT
+from .._routing import explain_miss, rank
+from .._subjects import validate_agent_id, validate_capability
+from ..wire import (
+    AgentRecord,
+    Candidate,
+    Deregistration,
+    ErrorCode,
+    ListQuery,
+    ListReply,
+    RegisterReply,
+    Registration,
+    RouteQuery,
+    RouteReply,
+    Status,
+    Transition,
+)
+from .checks import check_registration
+from .leases import ALIVE, MAX_TRANSITIONS, WRITE_FAILED, Leases
+from .state import Core
+
+__all__ = ["Api"]
+
+log = logging.getLogger("reach.registry")
+
+_registration = msgspec.json.Decoder(Registration)
+_deregistration = msgspec.json.Decoder(Deregistration)
+_list_query = msgspec.json.Decoder(ListQuery)
+_route_query = msgspec.json.Decoder(RouteQuery)
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+class Api:
+    """Handlers for ``<prefix>.registry.<verb>``, one per verb (see ``handlers``)."""
+
+    def __init__(self, core: Core, leases: Leases) -> None:
+        self.core = core
+        self.leases = leases
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "register": self._guard(self._on_register),
+            "deregister": self._guard(self._on_deregister),
+            "list": self._guard(self._on_list),
+            "route": self._guard(self._on_route),
+        }
+
+    def _guard(self, cb: Callable[[Msg], Awaitable[bytes]]) -> Handler:
+        """Answer every request; a body that does not decode or check is ``bad_request``."""
+        core = self.core
+
+        async def handle(msg: Msg) -> None:
+            if not msg.reply:
+                return
+            headers: dict[str, str] | None = None
+            try:
+                body = await cb(msg)
+            except (msgspec.DecodeError, ValueError) as exc:
+                core.stats.bad_requests += 1
+                body, headers = error_reply(ErrorCode.BAD_REQUEST, f"invalid request: {exc}")
+            except WRITE_FAILED as exc:
+                core.stats.write_errors += 1
+                log.warning("registry %s: %s not served: %s", core.registry_id, msg.subject, exc)
+                body, headers = error_reply(ErrorCode.AGENT_UNAVAILABLE, "registry unavailable")
+            except Exception:
+                log.exception("registry %s: request on %s failed", core.registry_id, msg.subject)
+                body, headers = error_reply(ErrorCode.FAILED, "registry failed")
+            try:
+                await core.conn().publish(msg.reply, body, headers=headers)
+            except TRANSIENT as exc:
+                log.warning("registry %s: reply lost: %s", core.registry_id, exc)
+
+        return handle
+
+    async def _on_register(self, msg: Msg) -> bytes:
+        core = self.core
+        reg = _registration.decode(msg.data)
+        check_registration(reg)
+        agent_id = reg.info.agent_id
+        status = reg.status if reg.status in ALIVE else Status.UP
+        now = now_ms()
+        core.stats.registrations += 1
+        events: list[Transition] = []
+
+        def change(before: AgentRecord | None) -> tuple[AgentRecord, float]:
+            events.clear()
+            t = Transition(
+                old=before.status if before else None, new=status, reason="registered", at_ms=now
+            )
+            events.append(t)
+            history = before.transitions[-(MAX_TRANSITIONS - 1) :] if before else []
+            # The same process registering again keeps its last heartbeat; a new one
+            # (restarted, so its seq starts over) must not be compared with the old one's.
+            same = before is not None and before.info.started_ms == reg.info.started_ms
+            record = AgentRecord(
+                info=reg.info,
+                status=status,
+                heartbeat=before.heartbeat if same and before else None,
+                registered_ms=now,
+                last_seen_ms=now,
+                transitions=[*history, t],
+                registry=core.registry_id,
+            )
+            return record, core.lease_ttl
+
+        await self.leases.update(agent_id, change)
+        core.throttle.forget(agent_id)
+        for t in events:
+            await self.leases.announce(agent_id, t, removed=False)
+        reply = RegisterReply(
+            lease_ttl=core.lease_ttl,
+            heartbeat_interval=core.settings.heartbeat_interval,
+            registry=core.registry_id,
+        )
+        return encode_json(reply)
+
+    async def _on_deregister(self, msg: Msg) -> bytes:
+        core = self.core
+        agent_id = validate_agent_id(_deregistration.decode(msg.data).agent_id)
+        core.stats.deregistrations += 1
+        entry = core.entries.get(agent_id)
+        previous = entry.record if entry is not None else None
+        # Nothing stored: write nothing, or every made-up id would leave a marker behind.
+        if previous is not None or await self.leases.exists(agent_id):
+            await self.leases.remove(agent_id, last=None)
+        if previous is not None:
+            t = Transition(
+                old=previous.status, new=Status.DOWN, reason="deregistered", at_ms=now_ms()
+            )
+            await self.leases.announce(agent_id, t, removed=True)
+        return b"{}"
+
+    async def _on_list(self, msg: Msg) -> bytes:
+        query = _list_query.decode(msg.data or b"{}")
+        agents = [
+            r
+            for r in self.core.entries.records().values()
+            if (
+                query.capability is None
+                or any(c.name == query.capability for c in r.info.capabilities)
+            )
+            and (query.tag is None or query.tag in r.info.tags)
+            and (query.status is None or r.status == query.status)
+        ]
+        agents.sort(key=lambda r: r.info.agent_id)
+        return encode_json(ListReply(agents=agents))
+
+    async def _on_route(self, msg: Msg) -> bytes:
+        query = _route_query.decode(msg.data)
+        validate_capability(query.capability)  # it becomes part of the subjects we answer
+        records = list(self.core.entries.records().values())
+        ranked = rank(records, query.capability, query.version, query.tags, query.priority)
+        subjects = self.core.subjects
+        candidates = [
+            Candidate(
+                agent_id=r.info.agent_id,
+                subject=subjects.agent(r.info.agent_id, query.capability),
+                status=r.status,
+                score=round(s, 4),
+                reason=why,
+            )
+            for r, s, why in ranked[:5]
+        ]
+        reason = (
+            ""
+            if candidates
+            else explain_miss(records, query.capability, query.version, query.tags, query.priority)
+        )
+        return encode_json(RouteReply(candidates=candidates, reason=reason))

@@ -1,0 +1,161 @@
+"""Heartbeats in: checked, then turned into a renewed lease and the status the agent reports.
+
+One write per agent at a time: a heartbeat that arrives while the previous one of the same
+agent is being written waits as "the newest", replacing any older one, and is written next.
+So a replica never races itself on a key, a burst costs one write, and the per-agent state
+is one dict slot that exists only while a write is in flight. Writes overall are bounded by
+``max_inflight``; beyond that the subscription waits (NATS buffers, then drops as a slow
+consumer, which is what an overwhelmed registry should do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.aio.msg import Msg
+
+from .._codec import encode_json, now_ms
+from .._nats import TRANSIENT
+from .._subjects import validate_agent_id
+from ..wire import AgentRecord, Control, Heartbeat, Status, Transition
+from .checks import is_stale, sanitize_heartbeat
+from .leases import ALIVE, WRITE_FAILED, Leases
+from .state import Core
+
+__all__ = ["Heartbeats"]
+
+log = logging.getLogger("reach.registry")
+
+_heartbeat = msgspec.json.Decoder(Heartbeat)
+_register_again = encode_json(Control(command="register"))
+
+
+class Heartbeats:
+    """The ``hb.*`` subscription's callback and the writes it starts."""
+
+    def __init__(self, core: Core, leases: Leases, max_inflight: int) -> None:
+        self.core = core
+        self.leases = leases
+        self._slots = asyncio.Semaphore(max_inflight)
+        # agent id -> the newest heartbeat waiting behind the write in flight (or None)
+        self._busy: dict[str, Heartbeat | None] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._busy)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for hb in self._busy.values() if hb is not None)
+
+    async def wait_idle(self) -> None:
+        """Until every heartbeat taken has been written (or has failed)."""
+        await self._idle.wait()
+
+    async def on_message(self, msg: Msg) -> None:
+        stats = self.core.stats
+        stats.heartbeats += 1
+        try:
+            hb = _heartbeat.decode(msg.data)
+        except msgspec.DecodeError:
+            stats.dropped_malformed += 1
+            return
+        agent_id = hb.agent_id
+        if msg.subject.rpartition(".")[2] != agent_id:
+            stats.dropped_spoofed += 1
+            return
+        try:
+            validate_agent_id(agent_id)
+        except ValueError:
+            stats.dropped_invalid += 1
+            return
+        checked, clamped = sanitize_heartbeat(hb)
+        if checked is None:
+            stats.dropped_invalid += 1
+            return
+        if clamped:
+            stats.clamped += 1
+        if agent_id in self._busy:
+            waiting = self._busy[agent_id]
+            if waiting is None or not is_stale(checked, waiting):
+                self._busy[agent_id] = checked
+            return
+        await self._slots.acquire()
+        if self.core.owner.closed:
+            self._slots.release()
+            return
+        self._busy[agent_id] = None
+        self._idle.clear()
+        self.core.owner.spawn(self._write_all(checked), f"heartbeat {agent_id}")
+
+    async def _write_all(self, hb: Heartbeat) -> None:
+        agent_id = hb.agent_id
+        try:
+            while True:
+                try:
+                    await self._apply(hb)
+                except WRITE_FAILED as exc:
+                    self.core.stats.write_errors += 1
+                    log.warning("registry: heartbeat of %s not stored: %s", agent_id, exc)
+                newest = self._busy.get(agent_id)
+                if newest is None:
+                    return
+                self._busy[agent_id] = None
+                hb = newest
+        finally:
+            self._busy.pop(agent_id, None)
+            self._slots.release()
+            if not self._busy:
+                self._idle.set()
+
+    async def _apply(self, hb: Heartbeat) -> None:
+        agent_id = hb.agent_id
+        entry = self.core.entries.get(agent_id)
+        if entry is None or entry.record is None or entry.record.status == Status.DOWN:
+            await self.ask_to_register(agent_id)
+            return
+        now = now_ms()
+        events: list[Transition] = []
+        stale = False
+
+        def change(before: AgentRecord | None) -> tuple[AgentRecord, float] | None:
+            nonlocal stale
+            events.clear()
+            stale = False
+            if before is None or before.status == Status.DOWN:
+                return None  # gone meanwhile (or garbage): the agent must register again
+            if is_stale(hb, before.heartbeat):
+                stale = True
+                return None  # a newer heartbeat is stored already: keep it
+            reported = hb.status if hb.status in ALIVE else Status.UP
+            reason = "heartbeat resumed" if before.status == Status.UNKNOWN else "reported"
+            record, t = self.leases.transition(
+                before, reported, reason, heartbeat=hb, last_seen_ms=now
+            )
+            if t is not None:
+                events.append(t)
+            return record, self.core.lease_ttl
+
+        _, after = await self.leases.update(agent_id, change)
+        if stale:
+            self.core.stats.stale_heartbeats += 1
+        elif after is None:
+            await self.ask_to_register(agent_id)
+        for t in events:
+            await self.leases.announce(agent_id, t, removed=False)
+
+    async def ask_to_register(self, agent_id: str) -> None:
+        """An agent we have no record of heartbeats (after a registry restart, an expiry,
+        or garbage in its key): ask it to register, at most once a second."""
+        core = self.core
+        if not core.throttle.allow(agent_id):
+            return
+        core.stats.reregister_requests += 1
+        try:
+            await core.conn().publish(core.subjects.ctl(agent_id), _register_again)
+        except TRANSIENT as exc:
+            log.debug("registry: could not ask %s to register: %s", agent_id, exc)

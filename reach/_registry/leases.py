@@ -1,0 +1,116 @@
+"""Every write a registry makes to the leases bucket: compare-and-set on the key's revision.
+
+A replica reads a key's revision from its own view (``Entries``), decides the new record,
+and writes it only if nobody wrote since. When someone did (another replica, or a heartbeat
+handled a moment earlier), it re-reads the key and decides again on the fresh record. A
+value that does not decode counts as no record at all, so the next registration replaces
+it instead of failing on it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from .. import _kv
+from .._codec import encode_json, now_ms
+from .._nats import TRANSIENT
+from ..wire import AgentEvent, AgentRecord, Status, Transition
+from .state import Core
+
+__all__ = ["ALIVE", "WRITE_FAILED", "Change", "Leases"]
+
+log = logging.getLogger("reach.registry")
+
+ALIVE = (Status.UP, Status.DEGRADED, Status.PAUSED)
+MAX_TRANSITIONS = 8
+CAS_RETRIES = 5
+#: What a write may raise that is not a bug: the server away or slow, or lost races.
+WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.LeaseConflict)
+
+#: Given the stored record (None: none, or undecodable), the record to write and its TTL,
+#: or None to write nothing.
+Change = Callable[[AgentRecord | None], tuple[AgentRecord, float] | None]
+
+
+class Leases:
+    """Reads, compare-and-set writes and removals of agent records, plus their events."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def write(self, agent_id: str, record: AgentRecord, ttl: float, last: int) -> int:
+        """Write iff the key's newest revision is ``last``; LeaseConflict otherwise."""
+        core = self.core
+        rev = await _kv.write_lease(
+            core.jsc(), core.bucket, agent_id, encode_json(record), ttl=ttl, last=last
+        )
+        core.entries.stored(agent_id, rev, record)
+        return rev
+
+    async def update(
+        self, agent_id: str, change: Change
+    ) -> tuple[AgentRecord | None, AgentRecord | None]:
+        """Read-modify-CAS-write, retried on the fresh record; (before, written or None)."""
+        core = self.core
+        entry = core.entries.get(agent_id)
+        last = entry.revision if entry is not None else 0
+        before = entry.record if entry is not None else None
+        for _ in range(CAS_RETRIES):
+            decided = change(before)
+            if decided is None:
+                return before, None
+            record, ttl = decided
+            try:
+                await self.write(agent_id, record, ttl, last)
+            except _kv.LeaseConflict:
+                core.stats.cas_conflicts += 1
+                fresh = await _kv.latest(core.jsc(), core.bucket, agent_id)
+                last = fresh.revision
+                before = core.entries.decode(agent_id, fresh.value) if fresh.value else None
+                continue
+            return before, record
+        raise _kv.LeaseConflict(agent_id)
+
+    async def remove(self, agent_id: str, last: int | None) -> None:
+        """Delete the key (compare-and-set when ``last`` is given). The delete marker
+        expires like a lease marker does, so agent churn cannot grow the bucket."""
+        core = self.core
+        rev = await _kv.remove(core.jsc(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL)
+        core.entries.stored(agent_id, rev, None)
+
+    async def exists(self, agent_id: str) -> bool:
+        """Whether the key holds a value now (read from the stream, not from our view)."""
+        core = self.core
+        return (await _kv.latest(core.jsc(), core.bucket, agent_id)).value is not None
+
+    def transition(
+        self, record: AgentRecord, new: Status, reason: str, **changes: Any
+    ) -> tuple[AgentRecord, Transition | None]:
+        """``record`` moved to ``new`` (with ``changes``); the transition, if any."""
+        if record.status == new:
+            return msgspec.structs.replace(record, **changes), None
+        t = Transition(old=record.status, new=new, reason=reason, at_ms=now_ms())
+        transitions = [*record.transitions[-(MAX_TRANSITIONS - 1) :], t]
+        replaced = msgspec.structs.replace(
+            record, status=new, transitions=transitions, registry=self.core.registry_id, **changes
+        )
+        return replaced, t
+
+    async def announce(self, agent_id: str, transition: Transition, *, removed: bool) -> None:
+        """Publish a status transition on ``evt.agent.<id>`` (best effort)."""
+        event = AgentEvent(
+            agent_id=agent_id,
+            old=transition.old,
+            new=transition.new,
+            reason=transition.reason,
+            at_ms=transition.at_ms,
+            removed=removed,
+        )
+        try:
+            await self.core.conn().publish(self.core.subjects.event(agent_id), encode_json(event))
+        except TRANSIENT as exc:
+            log.debug("registry: event for %s not sent: %s", agent_id, exc)

@@ -1,0 +1,236 @@
+"""The registry service: leases in KV, heartbeats into status, probes, list and route.
+
+Stateless by design: everything it knows is in the ``reach_agents`` bucket (which it
+mirrors) or arrives with the next heartbeat. Every write is a compare-and-set on the key's
+revision, so any number of replicas can run; a lost race is retried on the fresh record.
+
+One lifecycle: ``start`` connects, opens the bucket, loads a snapshot and subscribes,
+within ``start_timeout``, and leaves nothing behind when any step fails. ``stop`` drains the
+subscriptions (requests already taken are answered), lets taken heartbeats be written,
+then cancels and awaits every background task, and closes the connection last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+from typing import Self
+
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
+from nats.nuid import NUID
+
+from .. import _kv
+from .._nats import TRANSIENT, connect_nats, flush_nats
+from .._owner import TaskOwner
+from .._subjects import Subjects
+from ..errors import ConnectionFailed
+from ..settings import ReachSettings
+from ..wire import AgentRecord
+from .api import Api
+from .heartbeats import Heartbeats
+from .leases import Leases
+from .liveness import Liveness
+from .state import Core, Entries, RegistryStats, Throttle
+
+__all__ = ["Registry"]
+
+log = logging.getLogger("reach.registry")
+
+
+class Registry:
+    """One registry replica; run as many as you like (``reach registry``)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        settings: ReachSettings | None = None,
+        registry_id: str | None = None,
+        max_inflight: int = 256,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.settings = settings if settings is not None else ReachSettings()
+        self.url = url or self.settings.nats_url
+        self.subjects = Subjects(self.settings.subject_prefix)
+        self.bucket_name = self.subjects.bucket("agents")
+        self.registry_id = registry_id or f"registry-{NUID().next().decode()}"
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        stats = RegistryStats()
+        self._owner = TaskOwner(self.registry_id)
+        self._core = core = Core(
+            settings=self.settings,
+            subjects=self.subjects,
+            registry_id=self.registry_id,
+            bucket=self.bucket_name,
+            stats=stats,
+            entries=Entries(stats),
+            throttle=Throttle(),
+            owner=self._owner,
+        )
+        self._leases = Leases(core)
+        self._api = Api(core, self._leases)
+        self._heartbeats = Heartbeats(core, self._leases, max_inflight)
+        self._liveness = Liveness(core, self._leases)
+        core.entries.on_expired = self._liveness.expired
+        self._mirror: _kv.BucketMirror | None = None
+        self._subs: list[Subscription] = []
+        self._running = False
+
+    # -- what anyone may read ------------------------------------------------------------
+
+    @property
+    def stats(self) -> RegistryStats:
+        """Counters of the traffic handled (``task_failures`` is read at access)."""
+        stats = self._core.stats
+        stats.task_failures = self._owner.failures
+        return stats
+
+    def records(self) -> dict[str, AgentRecord]:
+        """The registry's current view (from its own watch of the bucket)."""
+        return self._core.entries.records()
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of everything this replica holds, so tests and operators can see that
+        agent churn leaves nothing behind: keys known (with and without a record), agents
+        recently asked to register, heartbeat writes in flight and waiting, tasks, subs."""
+        core = self._core
+        return {
+            "entries": len(core.entries),
+            "records": len(core.entries.records()),
+            "asked_to_register": len(core.throttle),
+            "heartbeats_in_flight": self._heartbeats.in_flight,
+            "heartbeats_waiting": self._heartbeats.waiting,
+            "tasks": len(self._owner),
+            "subscriptions": len(self._subs),
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve once this returns; ConnectionFailed (nothing left running) if it cannot."""
+        if self._running:
+            return
+        if self._owner.closed:
+            self._owner.reopen()
+        try:
+            await self._open()
+        except BaseException:
+            await self._close()
+            raise
+        self._running = True
+        log.info("registry %s serving bucket %s", self.registry_id, self.bucket_name)
+
+    async def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        await self._close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.stop()
+
+    # -- start ---------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        core = self._core
+        nc = await connect_nats(
+            self.settings, self.url, self.registry_id, reconnected=self._on_reconnect
+        )
+        core.nc, core.js = nc, nc.jetstream()
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                await self._bind()
+        except TRANSIENT as exc:
+            raise ConnectionFailed(self._unavailable(exc), url=self.url) from exc
+        self._mirror = _kv.BucketMirror(
+            self._bind,
+            core.entries,
+            self._owner,
+            name=f"registry {self.registry_id} leases",
+            silence_limit=max(3 * self.settings.heartbeat_interval, 1.0),
+            rebuild_timeout=self.start_timeout,
+            connected=lambda: nc.is_connected,
+        )
+        if not await self._mirror.start(self.start_timeout):
+            raise ConnectionFailed(
+                f"registry {self.registry_id}: no snapshot of bucket {self.bucket_name!r} "
+                f"within {self.start_timeout:g}s on {self.url}",
+                url=self.url,
+            )
+        s = self.subjects
+        self._subs.append(
+            await nc.subscribe(s.heartbeat("*"), queue="registry", cb=self._heartbeats.on_message)
+        )
+        for verb, cb in self._api.handlers().items():
+            self._subs.append(await nc.subscribe(s.registry(verb), queue="registry", cb=cb))
+        await flush_nats(nc)
+        self._owner.keep(self._liveness.housekeeping, "housekeeping")
+
+    async def _bind(self) -> KeyValue:
+        # The bucket lives in memory: after a server restart it may have to be created again.
+        return await _kv.agents_bucket(self._core.jsc(), self.bucket_name, create=True)
+
+    def _unavailable(self, exc: BaseException) -> str:
+        cause = type(exc).__name__
+        # JetStream API errors carry a description (often none); others say it in str().
+        detail = getattr(exc, "description", None) if hasattr(exc, "err_code") else str(exc)
+        if detail:
+            cause += f": {detail}"
+        return (
+            f"registry {self.registry_id} cannot open KV bucket {self.bucket_name!r} on "
+            f"{self.url} ({cause}); it needs JetStream enabled (nats-server -js) and the "
+            f"right to create the bucket"
+        )
+
+    async def _on_reconnect(self) -> None:
+        if self._mirror is not None:
+            self._mirror.rebuild_soon()  # the old watcher may stay silent (NATS-FACTS.md)
+
+    # -- stop ----------------------------------------------------------------------------
+
+    async def _close(self) -> None:
+        """Stop taking work, finish what was taken, end every task, then disconnect."""
+        core = self._core
+        subs, self._subs = self._subs, []
+        try:
+            async with asyncio.timeout(self.stop_timeout):
+                await asyncio.gather(*(self._drain(sub) for sub in subs))
+                await self._heartbeats.wait_idle()
+        except TimeoutError:
+            log.warning(
+                "registry %s: work still in flight after %gs", self.registry_id, self.stop_timeout
+            )
+        mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            await mirror.stop()
+        await self._owner.close()
+        nc, core.nc, core.js = core.nc, None, None
+        if nc is not None and not nc.is_closed:
+            try:
+                await nc.close()
+            except TRANSIENT as exc:
+                log.debug("registry %s: closing: %s", self.registry_id, exc)
+
+    async def _drain(self, sub: Subscription) -> None:
+        """Unsubscribe and wait until the messages already delivered are handled."""
+        try:
+            await sub.drain()  # type: ignore[no-untyped-call]
+        except TRANSIENT as exc:
+            log.debug("registry %s: draining %s: %s", self.registry_id, sub.subject, exc)

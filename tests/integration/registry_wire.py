@@ -1,0 +1,119 @@
+"""Talking to a registry the way any agent can: plain NATS and the wire structs.
+
+A test that needs an agent to misbehave (stop heartbeating, send numbers out of range,
+register with a bad capability) plays that agent here instead of reaching into ``Agent``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client as NatsConnection
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from reach.settings import ReachSettings
+from reach.testing import unique_prefix
+from reach.wire import (
+    AgentInfo,
+    AgentRecord,
+    CapabilityInfo,
+    Deregistration,
+    Heartbeat,
+    Registration,
+)
+
+ERROR = "Nats-Service-Error-Code"
+
+
+def fast_settings(url: str, **changes: float) -> ReachSettings:
+    """Short leases so silence becomes status within a second or two."""
+    values: dict[str, float] = {
+        "heartbeat_interval": 0.2,
+        "lease_ttl": 1.0,
+        "probe_timeout": 0.5,
+        "down_grace": 1.0,
+        "register_backoff": 0.05,
+        "register_backoff_max": 0.3,
+        **changes,
+    }
+    return ReachSettings(nats_url=url, subject_prefix=unique_prefix(), **values)
+
+
+def info(agent_id: str, *, capability: str = "geo.lookup", tags: tuple[str, ...] = ()) -> AgentInfo:
+    return AgentInfo(
+        agent_id=agent_id,
+        name="geo",
+        capabilities=[CapabilityInfo(name=capability, version="1.0")],
+        tags=list(tags),
+    )
+
+
+async def register(nc: NatsConnection, s: ReachSettings, body: AgentInfo | bytes) -> Msg:
+    """One registration request; the raw answer (an error reply carries ``ERROR``)."""
+    data = body if isinstance(body, bytes) else msgspec.json.encode(Registration(info=body))
+    prefix = s.subject_prefix
+    return await nc.request(f"{prefix}.registry.register", data, timeout=10)
+
+
+async def deregister(nc: NatsConnection, s: ReachSettings, agent_id: str) -> Msg:
+    data = msgspec.json.encode(Deregistration(agent_id=agent_id))
+    return await nc.request(f"{s.subject_prefix}.registry.deregister", data, timeout=10)
+
+
+async def heartbeat(nc: NatsConnection, s: ReachSettings, agent_id: str, body: bytes) -> None:
+    await nc.publish(f"{s.subject_prefix}.hb.{agent_id}", body)
+
+
+def beat(agent_id: str, seq: int, **fields: object) -> bytes:
+    return msgspec.json.encode(Heartbeat(agent_id=agent_id, seq=seq, **fields))  # type: ignore[arg-type]
+
+
+async def stored(nc: NatsConnection, s: ReachSettings, agent_id: str) -> AgentRecord | None:
+    """The record in KV right now, or None (absent, a marker, or undecodable)."""
+    try:
+        kv = await nc.jetstream().key_value(f"{s.subject_prefix.replace('.', '_')}_agents")
+        entry = await kv.get(agent_id)
+    except (
+        nats.js.errors.BucketNotFoundError,
+        nats.js.errors.KeyNotFoundError,
+        nats.js.errors.InvalidKeyError,
+    ):
+        return None  # no bucket yet, or the key deleted or purged
+    if not entry.value:
+        return None
+    try:
+        return msgspec.json.decode(entry.value, type=AgentRecord)
+    except msgspec.DecodeError:
+        return None
+
+
+class WireAgent:
+    """An agent made of three subscriptions: it answers ``$ping`` and one capability on its
+    direct subject, registers when asked to, and sends heartbeats only when a test says so."""
+
+    def __init__(self, nc: NatsConnection, s: ReachSettings, agent_id: str) -> None:
+        self.nc = nc
+        self.settings = s
+        self.agent_id = agent_id
+        self.subs: list[Subscription] = []
+
+    async def __aenter__(self) -> WireAgent:
+        p, a = self.settings.subject_prefix, self.agent_id
+
+        async def pong(msg: Msg) -> None:
+            await self.nc.publish(msg.reply, beat(a, 0))
+
+        async def serve(msg: Msg) -> None:
+            await self.nc.publish(msg.reply, msgspec.json.encode({"by": a}))
+
+        self.subs.append(await self.nc.subscribe(f"{p}.agent.{a}.$ping", cb=pong))
+        self.subs.append(await self.nc.subscribe(f"{p}.agent.{a}.geo.lookup", cb=serve))
+        await self.nc.flush()
+        reply = await register(self.nc, self.settings, info(a))
+        assert not reply.headers or ERROR not in reply.headers, reply.headers
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()

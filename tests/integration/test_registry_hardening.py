@@ -1,0 +1,305 @@
+"""The registry cannot be knocked over: start and stop, bounded state, checked input, clocks."""
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+
+import reach
+from reach import Client, Registry, Status
+from reach.testing import NatsServer, eventually
+from reach.wire import AgentRecord, CapabilityInfo, Control
+
+from .registry_wire import (
+    ERROR,
+    WireAgent,
+    beat,
+    deregister,
+    fast_settings,
+    heartbeat,
+    info,
+    register,
+    stored,
+)
+from .test_registry import make_agent
+
+
+@pytest.fixture
+def settings(nats_server):
+    return fast_settings(nats_server.url)
+
+
+@pytest.fixture(scope="module")
+def server_without_jetstream() -> Iterator[NatsServer]:
+    with NatsServer(jetstream=False) as server:
+        yield server
+
+
+async def nothing_left_behind(before: set[asyncio.Task]) -> None:
+    """No task the registry (or its NATS connection) started is still alive."""
+    await eventually(lambda: not (asyncio.all_tasks() - before), timeout=5)
+
+
+# -- start and stop ----------------------------------------------------------------------
+
+
+async def test_start_without_jetstream_raises_reach_error_and_leaves_nothing(
+    server_without_jetstream,
+):
+    settings = fast_settings(server_without_jetstream.url)
+    registry = Registry(settings=settings)
+    before = asyncio.all_tasks()
+    async with asyncio.timeout(30):  # a guard against hanging, not a measurement
+        with pytest.raises(reach.ReachError, match="JetStream"):
+            await registry.start()
+    await nothing_left_behind(before)
+    assert registry.footprint()["tasks"] == 0
+
+
+async def test_start_when_the_bucket_cannot_be_created_raises_and_leaves_nothing(settings):
+    # Someone else's stream already captures the bucket's subjects: creating it must fail.
+    bucket = settings.subject_prefix.replace(".", "_") + "_agents"
+    nc = await nats.connect(settings.nats_url)
+    await nc.jetstream().add_stream(name=f"squat_{bucket}", subjects=[f"$KV.{bucket}.>"])
+    await nc.close()
+    registry = Registry(settings=settings)
+    before = asyncio.all_tasks()
+    async with asyncio.timeout(30):
+        with pytest.raises(reach.ReachError, match=bucket):
+            await registry.start()
+    await nothing_left_behind(before)
+    assert registry.footprint()["tasks"] == 0
+
+
+async def test_requests_in_flight_during_stop_are_answered(settings):
+    """Stop drains: a request the registry took is answered; later ones find no one."""
+    registry = Registry(settings=settings)
+    await registry.start()
+    nc = await nats.connect(settings.nats_url)
+    try:
+        first = asyncio.Event()
+
+        async def one(i: int) -> str:
+            try:
+                msg = await register(nc, settings, info(f"flight-{i}"))
+            except nats.errors.NoRespondersError:
+                return "no responders"
+            first.set()
+            return "refused" if msg.headers and ERROR in msg.headers else "answered"
+
+        calls = [asyncio.create_task(one(i)) for i in range(300)]
+        await first.wait()
+        await registry.stop()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await nc.close()
+    assert [o for o in outcomes if not isinstance(o, str)] == []  # no timeouts
+    assert "refused" not in outcomes
+    assert outcomes.count("answered") >= 1
+    assert registry.footprint()["tasks"] == 0
+
+
+async def test_a_stopped_registry_starts_again(settings):
+    registry = Registry(settings=settings)
+    await registry.start()
+    await registry.stop()
+    async with (
+        registry,
+        Client(settings=settings) as client,
+        WireAgent(client.nc, settings, "geo-again"),
+    ):
+        await eventually(lambda: "geo-again" in registry.records())
+
+
+# -- bounded state -----------------------------------------------------------------------
+
+
+async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
+    # Long leases: this test is about churn through the API, not about expiry.
+    settings = fast_settings(nats_server.url, lease_ttl=60.0)
+    n, batch = 10_000, 500
+    async with (
+        Registry(settings=settings) as registry,
+        Client(settings=settings) as client,
+        make_agent(settings, "geo-steady"),  # a fleet is never silent: the bucket keeps moving
+    ):
+        nc = client.nc
+        for start in range(0, n, batch):
+            replies = await asyncio.gather(
+                *(register(nc, settings, info(f"churn-{i}")) for i in range(start, start + batch))
+            )
+            assert all(not r.headers or ERROR not in r.headers for r in replies)
+        await eventually(lambda: registry.footprint()["records"] == n + 1, timeout=30)
+        for start in range(0, n, batch):
+            await asyncio.gather(
+                *(deregister(nc, settings, f"churn-{i}") for i in range(start, start + batch))
+            )
+        # Heartbeats from ids nobody registered: each gets a "register" request, no state.
+        for i in range(n):
+            await heartbeat(nc, settings, f"ghost-{i}", beat(f"ghost-{i}", 1))
+        await client.flush()
+        await eventually(lambda: registry.stats.reregister_requests >= n, timeout=30)
+
+        def small() -> bool:
+            return all(size <= 16 for size in registry.footprint().values())
+
+        await eventually(small, timeout=30)
+        assert registry.stats.registrations >= n + 1
+        assert registry.stats.deregistrations == n
+        assert list(registry.records()) == ["geo-steady"]
+
+
+# -- checked input -----------------------------------------------------------------------
+
+
+async def test_heartbeat_numbers_out_of_range_are_clamped_and_counted(settings):
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        nc = client.nc
+        async with WireAgent(nc, settings, "geo-liar"):
+            lies = beat(
+                "geo-liar", 5, load=-1e9, inflight=-5, queue_len=-3, latency_ms=-7.0, served=-1
+            )
+            await heartbeat(nc, settings, "geo-liar", lies)
+
+            async def renewed() -> bool:
+                record = await stored(nc, settings, "geo-liar")
+                return record is not None and record.heartbeat is not None
+
+            await eventually(renewed)
+            hb = (await stored(nc, settings, "geo-liar")).heartbeat
+            assert (hb.seq, hb.load, hb.inflight, hb.queue_len, hb.latency_ms, hb.served) == (
+                5,
+                0.0,
+                0,
+                0,
+                0.0,
+                0,
+            )
+            assert registry.stats.clamped == 1
+            # Too big to be a number (JSON has no NaN or inf): dropped, counted, not stored.
+            body = beat("geo-liar", 6).replace(b'"latency_ms":0.0', b'"latency_ms":1e999')
+            await heartbeat(nc, settings, "geo-liar", body)
+            huge = beat("geo-liar", 7, load=1e300, latency_ms=1e300, queue_len=10**30)
+            await heartbeat(nc, settings, "geo-liar", huge)
+
+            async def seven() -> bool:
+                record = await stored(nc, settings, "geo-liar")
+                return record is not None and record.heartbeat.seq == 7
+
+            await eventually(seven)
+            hb = (await stored(nc, settings, "geo-liar")).heartbeat
+            assert hb.load == 1.0
+            assert 0 < hb.latency_ms < 1e300
+            assert 0 < hb.queue_len < 10**30
+            assert registry.stats.clamped == 2
+            assert registry.stats.dropped_malformed == 1
+
+
+@pytest.mark.parametrize(
+    ("what", "body"),
+    [
+        ("capability", info("geo-badcap", capability="Geo Lookup!")),
+        ("capability", info("geo-wild", capability="geo.*")),
+        ("agent_id", info("geo bad id")),
+        ("tag", info("geo-badtag", tags=("",))),
+        ("tag", info("geo-commatag", tags=("a,b",))),
+        ("max_concurrency", msgspec.structs.replace(info("geo-zero"), max_concurrency=0)),
+        (
+            "version",
+            msgspec.structs.replace(
+                info("geo-badver"), capabilities=[CapabilityInfo(name="geo.lookup", version="")]
+            ),
+        ),
+    ],
+)
+async def test_invalid_registration_is_refused_and_counted(settings, what, body):
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        reply = await register(client.nc, settings, body)
+        assert reply.headers[ERROR] == "400"
+        assert what in reply.headers["Nats-Service-Error"]
+        assert registry.stats.bad_requests == 1
+        assert registry.records() == {}
+        assert await stored(client.nc, settings, body.agent_id) is None
+
+
+async def test_corrupt_record_is_replaced_by_the_next_registration(settings):
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        kv = await client.nc.jetstream().key_value(client.subjects.bucket("agents"))
+        await kv.put("geo-corrupt", b"\x00 not a record")
+        await eventually(lambda: registry.stats.corrupt_records >= 1)
+        reply = await register(client.nc, settings, info("geo-corrupt"))
+        assert not reply.headers or ERROR not in reply.headers, reply.headers
+        record = await stored(client.nc, settings, "geo-corrupt")
+        assert record is not None
+        assert record.status == Status.UP
+
+
+async def test_corrupt_record_of_a_running_agent_is_healed_by_its_heartbeats(settings):
+    async with (
+        Registry(settings=settings),
+        Client(settings=settings) as client,
+        make_agent(settings, "geo-heal"),
+    ):
+        nc = client.nc
+
+        async def up() -> bool:
+            record = await stored(nc, settings, "geo-heal")
+            return record is not None and record.status == Status.UP
+
+        await eventually(up)
+        kv = await nc.jetstream().key_value(client.subjects.bucket("agents"))
+        await kv.put("geo-heal", b"{garbage")
+        await eventually(up)
+        entry = await kv.get("geo-heal")
+        assert msgspec.json.decode(entry.value, type=AgentRecord).info.agent_id == "geo-heal"
+
+
+# -- clocks ------------------------------------------------------------------------------
+
+
+async def test_wall_clock_step_back_does_not_silence_reregister_requests(settings, monkeypatch):
+    """Throttling "register again" requests is a local interval: the monotonic clock."""
+    async with (
+        Registry(settings=settings) as registry,
+        Client(settings=settings) as client,
+        make_agent(settings, "geo-steady"),  # keeps the bucket moving, as a fleet does
+    ):
+        nc = client.nc
+        asked: list[str] = []
+
+        async def on_ctl(msg):
+            asked.append(msgspec.json.decode(msg.data, type=Control).command)
+
+        await nc.subscribe(client.subjects.ctl("ghost"), cb=on_ctl)
+        await client.flush()
+        await heartbeat(nc, settings, "ghost", beat("ghost", 1))
+        await eventually(lambda: asked == ["register"])
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() - 3600)  # NTP steps back an hour
+
+        async def asked_again() -> bool:
+            await heartbeat(nc, settings, "ghost", beat("ghost", 2))
+            await client.flush()
+            return len(asked) >= 2
+
+        await eventually(asked_again, timeout=10)
+        assert registry.stats.reregister_requests >= 2
+
+
+async def test_removed_keys_leave_no_permanent_marker_in_the_bucket(settings):
+    """Every write carries a TTL, deletes included: churn cannot grow the bucket forever
+    (a plain delete marker stays in the stream until the bucket is dropped)."""
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        nc = client.nc
+        async with WireAgent(nc, settings, "geo-brief"):
+            pass
+        await deregister(nc, settings, "geo-brief")
+        stream = f"KV_{client.subjects.bucket('agents')}"
+        subject = f"$KV.{client.subjects.bucket('agents')}.geo-brief"
+        newest = await nc.jetstream().get_msg(stream, subject=subject)
+        assert newest.headers["KV-Operation"] == "DEL"
+        assert newest.headers["Nats-TTL"].endswith("ms")
