@@ -407,27 +407,23 @@ async def test_capability_not_found_says_what_was_asked_and_what_exists(settings
 
 
 async def test_nats_server_restart_on_same_store_table_recovers(tmp_path):
-    server = NatsServer(store_dir=tmp_path / "js").start()
-    try:
+    async with NatsServer(store_dir=tmp_path / "js") as server:
         settings = fast_settings(server.url)
         async with (
             Registry(settings=settings) as registry,
             Client(settings=settings) as client,
             make_agent(settings, "geo-phoenix"),
         ):
-            if True:
-                await wait_status(client, "geo-phoenix", Status.UP)
-                server.kill()
-                await eventually(lambda: not client.connected)
-                server.start()
-                await eventually(lambda: client.connected, timeout=30)
-                # The bucket lived in memory: the registry recreates it and the agent's
-                # next heartbeat makes it register again; the table follows.
-                await eventually(lambda: registry.records().get("geo-phoenix"), timeout=30)
-                await wait_status(client, "geo-phoenix", Status.UP, timeout=30)
-                assert await client.request("geo.lookup", {}) == {"by": "geo-phoenix"}
-    finally:
-        server.close()
+            await wait_status(client, "geo-phoenix", Status.UP)
+            await server.akill()
+            await eventually(lambda: not client.connected)
+            await server.astart()
+            await eventually(lambda: client.connected, timeout=30)
+            # The bucket lived in memory: the registry recreates it and the agent's
+            # next heartbeat makes it register again; the table follows.
+            await eventually(lambda: registry.records().get("geo-phoenix"), timeout=30)
+            await wait_status(client, "geo-phoenix", Status.UP, timeout=30)
+            assert await client.request("geo.lookup", {}) == {"by": "geo-phoenix"}
 
 
 async def test_agent_without_registry_keeps_serving_and_registers_when_one_appears(settings):
