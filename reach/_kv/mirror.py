@@ -69,51 +69,61 @@ class BucketMirror:
         self.errors = 0
         self.last_update = time.monotonic()
         self._lock = asyncio.Lock()
+        self._asked = 0  # rebuild requests so far
+        self._covered = 0  # requests the last finished rebuild began after
+        self._stopped = False
+        self._kv: KeyValue | None = None
         self._watcher: Any = None
         self._consumer: asyncio.Task[Any] | None = None
         self._watchdog: asyncio.Task[Any] | None = None
         self._soon: asyncio.Task[Any] | None = None
+        self._silent_seq: int | None = None
 
     async def start(self, timeout: float) -> bool:
         """Load a snapshot and follow changes; False (stale) when the bucket is unavailable.
         The watchdog runs either way and keeps trying."""
+        self._stopped = False
         ok = await self.rebuild(timeout)
         if self.silence_limit is not None and self._watchdog is None:
             self._watchdog = self._owner.keep(self._watch_dog, f"{self.name} watchdog")
         return ok
 
     async def stop(self) -> None:
-        for task in (self._watchdog, self._soon, self._consumer):
+        self._stopped = True  # no rebuild may start from here on
+        for task in (self._watchdog, self._soon):
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self._watchdog = self._soon = self._consumer = None
-        await self._stop_watcher()
+        self._watchdog = self._soon = None
+        async with self._lock:
+            await self._abandon()
         self.stale = True
 
     def rebuild_soon(self) -> None:
         """After a reconnect: a fresh watcher, reconciled against a fresh snapshot."""
-        if self._owner.closed or (self._soon is not None and not self._soon.done()):
+        if self._stopped or self._owner.closed:
+            return
+        if self._soon is not None and not self._soon.done():
+            self._asked += 1  # the running one may predate the reconnect: it will go again
             return
         self._soon = self._owner.spawn(self.rebuild(self.rebuild_timeout), f"{self.name} rebuild")
 
     async def rebuild(self, timeout: float) -> bool:
-        """Replace the watcher; concurrent callers share one rebuild (single flight)."""
-        if self._lock.locked():
-            async with self._lock:  # someone else rebuilt meanwhile: take their result
-                return not self.stale
+        """Replace the watcher. One rebuild at a time; a caller whose request came before a
+        rebuild began shares that rebuild's result, a later one gets a rebuild of its own."""
+        self._asked += 1
+        ticket = self._asked
         async with self._lock:
+            if self._covered >= ticket or self._stopped:
+                return not self.stale
+            self._covered = self._asked
             self.rebuilds += 1
-            consumer, self._consumer = self._consumer, None
-            if consumer is not None and not consumer.done():
-                consumer.cancel()
-                await asyncio.gather(consumer, return_exceptions=True)
-            await self._stop_watcher()
+            await self._abandon()
             ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             try:
                 async with asyncio.timeout(timeout):
-                    kv = await self._bind()
-                    self._watcher = await kv.watchall()
+                    self._kv = await self._bind()
+                    self._watcher = await self._open_watcher(self._kv)
                     self._consumer = self._owner.spawn(
                         self._consume(self._watcher, ready), f"{self.name} watch"
                     )
@@ -128,7 +138,30 @@ class BucketMirror:
                 raise
             self.stale = False
             self.last_update = time.monotonic()
+            self._silent_seq = None
             return True
+
+    async def _open_watcher(self, kv: KeyValue) -> Any:
+        """``watchall`` in a task of its own: if the timeout cancels us while nats-py is
+        half-way (subscribed, waiting for consumer info), nats-py would leak the
+        subscription; the task finishes instead, and a watcher that arrives late is
+        stopped."""
+        threshold = max(30.0, 2 * (self.silence_limit or 15.0))
+        opening = asyncio.ensure_future(kv.watchall(inactive_threshold=threshold))
+        try:
+            return await asyncio.shield(opening)
+        except BaseException:
+            opening.add_done_callback(self._stop_late)
+            raise
+
+    def _stop_late(self, opening: asyncio.Future[Any]) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        stopping = opening.result().stop()
+        if self._owner.closed:
+            stopping.close()  # the connection is closing anyway
+            return
+        self._owner.spawn(stopping, f"{self.name} late watcher")
 
     async def _abandon(self) -> None:
         consumer, self._consumer = self._consumer, None
@@ -180,12 +213,35 @@ class BucketMirror:
         self.stale = True  # the watcher ended: nothing more will come from it
 
     async def _watch_dog(self) -> None:
-        """A watcher can go silent after a reconnect; heartbeats make silence suspicious."""
+        """A watcher can go silent after a reconnect. Silence alone is not proof (an idle
+        bucket is silent too): rebuild when the stream's last sequence moved between two
+        silent checks, or when the mirror is stale."""
         limit = self.silence_limit
         assert limit is not None
         while True:
             await asyncio.sleep(limit / 3)
-            silent = time.monotonic() - self.last_update > limit
-            if (silent or self.stale) and self._connected():
-                self.last_update = time.monotonic()
+            if not self._connected():
+                continue
+            if self.stale:
                 await self.rebuild(self.rebuild_timeout)
+                continue
+            if time.monotonic() - self.last_update <= limit:
+                self._silent_seq = None
+                continue
+            seq = await self._last_seq()
+            if seq is None or (self._silent_seq is not None and seq != self._silent_seq):
+                log.info("%s: watch silent while the bucket changed; rebuilding", self.name)
+                await self.rebuild(self.rebuild_timeout)
+            else:
+                self._silent_seq = seq
+
+    async def _last_seq(self) -> int | None:
+        kv = self._kv
+        if kv is None:
+            return None
+        try:
+            status = await kv.status()
+        except TRANSIENT as exc:
+            log.debug("%s: bucket status unavailable: %s", self.name, exc)
+            return None
+        return int(status.stream_info.state.last_seq or 0)

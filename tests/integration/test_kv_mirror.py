@@ -1,0 +1,144 @@
+"""The one bucket mirror: no leaked watchers, no rebuilds of an idle bucket, a dead watch
+noticed, nothing after stop, and a rebuild asked for after a reconnect is not merged into
+an older one."""
+
+import asyncio
+
+import nats
+import pytest
+
+from reach._kv import BucketMirror, KvEntry, agents_bucket
+from reach._owner import TaskOwner
+from reach._wait import eventually
+from reach.testing import unique_prefix
+
+
+class Sink:
+    def __init__(self):
+        self.values: dict[str, bytes | None] = {}
+        self.snapshots = 0
+
+    def replace(self, snapshot: dict[str, KvEntry]) -> None:
+        self.snapshots += 1
+        self.values = {k: e.value for k, e in snapshot.items()}
+
+    def update(self, key: str, entry: KvEntry) -> None:
+        self.values[key] = entry.value
+
+
+class SpyWatcher:
+    def __init__(self, watcher):
+        self.watcher = watcher
+        self.stopped = False
+
+    async def stop(self):
+        self.stopped = True
+        await self.watcher.stop()
+
+    def __aiter__(self):
+        return self.watcher.__aiter__()
+
+
+class SpyKV:
+    """A real bucket whose watchers and status calls the test can see."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.watchers: list[SpyWatcher] = []
+        self.status_calls = 0
+        self.hold: asyncio.Event | None = None
+
+    async def watchall(self, **kwargs):
+        if self.hold is not None:
+            await self.hold.wait()
+        watcher = SpyWatcher(await self.kv.watchall(**kwargs))
+        self.watchers.append(watcher)
+        return watcher
+
+    async def status(self):
+        self.status_calls += 1
+        return await self.kv.status()
+
+
+@pytest.fixture
+async def bucket(nats_server):
+    nc = await nats.connect(nats_server.url)
+    name = unique_prefix() + "_mirror"
+    kv = await agents_bucket(nc.jetstream(), name, create=True)
+    await kv.put("a", b"1")
+    spy = SpyKV(kv)
+    spy.stream = f"KV_{name}"
+    yield nc, spy
+    await nc.close()
+
+
+def mirror(spy, sink, owner, **kwargs):
+    async def bind():
+        return spy
+
+    return BucketMirror(bind, sink, owner, name="test mirror", **kwargs)
+
+
+async def test_rebuilds_cut_short_by_their_timeout_leak_no_watcher(bucket):
+    nc, spy = bucket
+    owner = TaskOwner("test")
+    m = mirror(spy, Sink(), owner)
+    for timeout in [0.0005, 0.001, 0.002, 0.004] * 5:
+        await m.rebuild(timeout)
+    assert await m.rebuild(5.0)
+    await m.stop()
+    await eventually(lambda: all(w.stopped for w in spy.watchers))
+    await owner.close()
+    assert [w for w in spy.watchers if not w.stopped] == []
+
+    async def nobody_listens():
+        # A watcher that nats-py subscribed but never handed back keeps its consumer bound.
+        infos = await nc.jetstream().consumers_info(spy.stream)
+        return not any(i.push_bound for i in infos)
+
+    await eventually(nobody_listens)
+
+
+async def test_an_idle_bucket_is_not_rebuilt_and_a_dead_watch_is(bucket):
+    _, spy = bucket
+    owner = TaskOwner("test")
+    sink = Sink()
+    m = mirror(spy, sink, owner, silence_limit=0.15)
+    assert await m.start(5.0)
+    await eventually(lambda: spy.status_calls >= 4)
+    assert m.rebuilds == 1  # silent, but the bucket did not change either
+    await spy.watchers[-1].watcher.stop()  # the watch dies behind the mirror's back
+    await spy.kv.put("b", b"2")
+    await eventually(lambda: sink.values.get("b") == b"2")
+    assert m.rebuilds >= 2
+    await m.stop()
+    await owner.close()
+
+
+async def test_nothing_is_rebuilt_after_stop(bucket):
+    _, spy = bucket
+    owner = TaskOwner("test")
+    m = mirror(spy, Sink(), owner)
+    assert await m.start(5.0)
+    await m.stop()
+    m.rebuild_soon()
+    assert not await m.rebuild(5.0)
+    await owner.close()
+    assert len(spy.watchers) == 1
+    assert spy.watchers[0].stopped
+
+
+async def test_a_rebuild_asked_for_during_another_gets_its_own(bucket):
+    _, spy = bucket
+    owner = TaskOwner("test")
+    m = mirror(spy, Sink(), owner)
+    spy.hold = asyncio.Event()
+    first = asyncio.ensure_future(m.rebuild(5.0))
+    await eventually(lambda: m.rebuilds == 1)
+    second = asyncio.ensure_future(m.rebuild(5.0))
+    third = asyncio.ensure_future(m.rebuild(5.0))
+    spy.hold.set()
+    assert await asyncio.gather(first, second, third) == [True, True, True]
+    assert m.rebuilds == 2  # the second and third share one, begun after they asked
+    await m.stop()
+    await owner.close()
