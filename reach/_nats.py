@@ -21,7 +21,14 @@ from nats.aio.client import Client as NatsConnection
 from .errors import ConnectionFailed
 from .settings import ReachSettings
 
-__all__ = ["TRANSIENT", "NatsConnection", "connect_nats", "flush_nats", "translate"]
+__all__ = [
+    "TRANSIENT",
+    "NatsConnection",
+    "connect_nats",
+    "flush_nats",
+    "is_no_responders",
+    "translate",
+]
 
 log = logging.getLogger("reach.nats")
 
@@ -33,6 +40,11 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
 )
+
+
+def is_no_responders(exc: BaseException) -> bool:
+    """Whether a request failed because nobody listens on its subject (not a timeout)."""
+    return isinstance(exc, nats.errors.NoRespondersError)
 
 
 async def connect_nats(

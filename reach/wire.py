@@ -214,15 +214,21 @@ class ControlReply(_Wire, tag="reach.agent.control.reply", frozen=True, kw_only=
 
 
 class ListQuery(_Wire, tag="reach.registry.list", frozen=True, kw_only=True):
-    """Body of ``reach.registry.list``; every filter is optional."""
+    """Body of ``reach.registry.list``; every filter is optional. ``limit`` and ``after``
+    (an agent id) ask for one page, in agent id order."""
 
     capability: str | None = None
     tag: str | None = None
     status: Status | None = None
+    limit: int | None = None
+    after: str | None = None
 
 
 class ListReply(_Wire, tag="reach.registry.list.reply", frozen=True, kw_only=True):
+    """``next_after``: more agents follow; ask again with it as ``after``."""
+
     agents: list[AgentRecord] = msgspec.field(default_factory=list)
+    next_after: str | None = None
 
 
 class RouteQuery(_Wire, tag="reach.registry.route", frozen=True, kw_only=True):

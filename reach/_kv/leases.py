@@ -26,10 +26,12 @@ class LeaseConflict(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Latest:
-    """The newest message of a key: its revision, and its value unless it is a marker."""
+    """The newest message of a key: its revision, and its value unless it is a marker;
+    ``operation`` says which marker ("DEL", "PURGE"; an expiry is a "PURGE")."""
 
     revision: int
     value: bytes | None
+    operation: str | None = None
 
 
 async def bind_bucket(js: JetStreamContext, config: KeyValueConfig, *, create: bool) -> KeyValue:
@@ -104,6 +106,11 @@ async def latest(js: JetStreamContext, bucket: str, key: str) -> Latest:
     except nats.js.errors.NotFoundError:
         return Latest(0, None)
     headers = msg.headers or {}
-    if KV_OP in headers or MARKER_REASON in headers or not msg.data:
-        return Latest(int(msg.seq or 0), None)
-    return Latest(int(msg.seq or 0), bytes(msg.data))
+    revision = int(msg.seq or 0)
+    if KV_OP in headers:
+        return Latest(revision, None, headers[KV_OP])
+    if MARKER_REASON in headers:
+        return Latest(revision, None, "PURGE")
+    if not msg.data:
+        return Latest(revision, None)
+    return Latest(revision, bytes(msg.data))

@@ -1,13 +1,20 @@
 """The registry's request/reply API: ``register``, ``deregister``, ``list`` and ``route``.
 
 Each request is answered, always: with its reply, with ``bad_request`` naming the field
-when the body does not decode or does not check out (counted), or with ``failed``.
+when the body does not decode or does not check out (counted), or with ``failed``. Only
+the decoding and checking step (``parse``) can make a ``bad_request``: an error raised
+while serving is ours, and answered ``failed``.
+
+A ``list`` answer must fit in one NATS message (``max_payload``): callers that page
+(``limit``/``after``) get as many records as fit and ``next_after``; a caller that asked
+for everything gets ``bad_request`` saying to page or filter, rather than nothing.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -44,6 +51,15 @@ _list_query = msgspec.json.Decoder(ListQuery)
 _route_query = msgspec.json.Decoder(RouteQuery)
 
 Handler = Callable[[Msg], Awaitable[None]]
+Q = TypeVar("Q")
+
+#: Room left in a reply for everything but the records (envelope, headers, cursor).
+_REPLY_OVERHEAD = 1024
+MAX_PAGE = 10_000
+
+
+class TooLarge(Exception):
+    """An answer that cannot fit in one NATS message; the text says what to ask instead."""
 
 
 class Api:
@@ -55,13 +71,15 @@ class Api:
 
     def handlers(self) -> dict[str, Handler]:
         return {
-            "register": self._guard(self._on_register),
-            "deregister": self._guard(self._on_deregister),
-            "list": self._guard(self._on_list),
-            "route": self._guard(self._on_route),
+            "register": self._guard(_parse_registration, self._on_register),
+            "deregister": self._guard(_parse_deregistration, self._on_deregister),
+            "list": self._guard(_parse_list, self._on_list),
+            "route": self._guard(_parse_route, self._on_route),
         }
 
-    def _guard(self, cb: Callable[[Msg], Awaitable[bytes]]) -> Handler:
+    def _guard(
+        self, parse: Callable[[bytes], Q], serve: Callable[[Q], Awaitable[bytes]]
+    ) -> Handler:
         """Answer every request; a body that does not decode or check is ``bad_request``."""
         core = self.core
 
@@ -70,17 +88,12 @@ class Api:
                 return
             headers: dict[str, str] | None = None
             try:
-                body = await cb(msg)
+                query = parse(msg.data)
             except (msgspec.DecodeError, ValueError) as exc:
                 core.stats.bad_requests += 1
                 body, headers = error_reply(ErrorCode.BAD_REQUEST, f"invalid request: {exc}")
-            except WRITE_FAILED as exc:
-                core.stats.write_errors += 1
-                log.warning("registry %s: %s not served: %s", core.registry_id, msg.subject, exc)
-                body, headers = error_reply(ErrorCode.AGENT_UNAVAILABLE, "registry unavailable")
-            except Exception:
-                log.exception("registry %s: request on %s failed", core.registry_id, msg.subject)
-                body, headers = error_reply(ErrorCode.FAILED, "registry failed")
+            else:
+                body, headers = await self._serve(msg, serve, query)
             try:
                 await core.conn().publish(msg.reply, body, headers=headers)
             except TRANSIENT as exc:
@@ -88,10 +101,25 @@ class Api:
 
         return handle
 
-    async def _on_register(self, msg: Msg) -> bytes:
+    async def _serve(
+        self, msg: Msg, serve: Callable[[Q], Awaitable[bytes]], query: Q
+    ) -> tuple[bytes, dict[str, str] | None]:
         core = self.core
-        reg = _registration.decode(msg.data)
-        check_registration(reg)
+        try:
+            return await serve(query), None
+        except TooLarge as exc:
+            core.stats.bad_requests += 1
+            return error_reply(ErrorCode.BAD_REQUEST, str(exc))
+        except WRITE_FAILED as exc:
+            core.stats.write_errors += 1
+            log.warning("registry %s: %s not served: %s", core.registry_id, msg.subject, exc)
+            return error_reply(ErrorCode.AGENT_UNAVAILABLE, "registry unavailable")
+        except Exception:
+            log.exception("registry %s: request on %s failed", core.registry_id, msg.subject)
+            return error_reply(ErrorCode.FAILED, "registry failed")
+
+    async def _on_register(self, reg: Registration) -> bytes:
+        core = self.core
         agent_id = reg.info.agent_id
         status = reg.status if reg.status in ALIVE else Status.UP
         now = now_ms()
@@ -130,9 +158,8 @@ class Api:
         )
         return encode_json(reply)
 
-    async def _on_deregister(self, msg: Msg) -> bytes:
+    async def _on_deregister(self, agent_id: str) -> bytes:
         core = self.core
-        agent_id = validate_agent_id(_deregistration.decode(msg.data).agent_id)
         core.stats.deregistrations += 1
         entry = core.entries.get(agent_id)
         previous = entry.record if entry is not None else None
@@ -146,8 +173,7 @@ class Api:
             await self.leases.announce(agent_id, t, removed=True)
         return b"{}"
 
-    async def _on_list(self, msg: Msg) -> bytes:
-        query = _list_query.decode(msg.data or b"{}")
+    async def _on_list(self, query: ListQuery) -> bytes:
         agents = [
             r
             for r in self.core.entries.records().values()
@@ -157,13 +183,29 @@ class Api:
             )
             and (query.tag is None or query.tag in r.info.tags)
             and (query.status is None or r.status == query.status)
+            and (query.after is None or r.info.agent_id > query.after)
         ]
         agents.sort(key=lambda r: r.info.agent_id)
-        return encode_json(ListReply(agents=agents))
+        paging = query.limit is not None or query.after is not None
+        wanted = agents[: query.limit] if query.limit is not None else agents
+        budget = self.core.conn().max_payload - _REPLY_OVERHEAD
+        page: list[AgentRecord] = []
+        for r in wanted:
+            budget -= len(encode_json(r)) + 1
+            if budget < 0:
+                break
+            page.append(r)
+        if len(page) < len(wanted) and (not paging or not page):
+            raise TooLarge(
+                f"limit: {len(wanted)} agents do not fit in one message (max_payload "
+                f"{self.core.conn().max_payload} bytes); page with limit and after, or "
+                f"filter by capability, tag or status"
+            )
+        more = len(page) < len(agents)
+        next_after = page[-1].info.agent_id if more and page else None
+        return encode_json(ListReply(agents=page, next_after=next_after))
 
-    async def _on_route(self, msg: Msg) -> bytes:
-        query = _route_query.decode(msg.data)
-        validate_capability(query.capability)  # it becomes part of the subjects we answer
+    async def _on_route(self, query: RouteQuery) -> bytes:
         records = list(self.core.entries.records().values())
         ranked = rank(records, query.capability, query.version, query.tags, query.priority)
         subjects = self.core.subjects
@@ -183,3 +225,29 @@ class Api:
             else explain_miss(records, query.capability, query.version, query.tags, query.priority)
         )
         return encode_json(RouteReply(candidates=candidates, reason=reason))
+
+
+# -- decoding and checking: the only place a request can be refused as bad_request ------
+
+
+def _parse_registration(data: bytes) -> Registration:
+    reg = _registration.decode(data)
+    check_registration(reg)
+    return reg
+
+
+def _parse_deregistration(data: bytes) -> str:
+    return validate_agent_id(_deregistration.decode(data).agent_id)
+
+
+def _parse_list(data: bytes) -> ListQuery:
+    query = _list_query.decode(data or b"{}")
+    if query.limit is not None and not 1 <= query.limit <= MAX_PAGE:
+        raise ValueError(f"limit {query.limit} is not in 1..{MAX_PAGE}")
+    return query
+
+
+def _parse_route(data: bytes) -> RouteQuery:
+    query = _route_query.decode(data)
+    validate_capability(query.capability)  # it becomes part of the subjects we answer
+    return query

@@ -5,7 +5,13 @@ agent is being written waits as "the newest", replacing any older one, and is wr
 So a replica never races itself on a key, a burst costs one write, and the per-agent state
 is one dict slot that exists only while a write is in flight. Writes overall are bounded by
 ``max_inflight``; beyond that the subscription waits (NATS buffers, then drops as a slow
-consumer, which is what an overwhelmed registry should do).
+consumer, which is what an overwhelmed registry should do). A write's slot is given back
+by its task's done-callback, so a task cancelled before it ever ran gives it back too.
+
+A heartbeat for a key that was just deleted is late (the agent is deregistering, or was
+removed): it is dropped, not answered with "register", or a draining agent would come
+back as a ghost. Once the deletion is forgotten (``Entries.prune``), an agent that still
+heartbeats is asked to register like any unknown one.
 """
 
 from __future__ import annotations
@@ -32,15 +38,28 @@ _heartbeat = msgspec.json.Decoder(Heartbeat)
 _register_again = encode_json(Control(command="register"))
 
 
+class _Write:
+    """One agent's write in flight; ``newest`` is the heartbeat waiting behind it."""
+
+    __slots__ = ("newest",)
+
+    def __init__(self) -> None:
+        self.newest: Heartbeat | None = None
+
+
 class Heartbeats:
     """The ``hb.*`` subscription's callback and the writes it starts."""
 
     def __init__(self, core: Core, leases: Leases, max_inflight: int) -> None:
         self.core = core
         self.leases = leases
-        self._slots = asyncio.Semaphore(max_inflight)
-        # agent id -> the newest heartbeat waiting behind the write in flight (or None)
-        self._busy: dict[str, Heartbeat | None] = {}
+        self.max_inflight = max_inflight
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every write (the registry starts again; the old tasks are gone)."""
+        self._slots = asyncio.Semaphore(self.max_inflight)
+        self._busy: dict[str, _Write] = {}  # agent id -> its write in flight
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -50,7 +69,7 @@ class Heartbeats:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for hb in self._busy.values() if hb is not None)
+        return sum(1 for w in self._busy.values() if w.newest is not None)
 
     async def wait_idle(self) -> None:
         """Until every heartbeat taken has been written (or has failed)."""
@@ -79,20 +98,31 @@ class Heartbeats:
             return
         if clamped:
             stats.clamped += 1
-        if agent_id in self._busy:
-            waiting = self._busy[agent_id]
+        write = self._busy.get(agent_id)
+        if write is not None:
+            waiting = write.newest
             if waiting is None or not is_stale(checked, waiting):
-                self._busy[agent_id] = checked
+                write.newest = checked
             return
         await self._slots.acquire()
         if self.core.owner.closed:
             self._slots.release()
             return
-        self._busy[agent_id] = None
+        self._busy[agent_id] = write = _Write()
         self._idle.clear()
-        self.core.owner.spawn(self._write_all(checked), f"heartbeat {agent_id}")
+        task = self.core.owner.spawn(self._write_all(checked, write), f"heartbeat {agent_id}")
+        slots = self._slots
+        task.add_done_callback(lambda _: self._release(agent_id, write, slots))
 
-    async def _write_all(self, hb: Heartbeat) -> None:
+    def _release(self, agent_id: str, write: _Write, slots: asyncio.Semaphore) -> None:
+        """The write's task ended (or was cancelled before it ran): its slot is free."""
+        if self._busy.get(agent_id) is write:
+            del self._busy[agent_id]
+        slots.release()
+        if not self._busy:
+            self._idle.set()
+
+    async def _write_all(self, hb: Heartbeat, write: _Write) -> None:
         agent_id = hb.agent_id
         try:
             while True:
@@ -101,20 +131,23 @@ class Heartbeats:
                 except WRITE_FAILED as exc:
                     self.core.stats.write_errors += 1
                     log.warning("registry: heartbeat of %s not stored: %s", agent_id, exc)
-                newest = self._busy.get(agent_id)
+                newest = write.newest
                 if newest is None:
                     return
-                self._busy[agent_id] = None
+                write.newest = None
                 hb = newest
         finally:
-            self._busy.pop(agent_id, None)
-            self._slots.release()
-            if not self._busy:
-                self._idle.set()
+            # Leave at once (no await after the last look): a heartbeat arriving from
+            # now on starts a write of its own instead of waiting behind this one.
+            if self._busy.get(agent_id) is write:
+                del self._busy[agent_id]
 
     async def _apply(self, hb: Heartbeat) -> None:
         agent_id = hb.agent_id
         entry = self.core.entries.get(agent_id)
+        if entry is not None and entry.deleted:
+            self.core.stats.stale_heartbeats += 1  # late: it was just deregistered
+            return
         if entry is None or entry.record is None or entry.record.status == Status.DOWN:
             await self.ask_to_register(agent_id)
             return
@@ -140,10 +173,10 @@ class Heartbeats:
                 events.append(t)
             return record, self.core.lease_ttl
 
-        _, after = await self.leases.update(agent_id, change)
-        if stale:
-            self.core.stats.stale_heartbeats += 1
-        elif after is None:
+        updated = await self.leases.update(agent_id, change)
+        if stale or (updated.written is None and updated.deleted):
+            self.core.stats.stale_heartbeats += 1  # older than the one stored, or deleted
+        elif updated.written is None:
             await self.ask_to_register(agent_id)
         for t in events:
             await self.leases.announce(agent_id, t, removed=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -21,7 +21,7 @@ from .._nats import TRANSIENT
 from ..wire import AgentEvent, AgentRecord, Status, Transition
 from .state import Core
 
-__all__ = ["ALIVE", "WRITE_FAILED", "Change", "Leases"]
+__all__ = ["ALIVE", "WRITE_FAILED", "Change", "Leases", "Updated"]
 
 log = logging.getLogger("reach.registry")
 
@@ -36,6 +36,15 @@ WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.LeaseConflict)
 Change = Callable[[AgentRecord | None], tuple[AgentRecord, float] | None]
 
 
+class Updated(NamedTuple):
+    """What ``Leases.update`` found and did: the record it decided on (None: none, or
+    undecodable), the one it wrote (None: nothing), and whether the key was deleted."""
+
+    before: AgentRecord | None
+    written: AgentRecord | None
+    deleted: bool
+
+
 class Leases:
     """Reads, compare-and-set writes and removals of agent records, plus their events."""
 
@@ -45,24 +54,24 @@ class Leases:
     async def write(self, agent_id: str, record: AgentRecord, ttl: float, last: int) -> int:
         """Write iff the key's newest revision is ``last``; LeaseConflict otherwise."""
         core = self.core
+        prior = core.entries.get(agent_id)
         rev = await _kv.write_lease(
             core.jsc(), core.bucket, agent_id, encode_json(record), ttl=ttl, last=last
         )
-        core.entries.stored(agent_id, rev, record)
+        core.entries.stored(agent_id, rev, record, prior)
         return rev
 
-    async def update(
-        self, agent_id: str, change: Change
-    ) -> tuple[AgentRecord | None, AgentRecord | None]:
-        """Read-modify-CAS-write, retried on the fresh record; (before, written or None)."""
+    async def update(self, agent_id: str, change: Change) -> Updated:
+        """Read-modify-CAS-write, retried on the fresh record."""
         core = self.core
         entry = core.entries.get(agent_id)
         last = entry.revision if entry is not None else 0
         before = entry.record if entry is not None else None
+        deleted = entry is not None and entry.deleted
         for _ in range(CAS_RETRIES):
             decided = change(before)
             if decided is None:
-                return before, None
+                return Updated(before, None, deleted)
             record, ttl = decided
             try:
                 await self.write(agent_id, record, ttl, last)
@@ -71,16 +80,18 @@ class Leases:
                 fresh = await _kv.latest(core.jsc(), core.bucket, agent_id)
                 last = fresh.revision
                 before = core.entries.decode(agent_id, fresh.value) if fresh.value else None
+                deleted = fresh.operation == "DEL"
                 continue
-            return before, record
+            return Updated(before, record, False)
         raise _kv.LeaseConflict(agent_id)
 
     async def remove(self, agent_id: str, last: int | None) -> None:
         """Delete the key (compare-and-set when ``last`` is given). The delete marker
         expires like a lease marker does, so agent churn cannot grow the bucket."""
         core = self.core
+        prior = core.entries.get(agent_id)
         rev = await _kv.remove(core.jsc(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL)
-        core.entries.stored(agent_id, rev, None)
+        core.entries.stored(agent_id, rev, None, prior)
 
     async def exists(self, agent_id: str) -> bool:
         """Whether the key holds a value now (read from the stream, not from our view)."""

@@ -3,7 +3,9 @@ and, after its grace period, gone. Plus the housekeeping loop that keeps memory 
 
 The server expires leases by itself (per-key TTL) and the watch reports each expiry as a
 marker; every replica sees it, and a compare-and-set on the marker's revision decides which
-one probes. Probes run concurrently but bounded, each an owned task.
+one probes. Expiries wait in a queue (one item per expired key, so as bounded as the bucket)
+served by at most ``max_probes`` owned workers, started when there is work and gone when
+there is none: a mass expiry costs a bounded number of tasks and concurrent KV writes.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from typing import Any
 
 import msgspec
-import nats.errors
 
 from .. import _kv
 from .._codec import now_ms
-from .._nats import TRANSIENT
+from .._nats import TRANSIENT, is_no_responders
 from ..wire import AgentRecord, Heartbeat, Status, Transition
 from .checks import sanitize_heartbeat
 from .leases import ALIVE, WRITE_FAILED, Leases
@@ -37,7 +40,18 @@ class Liveness:
     def __init__(self, core: Core, leases: Leases, max_probes: int = 256) -> None:
         self.core = core
         self.leases = leases
-        self._probes = asyncio.Semaphore(max_probes)
+        self.max_probes = max_probes
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget queued work (the registry starts again; its workers are gone)."""
+        self._queue: deque[tuple[str, int, AgentRecord]] = deque()
+        self._workers: set[asyncio.Task[Any]] = set()
+
+    @property
+    def queued(self) -> int:
+        """Expiries waiting for a worker."""
+        return len(self._queue)
 
     @property
     def prune_age(self) -> float:
@@ -46,13 +60,38 @@ class Liveness:
 
     def expired(self, agent_id: str, marker_revision: int, previous: AgentRecord) -> None:
         """The server expired a lease (the watch saw its marker): decide what it means."""
-        owner = self.core.owner
-        if owner.closed:
+        if self.core.owner.closed:
             return
-        if previous.status in ALIVE:
-            owner.spawn(self._suspect(agent_id, marker_revision, previous), f"probe {agent_id}")
-        else:
-            owner.spawn(self._forget(agent_id, marker_revision, previous), f"forget {agent_id}")
+        self._queue.append((agent_id, marker_revision, previous))
+        self._staff()
+
+    def _staff(self) -> None:
+        owner, workers = self.core.owner, self._workers
+        if owner.closed or len(workers) >= self.max_probes:
+            return
+        task = owner.spawn(self._work(), "liveness")
+        workers.add(task)
+        task.add_done_callback(self._worker_done)
+
+    def _worker_done(self, task: asyncio.Task[Any]) -> None:
+        self._workers.discard(task)
+        if self._queue:
+            self._staff()  # a worker that failed (logged by the owner) leaves work behind
+
+    async def _work(self) -> None:
+        queue = self._queue
+        try:
+            while queue:
+                agent_id, marker_revision, previous = queue.popleft()
+                if previous.status in ALIVE:
+                    await self._suspect(agent_id, marker_revision, previous)
+                else:
+                    await self._forget(agent_id, marker_revision, previous)
+        finally:
+            # Leave at once (no await after the last look), so new work staffs a worker.
+            me = asyncio.current_task()
+            if me is not None:
+                self._workers.discard(me)
 
     async def housekeeping(self) -> None:
         """Forever: drop what nobody needs any more, so churn leaves nothing behind."""
@@ -109,16 +148,15 @@ class Liveness:
         """Ping the agent: (its answer, why) or (None, why not)."""
         core = self.core
         core.stats.probes += 1
-        async with self._probes:
-            try:
-                reply = await core.conn().request(
-                    core.subjects.ping(agent_id), b"", timeout=core.settings.probe_timeout
-                )
-                return _pong.decode(reply.data), "probe answered"
-            except nats.errors.NoRespondersError:
+        try:
+            reply = await core.conn().request(
+                core.subjects.ping(agent_id), b"", timeout=core.settings.probe_timeout
+            )
+            return _pong.decode(reply.data), "probe answered"
+        except _NO_ANSWER as exc:
+            if is_no_responders(exc):
                 return None, "probe failed: no responders"
-            except _NO_ANSWER:
-                return None, "probe failed: timeout"
+            return None, "probe failed: timeout"
 
     async def _forget(self, agent_id: str, marker_revision: int, previous: AgentRecord) -> None:
         """A DOWN (or UNKNOWN) record outlived its grace period: it is gone."""

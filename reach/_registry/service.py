@@ -4,10 +4,12 @@ Stateless by design: everything it knows is in the ``reach_agents`` bucket (whic
 mirrors) or arrives with the next heartbeat. Every write is a compare-and-set on the key's
 revision, so any number of replicas can run; a lost race is retried on the fresh record.
 
-One lifecycle: ``start`` connects, opens the bucket, loads a snapshot and subscribes,
-within ``start_timeout``, and leaves nothing behind when any step fails. ``stop`` drains the
-subscriptions (requests already taken are answered), lets taken heartbeats be written,
-then cancels and awaits every background task, and closes the connection last.
+One lifecycle: ``start`` connects, opens the bucket, loads a snapshot, subscribes and
+flushes, all within ``start_timeout``; any failure is ``ConnectionFailed`` and leaves
+nothing behind. ``stop`` drains the subscriptions (requests already taken are answered),
+lets taken heartbeats be written, then cancels and awaits every background task, and
+closes the connection last. Start and stop take turns (one lock): a ``stop`` called while
+``start`` runs waits for it and then stops, and a second ``start`` finds the first done.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Registry:
         self._mirror: _kv.BucketMirror | None = None
         self._subs: list[Subscription] = []
         self._running = False
+        self._lifecycle = asyncio.Lock()
 
     # -- what anyone may read ------------------------------------------------------------
 
@@ -104,6 +107,7 @@ class Registry:
             "asked_to_register": len(core.throttle),
             "heartbeats_in_flight": self._heartbeats.in_flight,
             "heartbeats_waiting": self._heartbeats.waiting,
+            "expiries_queued": self._liveness.queued,
             "tasks": len(self._owner),
             "subscriptions": len(self._subs),
         }
@@ -112,23 +116,28 @@ class Registry:
 
     async def start(self) -> None:
         """Serve once this returns; ConnectionFailed (nothing left running) if it cannot."""
-        if self._running:
-            return
-        if self._owner.closed:
-            self._owner.reopen()
-        try:
-            await self._open()
-        except BaseException:
-            await self._close()
-            raise
-        self._running = True
+        async with self._lifecycle:
+            if self._running:
+                return
+            if self._owner.closed:
+                self._owner.reopen()
+            self._heartbeats.reset()
+            self._liveness.reset()
+            try:
+                await self._open()
+            except BaseException:
+                await self._close()
+                raise
+            self._running = True
         log.info("registry %s serving bucket %s", self.registry_id, self.bucket_name)
 
     async def stop(self) -> None:
-        if not self._running:
-            return
-        self._running = False
-        await self._close()
+        """Stop serving (after a ``start`` that is under way, if any)."""
+        async with self._lifecycle:
+            if not self._running:
+                return
+            self._running = False
+            await self._close()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -154,33 +163,43 @@ class Registry:
             self.settings, self.url, self.registry_id, reconnected=self._on_reconnect
         )
         core.nc, core.js = nc, nc.jetstream()
+        step = "bind"
         try:
             async with asyncio.timeout(self.start_timeout):
                 await self._bind()
+                step = "load the bucket"
+                self._mirror = _kv.BucketMirror(
+                    self._bind,
+                    core.entries,
+                    self._owner,
+                    name=f"registry {self.registry_id} leases",
+                    silence_limit=max(3 * self.settings.heartbeat_interval, 1.0),
+                    rebuild_timeout=self.start_timeout,
+                    connected=lambda: nc.is_connected,
+                )
+                if not await self._mirror.start(self.start_timeout):
+                    raise ConnectionFailed(
+                        f"registry {self.registry_id}: no snapshot of bucket "
+                        f"{self.bucket_name!r} within {self.start_timeout:g}s on {self.url}",
+                        url=self.url,
+                    )
+                step = "subscribe"
+                s = self.subjects
+                on_heartbeat = self._heartbeats.on_message
+                self._subs.append(
+                    await nc.subscribe(s.heartbeat("*"), queue="registry", cb=on_heartbeat)
+                )
+                for verb, cb in self._api.handlers().items():
+                    self._subs.append(await nc.subscribe(s.registry(verb), queue="registry", cb=cb))
+                await flush_nats(nc)
         except TRANSIENT as exc:
-            raise ConnectionFailed(self._unavailable(exc), url=self.url) from exc
-        self._mirror = _kv.BucketMirror(
-            self._bind,
-            core.entries,
-            self._owner,
-            name=f"registry {self.registry_id} leases",
-            silence_limit=max(3 * self.settings.heartbeat_interval, 1.0),
-            rebuild_timeout=self.start_timeout,
-            connected=lambda: nc.is_connected,
-        )
-        if not await self._mirror.start(self.start_timeout):
+            if step == "bind":
+                raise ConnectionFailed(self._unavailable(exc), url=self.url) from exc
             raise ConnectionFailed(
-                f"registry {self.registry_id}: no snapshot of bucket {self.bucket_name!r} "
-                f"within {self.start_timeout:g}s on {self.url}",
+                f"registry {self.registry_id} could not {step} on {self.url} within "
+                f"{self.start_timeout:g}s ({type(exc).__name__}: {exc})",
                 url=self.url,
-            )
-        s = self.subjects
-        self._subs.append(
-            await nc.subscribe(s.heartbeat("*"), queue="registry", cb=self._heartbeats.on_message)
-        )
-        for verb, cb in self._api.handlers().items():
-            self._subs.append(await nc.subscribe(s.registry(verb), queue="registry", cb=cb))
-        await flush_nats(nc)
+            ) from exc
         self._owner.keep(self._liveness.housekeeping, "housekeeping")
 
     async def _bind(self) -> KeyValue:

@@ -13,10 +13,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
-from nats.aio.client import Client as NatsConnection
-from nats.js import JetStreamContext
 
 from .._kv import KvEntry
 from .._owner import TaskOwner
@@ -24,6 +23,10 @@ from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsConnection
+    from nats.js import JetStreamContext
 
 __all__ = ["Core", "Entries", "Entry", "RegistryStats", "Throttle"]
 
@@ -59,18 +62,29 @@ class RegistryStats:
 @dataclass(slots=True)
 class Entry:
     """A key's newest revision; ``record`` is None for a marker or an undecodable value.
-    ``since`` (monotonic) is when it last changed, so record-less entries can be dropped."""
+    ``since`` (monotonic) is when it last changed, so record-less entries can be dropped.
+    ``own``: a write of ours the watch has not confirmed yet (it may be newer than a
+    snapshot being taken). ``deleted``: the key was deleted (deregistered or removed),
+    not expired."""
 
     revision: int
     record: AgentRecord | None
     since: float = 0.0
+    own: bool = False
+    deleted: bool = False
 
 
 class Entries:
     """This replica's view of the bucket; writes of its own are folded in by revision.
 
     A key whose newest message is a delete, an expiry marker or garbage keeps its
-    revision with no record (a tombstone) until ``prune`` drops it."""
+    revision with no record (a tombstone) until ``prune`` drops it.
+
+    The bucket lives in memory, so a server restart creates it again and its revisions
+    start over at 1: "the newest revision wins" holds only within one stream. Both ways a
+    new stream shows itself are handled: a snapshot older than what the watch told us
+    (``replace``), and a write of ours that succeeded below the revision we held (``stored``
+    with ``prior``)."""
 
     def __init__(self, stats: RegistryStats, clock: Callable[[], float] = time.monotonic) -> None:
         self.stats = stats
@@ -100,7 +114,7 @@ class Entries:
         record = self.decode(key, kv.value) if kv.operation is None and kv.value else None
         if kv.operation is None and not kv.value:
             self.stats.corrupt_records += 1  # an empty put is no record either
-        return Entry(kv.revision, record, self.clock())
+        return Entry(kv.revision, record, self.clock(), deleted=kv.operation == "DEL")
 
     # -- MirrorSink ------------------------------------------------------------------
 
@@ -109,12 +123,22 @@ class Entries:
 
         Markers in it are not news, so the first snapshot suspects nobody; but a rebuild
         that finds a marker newer than a record we held has caught an expiry that fell
-        between the old watcher and the new one, and reports it like the watch would."""
+        between the old watcher and the new one, and reports it like the watch would.
+
+        The old watcher is stopped before the snapshot is taken, so within one stream it
+        holds every key at (at least) the revision the watch told us; only an unconfirmed
+        write of ours can be newer, and then newer than all of it. Anything else means the
+        stream was created again: drop what we knew of the old one and take the snapshot."""
+        if self._recreated(snapshot):
+            log.warning("registry: the leases bucket was created again; view rebuilt")
+            self._map = {key: self._entry(key, kv) for key, kv in snapshot.items()}
+            return
         fresh: dict[str, Entry] = {}
         missed: list[tuple[str, int, AgentRecord]] = []
         for key, kv in snapshot.items():
             current = self._map.get(key)
             if current is not None and current.revision >= kv.revision:
+                current.own = False  # in the next snapshot it must be there
                 fresh[key] = current  # our own write landed after the snapshot was taken
                 continue
             fresh[key] = self._entry(key, kv)
@@ -125,9 +149,21 @@ class Entries:
             for key, revision, record in missed:
                 self.on_expired(key, revision, record)
 
+    def _recreated(self, snapshot: dict[str, KvEntry]) -> bool:
+        newest = max((kv.revision for kv in snapshot.values()), default=0)
+        for key, kv in snapshot.items():
+            current = self._map.get(key)
+            if current is None or current.revision <= kv.revision:
+                continue
+            if not current.own or current.revision <= newest:
+                return True
+        return False
+
     def update(self, key: str, kv: KvEntry) -> None:
         current = self._map.get(key)
         if current is not None and kv.revision <= current.revision:
+            if kv.revision == current.revision:
+                current.own = False  # the watch confirms our write
             return  # our own write already told us (or the watch replays an old one)
         entry = self._entry(key, kv)
         self._map[key] = entry
@@ -137,11 +173,16 @@ class Entries:
 
     # -- our own writes and housekeeping ----------------------------------------------
 
-    def stored(self, key: str, revision: int, record: AgentRecord | None) -> None:
-        """A write of ours succeeded; the watch will confirm it later (and be ignored)."""
+    def stored(
+        self, key: str, revision: int, record: AgentRecord | None, prior: Entry | None = None
+    ) -> None:
+        """A write of ours succeeded; the watch will confirm it later (and be ignored).
+        ``record`` None is a delete. ``prior`` is the entry we held when we sent it: if it
+        is still there, nothing newer came in meanwhile, so one with a higher revision is
+        from a stream that no longer exists and ours replaces it."""
         current = self._map.get(key)
-        if current is None or current.revision < revision:
-            self._map[key] = Entry(revision, record, self.clock())
+        if current is None or current.revision < revision or current is prior:
+            self._map[key] = Entry(revision, record, self.clock(), own=True, deleted=record is None)
 
     def prune(self, older_than: float) -> int:
         """Drop record-less entries (deletes, expiries, garbage) unchanged since

@@ -6,6 +6,9 @@ register with a bad capability) plays that agent here instead of reaching into `
 
 from __future__ import annotations
 
+import asyncio
+from urllib.parse import urlsplit
+
 import msgspec
 import nats.js.errors
 from nats.aio.client import Client as NatsConnection
@@ -117,3 +120,86 @@ class WireAgent:
     async def __aexit__(self, *exc: object) -> None:
         for sub in self.subs:
             await sub.unsubscribe()
+
+
+class Relay:
+    """A TCP relay in front of a real nats-server, to see what a client does to the wire.
+
+    It counts connections, and once the client sends ``trigger`` it stops passing the
+    client's bytes on: it holds them until ``release()`` (``hold=True``) or drops them, so
+    a start can be caught halfway (the server never sees what comes after). ``cut()``
+    drops every connection and refuses new ones until ``mend()``."""
+
+    def __init__(self, upstream: str, trigger: bytes = b"", *, hold: bool = True) -> None:
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 4222)
+        self.trigger = trigger
+        self.hold = hold
+        self.connections = 0  # accepted so far
+        self.open = 0  # still open
+        self.triggered = asyncio.Event()
+        self._released = asyncio.Event()
+        self._cut = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Relay:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"nats://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def cut(self) -> None:
+        self._cut = True
+        for writer in self._writers:
+            writer.close()
+
+    def mend(self) -> None:
+        self._cut = False
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._cut:
+            writer.close()
+            return
+        self.connections += 1
+        self.open += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+            self._writers.update((writer, up_writer))
+            await asyncio.gather(
+                self._pump(reader, up_writer, outbound=True),
+                self._pump(up_reader, writer, outbound=False),
+            )
+        finally:
+            writer.close()
+            self._writers.discard(writer)
+            self.open -= 1
+
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, outbound: bool
+    ) -> None:
+        try:
+            while data := await src.read(65536):
+                if outbound and self.trigger and self.trigger in data:
+                    self.triggered.set()
+                if outbound and self.triggered.is_set() and not self._released.is_set():
+                    if not self.hold:
+                        continue
+                    await self._released.wait()
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            return  # the other side went away: the relay ends with it
+        finally:
+            dst.close()
+            self._writers.discard(dst)

@@ -8,30 +8,18 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats.js.api
 import pytest
 
 import reach
-from reach import Agent, AgentEvent, Client, ReachSettings, Registry, Status
-from reach.testing import NatsServer, eventually, unique_prefix
+from reach import Agent, AgentEvent, Client, Registry, Status
+from reach._codec import now_ms
+from reach.testing import NatsServer, eventually
 from reach.wire import Control, ControlReply, ListReply, RouteReply
 
-from .registry_wire import WireAgent, beat, heartbeat, info, register, stored
+from .registry_wire import Relay, WireAgent, beat, fast_settings, heartbeat, info, register, stored
 
 ROOT = Path(__file__).parents[2]
-
-
-def fast_settings(url: str) -> ReachSettings:
-    """Short leases so silence becomes status within a second or two."""
-    return ReachSettings(
-        nats_url=url,
-        subject_prefix=unique_prefix(),
-        heartbeat_interval=0.2,
-        lease_ttl=1.0,
-        probe_timeout=0.5,
-        down_grace=1.0,
-        register_backoff=0.05,
-        register_backoff_max=0.3,
-    )
 
 
 @pytest.fixture
@@ -415,15 +403,68 @@ async def test_nats_server_restart_on_same_store_table_recovers(tmp_path):
             make_agent(settings, "geo-phoenix"),
         ):
             await wait_status(client, "geo-phoenix", Status.UP)
+            # A long-lived bucket: its revisions are far ahead of those a new one starts at.
+            kv = await client.nc.jetstream().key_value(client.subjects.bucket("agents"))
+            for _ in range(1000):
+                await kv.put("filler", b"x")
+            filled_ms = now_ms()
+            # the registry holds the agent at a revision after the filler
+            await eventually(lambda: registry.records()["geo-phoenix"].last_seen_ms > filled_ms)
+            killed_ms = now_ms()
             await server.akill()
             await eventually(lambda: not client.connected)
             await server.astart()
             await eventually(lambda: client.connected, timeout=30)
+
             # The bucket lived in memory: the registry recreates it and the agent's
-            # next heartbeat makes it register again; the table follows.
-            await eventually(lambda: registry.records().get("geo-phoenix"), timeout=30)
-            await wait_status(client, "geo-phoenix", Status.UP, timeout=30)
+            # next heartbeat makes it register again, into the NEW bucket ...
+            async def registered_again() -> bool:
+                record = await stored(client.nc, settings, "geo-phoenix")
+                return record is not None and record.registered_ms > killed_ms
+
+            await eventually(registered_again, timeout=30)
+
+            # ... and the registry's own view follows the new bucket, not the old one.
+            def view_follows() -> bool:
+                record = registry.records().get("geo-phoenix")
+                return record is not None and record.registered_ms > killed_ms
+
+            await eventually(view_follows, timeout=30)
             assert await client.request("geo.lookup", {}) == {"by": "geo-phoenix"}
+
+
+async def test_registry_view_follows_a_bucket_created_again(settings):
+    """A new bucket's revisions start at 1 again: the registry's view must follow the new
+    stream even when it finds the key there at a lower revision than it knew."""
+    async with Relay(settings.nats_url) as relay, Client(settings=settings) as client:
+        nc = client.nc
+        js = nc.jetstream()
+        bucket = client.subjects.bucket("agents")
+        async with Registry(relay.url, settings=settings) as registry:
+            async with WireAgent(nc, settings, "geo-twice"):
+                bound = await js.key_value(bucket)
+                for _ in range(50):  # the old bucket's revisions run ahead
+                    await bound.put("filler", b"x")
+                await register(nc, settings, info("geo-twice"))
+                await eventually(lambda: "geo-twice" in registry.records())
+                old = registry.records()["geo-twice"]
+                relay.cut()  # the registry is away while the bucket is created again
+                await eventually(lambda: relay.open == 0)
+                await js.delete_key_value(bucket)
+                new_kv = await js.create_key_value(
+                    bucket=bucket, history=1, storage=nats.js.api.StorageType.MEMORY
+                )
+                fresh = msgspec.structs.replace(old, status=Status.PAUSED, registered_ms=1)
+                await new_kv.put("geo-twice", msgspec.json.encode(fresh))
+                relay.mend()
+
+                def follows() -> bool:
+                    record = registry.records().get("geo-twice")
+                    return record is not None and record.registered_ms == 1
+
+                await eventually(follows, timeout=20)
+                await new_kv.delete("geo-twice")  # the new stream's next revision counts too
+                await eventually(lambda: "geo-twice" not in registry.records())
 
 
 async def test_agent_without_registry_keeps_serving_and_registers_when_one_appears(settings):

@@ -3,6 +3,7 @@
 import asyncio
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import msgspec
 import nats
@@ -10,12 +11,19 @@ import nats.errors
 import pytest
 
 import reach
-from reach import Client, Registry, Status
+from reach import Client, Registry, Status, _kv
+from reach._owner import TaskOwner
+from reach._registry import api
+from reach._registry.heartbeats import Heartbeats
+from reach._registry.leases import Leases
+from reach._registry.state import Core, Entries, RegistryStats, Throttle
+from reach._subjects import Subjects
 from reach.testing import NatsServer, eventually
-from reach.wire import AgentRecord, CapabilityInfo, Control
+from reach.wire import AgentRecord, CapabilityInfo, Control, ListQuery, ListReply, Registration
 
 from .registry_wire import (
     ERROR,
+    Relay,
     WireAgent,
     beat,
     deregister,
@@ -76,31 +84,78 @@ async def test_start_when_the_bucket_cannot_be_created_raises_and_leaves_nothing
 
 
 async def test_requests_in_flight_during_stop_are_answered(settings):
-    """Stop drains: a request the registry took is answered; later ones find no one."""
+    """Stop drains: every request the server handed to the registry before stop() began is
+    answered (none refused, none lost); later ones find no one."""
     registry = Registry(settings=settings)
     await registry.start()
     nc = await nats.connect(settings.nats_url)
     try:
-        first = asyncio.Event()
+        answers: dict[str, bool] = {}  # reply subject -> refused?
+        inbox = nc.new_inbox()
 
-        async def one(i: int) -> str:
-            try:
-                msg = await register(nc, settings, info(f"flight-{i}"))
-            except nats.errors.NoRespondersError:
-                return "no responders"
-            first.set()
-            return "refused" if msg.headers and ERROR in msg.headers else "answered"
+        async def on_reply(msg) -> None:
+            answers[msg.subject] = bool(msg.headers and ERROR in msg.headers)
 
-        calls = [asyncio.create_task(one(i)) for i in range(300)]
-        await first.wait()
+        await nc.subscribe(f"{inbox}.*", cb=on_reply)
+        subject = f"{settings.subject_prefix}.registry.register"
+        n = 300
+        for i in range(n):
+            body = msgspec.json.encode(Registration(info=info(f"flight-{i}")))
+            await nc.publish(subject, body, reply=f"{inbox}.{i}")
+        await nc.flush()  # the server has them all: each is the registry's now
         await registry.stop()
-        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        await eventually(lambda: len(answers) == n)
+        assert not any(answers.values())
+        with pytest.raises(nats.errors.NoRespondersError):
+            await register(nc, settings, info("flight-late"))
     finally:
         await nc.close()
-    assert [o for o in outcomes if not isinstance(o, str)] == []  # no timeouts
-    assert "refused" not in outcomes
-    assert outcomes.count("answered") >= 1
     assert registry.footprint()["tasks"] == 0
+
+
+async def test_start_that_cannot_finish_raises_connection_failed_and_leaves_nothing(settings):
+    """Every step of start() is bounded by start_timeout and says ConnectionFailed: here the
+    server never sees the subscriptions (nor the flush after them)."""
+    trigger = f"SUB {settings.subject_prefix}.hb.*".encode()
+    async with Relay(settings.nats_url, trigger, hold=False) as relay:
+        registry = Registry(relay.url, settings=settings, start_timeout=1.0)
+        before = asyncio.all_tasks()
+        async with asyncio.timeout(30):  # a guard against hanging, not a measurement
+            with pytest.raises(reach.ConnectionFailed, match="subscribe"):
+                await registry.start()
+        assert relay.triggered.is_set()
+        await nothing_left_behind(before)
+        assert registry.footprint()["tasks"] == registry.footprint()["subscriptions"] == 0
+
+
+async def test_stop_during_start_leaves_nothing_serving(settings):
+    trigger = f"SUB {settings.subject_prefix}.hb.*".encode()
+    async with Relay(settings.nats_url, trigger) as relay:
+        registry = Registry(relay.url, settings=settings)
+        starting = asyncio.create_task(registry.start())
+        await relay.triggered.wait()  # start() is halfway: its subscriptions are held
+        stopping = asyncio.create_task(registry.stop())
+        relay.release()
+        await starting
+        await stopping
+        assert registry.footprint()["subscriptions"] == 0
+        assert registry.footprint()["tasks"] == 0
+        await eventually(lambda: relay.open == 0)
+        nc = await nats.connect(settings.nats_url)
+        try:
+            with pytest.raises(nats.errors.NoRespondersError):
+                await register(nc, settings, info("geo-late"))
+        finally:
+            await nc.close()
+
+
+async def test_concurrent_starts_open_one_connection(settings):
+    async with Relay(settings.nats_url) as relay:
+        registry = Registry(relay.url, settings=settings)
+        await asyncio.gather(registry.start(), registry.start())
+        assert relay.connections == 1
+        await registry.stop()
+        await eventually(lambda: relay.open == 0)
 
 
 async def test_a_stopped_registry_starts_again(settings):
@@ -151,6 +206,57 @@ async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
         assert registry.stats.registrations >= n + 1
         assert registry.stats.deregistrations == n
         assert list(registry.records()) == ["geo-steady"]
+
+
+async def test_a_list_too_big_for_one_message_is_refused_or_paged(settings):
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        nc = client.nc
+        metadata = {f"key{i}": "x" * 150 for i in range(64)}  # about 10 kB per record
+        n = nc.max_payload // 10_000 + 20
+        ids = [f"geo-big-{i:04d}" for i in range(n)]
+        for agent_id in ids:
+            big = msgspec.structs.replace(info(agent_id), metadata=metadata)
+            reply = await register(nc, settings, big)
+            assert not reply.headers or ERROR not in reply.headers, reply.headers
+        await eventually(lambda: len(registry.records()) == n)
+        subject = client.subjects.registry("list")
+        msg = await nc.request(subject, b"{}", timeout=10)
+        assert msg.headers[ERROR] == "400"
+        assert "limit" in msg.headers["Nats-Service-Error"]
+        pages: list[list[str]] = []
+        after = None
+        while True:
+            query = msgspec.json.encode(ListQuery(limit=1000, after=after))
+            page = msgspec.json.decode(
+                (await nc.request(subject, query, timeout=10)).data, type=ListReply
+            )
+            pages.append([r.info.agent_id for r in page.agents])
+            after = page.next_after
+            if after is None:
+                break
+        assert len(pages) >= 2
+        assert [agent_id for page in pages for agent_id in page] == ids
+        small = msgspec.json.encode(ListQuery(limit=3))
+        page = msgspec.json.decode(
+            (await nc.request(subject, small, timeout=10)).data, type=ListReply
+        )
+        assert [r.info.agent_id for r in page.agents] == ids[:3]
+        assert page.next_after == ids[2]
+
+
+async def test_a_bug_behind_a_request_is_failed_not_bad_request(settings, monkeypatch):
+    """Only the decoding and checking of a request make bad_request; a ValueError from our
+    own code is a failure of ours (500), not the caller's fault."""
+
+    def broken_rank(*args: object) -> list[object]:
+        raise ValueError("a bug in ranking")
+
+    monkeypatch.setattr(api, "rank", broken_rank)
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        body = b'{"type": "reach.registry.route", "capability": "geo.lookup"}'
+        msg = await client.nc.request(client.subjects.registry("route"), body, timeout=10)
+        assert msg.headers[ERROR] == "500"
+        assert registry.stats.bad_requests == 0
 
 
 # -- checked input -----------------------------------------------------------------------
@@ -303,3 +409,53 @@ async def test_removed_keys_leave_no_permanent_marker_in_the_bucket(settings):
         newest = await nc.jetstream().get_msg(stream, subject=subject)
         assert newest.headers["KV-Operation"] == "DEL"
         assert newest.headers["Nats-TTL"].endswith("ms")
+
+
+async def test_a_heartbeat_racing_a_deregistration_does_not_ask_the_agent_back(settings):
+    """A heartbeat whose write loses to a deregistration (or that arrives just after one)
+    is late: the draining agent must not be asked to register again (a ghost record)."""
+    nc = await nats.connect(settings.nats_url)
+    try:
+        subjects = Subjects(settings.subject_prefix)
+        bucket = subjects.bucket("agents")
+        js = nc.jetstream()
+        await _kv.agents_bucket(js, bucket, create=True)
+        stats = RegistryStats()
+        core = Core(
+            settings=settings,
+            subjects=subjects,
+            registry_id="registry-test",
+            bucket=bucket,
+            stats=stats,
+            entries=Entries(stats),  # no watch: this replica sees only its own writes
+            throttle=Throttle(),
+            owner=TaskOwner("registry-test"),
+            nc=nc,
+            js=js,
+        )
+        leases = Leases(core)
+        heartbeats = Heartbeats(core, leases, max_inflight=4)
+        record = AgentRecord(info=info("geo-leaving"), status=Status.PAUSED)
+        await leases.write("geo-leaving", record, ttl=60.0, last=0)
+        # Another replica deregisters it; this one has not seen that yet.
+        await _kv.remove(js, bucket, "geo-leaving", last=None, ttl=_kv.MARKER_TTL)
+
+        async def beat_once(seq: int) -> None:
+            data = beat("geo-leaving", seq)
+            await heartbeats.on_message(
+                SimpleNamespace(subject=subjects.heartbeat("geo-leaving"), data=data)
+            )
+            await heartbeats.wait_idle()
+
+        await beat_once(1)  # its write loses the compare-and-set to the delete
+        assert stats.reregister_requests == 0
+        await leases.remove("geo-leaving", last=None)  # now this replica deleted it itself
+        await beat_once(2)
+        assert stats.reregister_requests == 0
+        # An agent that keeps heartbeating long after is not late: it is asked.
+        core.entries.prune(older_than=time.monotonic() + 1)
+        await beat_once(3)
+        assert stats.reregister_requests == 1
+        await core.owner.close()
+    finally:
+        await nc.close()

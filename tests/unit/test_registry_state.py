@@ -1,19 +1,28 @@
-"""The registry's pure parts: its view of the bucket, the re-register throttle, input checks."""
+"""The registry's parts that need no server: its view of the bucket, the re-register
+throttle, input checks, and the bookkeeping of heartbeat writes and expiry work."""
 
+import asyncio
 import math
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
 from reach._kv import KvEntry
+from reach._owner import TaskOwner
 from reach._registry.checks import (
     MAX_LATENCY_MS,
     check_registration,
     is_stale,
     sanitize_heartbeat,
 )
-from reach._registry.state import Entries, RegistryStats, Throttle
+from reach._registry.heartbeats import Heartbeats
+from reach._registry.leases import Leases
+from reach._registry.liveness import Liveness
+from reach._registry.state import Core, Entries, RegistryStats, Throttle
+from reach._subjects import Subjects
+from reach.settings import ReachSettings
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat, Registration, Status
 
 
@@ -120,6 +129,50 @@ def test_prune_drops_only_old_entries_without_records(view):
     entries.update("just-gone", marker(3, "DEL"))
     assert entries.prune(older_than=clock.now - 5) == 1
     assert {k for k in ("alive", "gone", "just-gone") if entries.get(k)} == {"alive", "just-gone"}
+
+
+def test_a_recreated_bucket_replaces_the_old_view(view):
+    """The bucket lives in memory: after a server restart its revisions start at 1 again.
+    A snapshot older than what the watch told us can only come from a new stream."""
+    entries, expired = view
+    entries.update("a", put(5000, record("a", Status.UP)))  # before the server restart
+    entries.update("b", put(4000, record("b", Status.UP)))
+    entries.replace({"a": put(3, record("a", Status.PAUSED))})  # rebuilt on the new stream
+    assert entries.get("a").revision == 3
+    assert entries.records() == {"a": record("a", Status.PAUSED)}
+    assert expired == []  # nothing of the old stream is news
+    entries.update("a", marker(4))  # the new lease expires: seen, not ignored
+    assert expired == [("a", 4, Status.PAUSED)]
+    assert entries.records() == {}
+
+
+def test_our_write_to_a_recreated_bucket_replaces_the_old_revision(view):
+    entries, _ = view
+    entries.update("a", put(5000, record("a", Status.UP)))  # before the server restart
+    seen = entries.get("a")
+    # Our compare-and-set write succeeded on the new stream while our view was unchanged:
+    # a newer revision in the view than ours can only be from the old stream.
+    entries.stored("a", 3, record("a", Status.PAUSED), prior=seen)
+    assert entries.get("a").revision == 3
+    assert entries.records()["a"].status == Status.PAUSED
+    # Without that proof (the view changed meanwhile), the newest revision still wins.
+    entries.update("a", put(9, record("a", Status.UP)))
+    entries.stored("a", 8, record("a", Status.DEGRADED), prior=seen)
+    assert entries.get("a").revision == 9
+
+
+def test_a_write_of_ours_after_the_snapshot_is_not_taken_for_a_new_bucket(view):
+    entries, expired = view
+    entries.replace({"a": put(1, record("a")), "b": put(2, record("b"))})
+    entries.stored("a", 9, record("a", Status.PAUSED))  # after the next snapshot began
+    entries.replace({"a": put(8, record("a")), "b": marker(7)})
+    assert entries.get("a").revision == 9
+    assert expired == [("b", 7, Status.UP)]  # the usual reconciliation still ran
+    # Once confirmed by the watch, our write is one the next snapshot must hold.
+    entries.update("a", put(9, record("a", Status.PAUSED)))
+    entries.replace({"a": put(2, record("a", Status.UP))})
+    assert entries.get("a").revision == 2
+    assert entries.records()["a"].status == Status.UP
 
 
 # -- Throttle: "register again", at most once a second per agent, bounded -----------------
@@ -232,3 +285,57 @@ def test_a_sound_registration_passes():
 def test_a_registration_with_a_bad_field_is_refused_naming_it(changes, field):
     with pytest.raises(ValueError, match=field):
         check_registration(registration(**changes))
+
+
+# -- bookkeeping of the work heartbeats and expiries start -------------------------------
+
+
+def make_core() -> Core:
+    settings = ReachSettings()
+    stats = RegistryStats()
+    return Core(
+        settings=settings,
+        subjects=Subjects(settings.subject_prefix),
+        registry_id="registry-test",
+        bucket="test_agents",
+        stats=stats,
+        entries=Entries(stats),
+        throttle=Throttle(),
+        owner=TaskOwner("registry-test"),
+    )
+
+
+def heartbeat_msg(core: Core, agent_id: str, seq: int) -> SimpleNamespace:
+    body = msgspec.json.encode(Heartbeat(agent_id=agent_id, seq=seq))
+    return SimpleNamespace(subject=core.subjects.heartbeat(agent_id), data=body)
+
+
+async def test_a_heartbeat_write_cancelled_before_it_ran_gives_its_slot_back():
+    core = make_core()
+    heartbeats = Heartbeats(core, Leases(core), max_inflight=1)
+    core.throttle.allow("a")  # asked to register already: the write sends nothing (no server)
+    await heartbeats.on_message(heartbeat_msg(core, "a", 1))
+    assert heartbeats.in_flight == 1
+    await core.owner.close()  # stop() after its drain timed out: the write never ran
+    assert heartbeats.in_flight == 0
+    async with asyncio.timeout(5):  # guards against hanging, not a measurement
+        await heartbeats.wait_idle()
+    core.owner.reopen()
+    heartbeats.reset()
+    async with asyncio.timeout(5):
+        await heartbeats.on_message(heartbeat_msg(core, "a", 2))  # the one slot is free
+        await heartbeats.wait_idle()
+    assert heartbeats.in_flight == 0
+    assert core.owner.failures == 0
+
+
+async def test_a_mass_expiry_runs_a_bounded_number_of_tasks():
+    core = make_core()
+    liveness = Liveness(core, Leases(core), max_probes=4)
+    for i in range(100):
+        liveness.expired(f"a{i}", i + 1, record(f"a{i}"))
+    assert len(core.owner) <= 4
+    assert liveness.queued == 100  # none has run yet
+    await core.owner.close()
+    liveness.reset()
+    assert liveness.queued == 0
