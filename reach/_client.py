@@ -43,7 +43,7 @@ from .errors import (
 from .settings import ReachSettings
 from .wire import AgentRecord, Header, Priority
 
-__all__ = ["Client", "Reply", "TopicMessage", "TopicSubscription"]
+__all__ = ["Client", "ClientStats", "Reply", "TopicMessage", "TopicSubscription"]
 
 log = logging.getLogger("reach.client")
 
@@ -58,6 +58,18 @@ class Reply:
     request_id: str
     latency_ms: float
     duration_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """Counters of a client's background and bounded machinery (a read-only snapshot)."""
+
+    changes_dropped: int = 0
+    background_failures: int = 0
+    watch_errors: int = 0
+    table_rebuilds: int = 0
+    attempts_cancelled: int = 0
+    heartbeats_clamped: int = 0
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs ~1 µs per request
@@ -148,6 +160,25 @@ class Client:
     @property
     def connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
+
+    @property
+    def stats(self) -> ClientStats:
+        return ClientStats()
+
+    def footprint(self) -> dict[str, int]:
+        r = self._router
+        t = self._table
+        return {
+            "table.records": len(t.records) if t else 0,
+            "table.listeners": len(t._listeners) if t else 0,
+            "table.queued": max((q.qsize() for q in t._listeners), default=0) if t else 0,
+            "tasks": 0,
+            "router.inflight": len(r.inflight),
+            "router.ewma": len(r.ewma),
+            "router.instance_breakers": len(r.instance_breakers),
+            "router.affinity": len(r.affinity),
+            "pending": len(self._pending),
+        }
 
     async def connect(self) -> Self:
         if self._nc is None or self._nc.is_closed:

@@ -23,6 +23,7 @@ def test_public_api_is_pinned():
             "ConnectionFailed",
             "Context",
             "Client",
+            "ClientStats",
             "HandlerFailed",
             "InvalidReply",
             "NotStarted",
