@@ -1,22 +1,30 @@
 import random
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from reach import Priority, Status
-from reach._resilience import (
+from reach._client.table import RoutingTable
+from reach._kv import KvEntry
+from reach._routing import (
     BreakerState,
     CircuitBreaker,
     PeakEwma,
+    Policy,
     RetryBudget,
+    Router,
     TokenBucket,
+    Weights,
     attempt_budget,
     backoff_delay,
+    balanced_cost,
+    normalised,
+    rank,
+    score,
+    two_choices,
 )
-from reach._router import Router
-from reach._routing import Policy, Weights, balanced_cost, normalised, rank, score, two_choices
-from reach._table import RoutingTable
 from reach.errors import CapabilityNotFound, CircuitOpen
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
 
@@ -35,10 +43,18 @@ def rec(agent_id, status=Status.UP, *, latency=10.0, load=0.0, queue=0, conc=8, 
     )
 
 
-def table_of(*records):
-    table = RoutingTable(None, "test", silence_limit=1.0)
+def put(table, record, revision=1):
+    table.update(record.info.agent_id, KvEntry(revision, msgspec.json.encode(record), None))
+
+
+def delete(table, agent_id, revision=2):
+    table.update(agent_id, KvEntry(revision, None, "DEL"))
+
+
+def table_of(*records, on_leave=lambda agent_id: None):
+    table = RoutingTable(on_leave=on_leave)
     for r in records:
-        table._set(r.info.agent_id, r)
+        put(table, r)
     return table
 
 
@@ -212,7 +228,7 @@ def test_router_affinity_sticks_then_moves_when_the_instance_is_gone():
             ).agent_id
             == "b"
         )
-    table._set("b", None)  # b leaves
+    delete(table, "b")  # b leaves
     moved = router.choose(
         Policy.AFFINITY, table, "work.do", None, (), Priority.NORMAL, [], "session-1", 0.0
     ).agent_id
@@ -267,14 +283,14 @@ def test_router_admission_rate_limit_and_task_types():
 def test_eligible_cache_follows_status_changes_not_load():
     table = table_of(rec("a"), rec("b"))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
-    table._set("a", rec("a", load=0.9))  # load only: same shape
+    put(table, rec("a", load=0.9))  # load only: same shape
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
-    table._set("a", rec("a", Status.PAUSED))
+    put(table, rec("a", Status.PAUSED))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["b"]
 
 
 def test_affinity_memory_is_bounded_least_recently_used_first(monkeypatch):
-    monkeypatch.setattr("reach._router._MAX_AFFINITY", 3)
+    monkeypatch.setattr("reach._routing.router._MAX_AFFINITY", 3)
     router = Router()
     for key in ("s1", "s2", "s3"):
         router.finished("a", "work.do", "ok", 1.0, 0.0, affinity_key=key)
