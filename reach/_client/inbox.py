@@ -17,7 +17,7 @@ from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
 from .._nats import CONNECTION_LOST, TRANSIENT, flush_nats
-from .._routing import Policy
+from .._routing import Policy, TableView
 from ..errors import (
     AgentUnavailable,
     CapabilityNotFound,
@@ -59,7 +59,7 @@ class Call:
     tags: tuple[str, ...]
     priority: Priority
     policy: Policy
-    table: Any  # the router's TableView, or None (queue group)
+    table: TableView | None  # None: the queue group
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:

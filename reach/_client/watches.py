@@ -80,8 +80,14 @@ class Watches:
         self.mirrors = [table, watch]
         # No bucket yet means no registry (or no config) yet: requests use the queue group
         # and the watchdog keeps looking. Routing on a stale table beats failing requests.
-        await table.start(timeout)
-        await watch.start(timeout)
+        try:
+            await table.start(timeout)
+            await watch.start(timeout)
+        except BaseException:
+            self.mirrors = []  # the next caller starts afresh; leave nothing of this try
+            for mirror in (table, watch):
+                await mirror.stop()
+            raise
         self.owner.keep(lambda: self._retry_config(watch, nc), "config retry")
 
     async def _retry_config(self, watch: _kv.BucketMirror, nc: NatsConnection) -> None:

@@ -142,3 +142,33 @@ async def test_ten_thousand_agent_ids_leave_no_trace_in_the_client(settings):
     assert grown["router.instance_breakers"] > 0
     per_instance = [k for k in sizes if k.startswith(("table.", "router."))]
     assert {k: sizes[k] for k in per_instance} == dict.fromkeys(per_instance, 0)
+
+
+async def test_a_crash_in_the_table_watch_is_counted_and_repaired(settings, monkeypatch):
+    from reach._client.table import RoutingTable
+
+    update = RoutingTable.update
+    crashes: list[str] = []
+
+    def broken_once(self, key, entry):
+        if not crashes:
+            crashes.append(key)
+            raise RuntimeError("a bug in the table")
+        update(self, key, entry)
+
+    monkeypatch.setattr(RoutingTable, "update", broken_once)
+    async with Client(settings=settings) as client:
+        kv = await agents_bucket(
+            client.nc.jetstream(), client.subjects.bucket("agents"), create=True
+        )
+        assert await client.agents() == []
+        await kv.put("g-1", record("g-1"))  # crashes the watch consumer
+        await eventually(lambda: crashes == ["g-1"])
+        await kv.put("g-2", record("g-2"))
+
+        async def repaired() -> bool:
+            return [r.info.agent_id for r in await client.agents()] == ["g-1", "g-2"]
+
+        await eventually(repaired)  # the watchdog rebuilt the watch from a fresh snapshot
+        assert client.stats.watch_errors == 1
+        assert client.stats.table_rebuilds >= 2
