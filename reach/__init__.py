@@ -3,6 +3,7 @@
 from ._agent import Agent as Agent
 from ._agent import AgentStats as AgentStats
 from ._client import Client as Client
+from ._client import ClientStats as ClientStats
 from ._client import Reply as Reply
 from ._client import TopicMessage as TopicMessage
 from ._client import TopicSubscription as TopicSubscription
@@ -45,6 +46,7 @@ __all__ = [
     "CapabilityNotFound",
     "CircuitOpen",
     "Client",
+    "ClientStats",
     "ConfigurationError",
     "ConnectionFailed",
     "Context",

@@ -37,6 +37,18 @@ def worker(settings, agent_id, calls=None, *, delay=0.0, fail=False, **kw):
     return agent
 
 
+def gated(settings, agent_id: str, gate: asyncio.Event) -> Agent:
+    """An agent whose answers wait for ``gate`` (set: instant)."""
+    agent = Agent("worker", agent_id, settings=settings, drain_timeout=0.2)
+
+    @agent.capability("work.do")
+    async def do(job: dict, ctx: Context) -> dict:
+        await gate.wait()
+        return {"by": agent_id}
+
+    return agent
+
+
 async def test_failover_on_sigkill_loses_no_request(settings):
     env = {
         **os.environ,
@@ -228,23 +240,53 @@ async def test_affinity_sticks_to_the_instance_that_served_the_session(settings)
             assert moved.agent_id != first.agent_id
 
 
-async def test_hedge_answers_from_the_second_instance_when_the_first_is_slow(settings):
+async def test_hedge_loser_is_cancelled_awaited_and_not_a_success(settings):
+    slow_gate, fast_gate = asyncio.Event(), asyncio.Event()
+    slow_gate.set()
+    fast_gate.set()
     async with Registry(settings=settings), Client(settings=settings) as client:
-        slow = worker(settings, "w-hedge-slow", delay=0.5)
-        fast = worker(settings, "w-hedge-fast")
-        async with slow, fast:
-            await wait_status(client, "w-hedge-slow", Status.UP)
-            await wait_status(client, "w-hedge-fast", Status.UP)
-            for _ in range(30):  # learn the capability's p95 from fast answers
-                await client.call("work.do", {}, agent_id="w-hedge-fast")
-            # make the session stick to the slow instance, then hedge
-            await client.call("work.do", {}, agent_id="w-hedge-slow")
-            client._router.affinity[("work.do", "s")] = "w-hedge-slow"
-            reply = await client.call(
-                "work.do", {}, routing="affinity", affinity_key="s", hedge=True, timeout=5
-            )
-    assert reply.agent_id == "w-hedge-fast"
-    assert reply.latency_ms < 500
+        async with gated(settings, "w-slow", slow_gate):
+            await wait_status(client, "w-slow", Status.UP)
+            for _ in range(30):  # the session sticks to w-slow; p95 learnt from quick answers
+                reply = await client.call("work.do", {}, routing="affinity", affinity_key="s")
+                assert reply.agent_id == "w-slow"
+            async with gated(settings, "w-fast", fast_gate):
+                await wait_status(client, "w-fast", Status.UP)
+                slow_gate.clear()  # from now on w-slow sits on its requests
+                reply = await client.call(
+                    "work.do", {}, routing="affinity", affinity_key="s", hedge=True, timeout=10
+                )
+                inflight = client.footprint()["router.inflight"]
+                cancelled = client.stats.attempts_cancelled
+                sticky = await client.pick("work.do", routing="affinity", affinity_key="s")
+                slow_gate.set()
+    assert reply.agent_id == "w-fast"
+    assert inflight == 0  # the loser was awaited before the call returned
+    assert cancelled == 1  # and recorded as cancelled, not ok
+    assert sticky == "w-fast"  # the session stays with the winner
+
+
+async def test_cancelled_hedged_call_cancels_and_awaits_both_attempts(settings):
+    gate = asyncio.Event()
+    gate.set()
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with gated(settings, "w-h1", gate), gated(settings, "w-h2", gate):
+            await wait_status(client, "w-h1", Status.UP)
+            await wait_status(client, "w-h2", Status.UP)
+            for _ in range(30):  # learn the p95 from quick answers
+                await client.call("work.do", {})
+            gate.clear()
+            call = asyncio.create_task(client.call("work.do", {}, hedge=True, timeout=30))
+            await eventually(lambda: client.footprint()["pending"] == 2)  # both sent
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            sizes = client.footprint()
+            cancelled = client.stats.attempts_cancelled
+            gate.set()
+    assert sizes["router.inflight"] == 0
+    assert sizes["pending"] == 0
+    assert cancelled == 2
 
 
 async def test_rate_limit_fails_fast_on_the_client(nats_server):

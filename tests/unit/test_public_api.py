@@ -31,6 +31,7 @@ def test_public_api_is_pinned():
             "ConnectionFailed",
             "Context",
             "Client",
+            "ClientStats",
             "HandlerFailed",
             "InvalidReply",
             "NotStarted",

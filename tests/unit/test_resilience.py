@@ -1,22 +1,30 @@
 import random
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from reach import Priority, Status
-from reach._resilience import (
+from reach._client.table import RoutingTable
+from reach._kv import KvEntry
+from reach._routing import (
     BreakerState,
     CircuitBreaker,
     PeakEwma,
+    Policy,
     RetryBudget,
+    Router,
     TokenBucket,
+    Weights,
     attempt_budget,
     backoff_delay,
+    balanced_cost,
+    normalised,
+    rank,
+    score,
+    two_choices,
 )
-from reach._router import Router
-from reach._routing import Policy, Weights, balanced_cost, normalised, rank, score, two_choices
-from reach._table import RoutingTable
 from reach.errors import CapabilityNotFound, CircuitOpen
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
 
@@ -35,10 +43,18 @@ def rec(agent_id, status=Status.UP, *, latency=10.0, load=0.0, queue=0, conc=8, 
     )
 
 
-def table_of(*records):
-    table = RoutingTable(None, "test", silence_limit=1.0)
+def put(table, record, revision=1):
+    table.update(record.info.agent_id, KvEntry(revision, msgspec.json.encode(record), None))
+
+
+def delete(table, agent_id, revision=2):
+    table.update(agent_id, KvEntry(revision, None, "DEL"))
+
+
+def table_of(*records, on_leave=lambda agent_id: None):
+    table = RoutingTable(on_leave=on_leave)
     for r in records:
-        table._set(r.info.agent_id, r)
+        put(table, r)
     return table
 
 
@@ -212,7 +228,7 @@ def test_router_affinity_sticks_then_moves_when_the_instance_is_gone():
             ).agent_id
             == "b"
         )
-    table._set("b", None)  # b leaves
+    delete(table, "b")  # b leaves
     moved = router.choose(
         Policy.AFFINITY, table, "work.do", None, (), Priority.NORMAL, [], "session-1", 0.0
     ).agent_id
@@ -267,14 +283,14 @@ def test_router_admission_rate_limit_and_task_types():
 def test_eligible_cache_follows_status_changes_not_load():
     table = table_of(rec("a"), rec("b"))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
-    table._set("a", rec("a", load=0.9))  # load only: same shape
+    put(table, rec("a", load=0.9))  # load only: same shape
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["a", "b"]
-    table._set("a", rec("a", Status.PAUSED))
+    put(table, rec("a", Status.PAUSED))
     assert table.eligible_ids("work.do", None, (), Priority.NORMAL) == ["b"]
 
 
 def test_affinity_memory_is_bounded_least_recently_used_first(monkeypatch):
-    monkeypatch.setattr("reach._router._MAX_AFFINITY", 3)
+    monkeypatch.setattr("reach._routing.router._MAX_AFFINITY", 3)
     router = Router()
     for key in ("s1", "s2", "s3"):
         router.finished("a", "work.do", "ok", 1.0, 0.0, affinity_key=key)
@@ -282,3 +298,119 @@ def test_affinity_memory_is_bounded_least_recently_used_first(monkeypatch):
     router.finished("a", "work.do", "ok", 1.0, 0.0, affinity_key="s4")
     assert set(router.affinity) == {("work.do", k) for k in ("s3", "s1", "s4")}
     assert router.affinity[("work.do", "s1")] == "b"
+
+
+# -- hardening (issue 7) -------------------------------------------------------------------
+
+
+def test_balanced_cost_clamps_what_a_peer_reports():
+    honest = rec("honest", latency=10, load=0.0)
+    base = balanced_cost(honest, 0, None, 1)
+    # a peer cannot buy traffic with impossible numbers
+    for liar in (
+        rec("l1", latency=10, load=-1e9),
+        rec("l2", latency=-1e9, load=0.0),
+        rec("l3", latency=10, queue=-1_000_000),
+        rec("l4", latency=10, load=float("-inf")),
+    ):
+        cost = balanced_cost(liar, 0, None, 1)
+        assert cost >= base, liar.info.agent_id
+    # NaN and infinities count as the worst, never as a NaN cost (NaN compares false)
+    for bad in (
+        rec("n1", latency=float("nan")),
+        rec("n2", latency=float("inf")),
+        rec("n3", latency=10, load=float("nan")),
+        rec("n4", latency=10, load=float("inf")),
+    ):
+        cost = balanced_cost(bad, 0, None, 1)
+        assert cost == cost, bad.info.agent_id  # not NaN
+        assert cost > base, bad.info.agent_id
+    # and power of two choices never prefers the liar
+    liar = rec("liar", latency=10, load=-1e9)
+    slow = rec("slow", latency=20, load=0.5)
+    rng = random.Random(0)
+    cost = {r.info.agent_id: balanced_cost(r, 0, None, 1) for r in (liar, slow, honest)}
+    picks = [two_choices(["liar", "honest"], rng, cost.__getitem__) for _ in range(50)]
+    assert picks.count("liar") <= picks.count("honest")
+
+
+def test_score_clamps_what_a_peer_reports():
+    honest = rec("honest", latency=10, load=0.0)
+    for liar in (rec("l1", latency=-1e9), rec("l2", latency=float("nan"))):
+        s = score(liar, 10.0)
+        assert s == s
+        assert s <= score(honest, 10.0)
+    ranked = rank(
+        [rec("a", latency=10), rec("b", latency=-1e9), rec("c", latency=float("nan"))],
+        "work.do",
+        None,
+        (),
+        Priority.NORMAL,
+    )
+    assert ranked[0][0].info.agent_id == "a"
+    assert all(s == s for _, s, _ in ranked)
+
+
+def test_retry_budget_memory_is_constant_and_its_ratio_holds():
+    import tracemalloc
+
+    budget = RetryBudget(ratio=0.2, floor=10, window=10.0)
+    for i in range(1000):  # warm up: fill the window once
+        budget.record_request(i * 1e-3)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100_000):
+            budget.record_request(1.0 + i * 5e-5)  # 1e5 requests within 5 s: all in window
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 16_384  # a deque of 1e5 timestamps is ~3 MB
+    now = 6.0
+    granted = sum(budget.try_retry(now) for _ in range(30_000))
+    assert granted == pytest.approx(10 + 0.2 * 101_000, rel=0.01)
+    assert not budget.try_retry(now)
+    # the window still slides: 20 s later, only the floor is left
+    assert sum(budget.try_retry(40.0) for _ in range(100)) == 10
+
+
+def test_cancelled_attempt_teaches_the_router_nothing():
+    router = Router(breaker_cooldown=1.0)
+    for _ in range(5):
+        router.finished("a", "work.do", "timeout", 1.0, 0.0)
+    assert router.instance_breakers["a"].allow(2.0)  # the half-open probe goes out...
+    router.started("a")
+    router.finished("a", "work.do", "cancelled", 0.5, 2.1, affinity_key="s")  # ...and is cut
+    assert router.instance_breakers["a"].state is BreakerState.HALF_OPEN  # not a success
+    assert "a" not in router.ewma
+    assert ("work.do", "s") not in router.affinity
+    assert router.inflight.get("a", 0) == 0
+    assert router.hedge_delay("work.do") is None  # its latency taught nothing
+
+
+def test_router_forgets_an_instance_that_left():
+    router = Router()
+    router.started("a")
+    router.finished("a", "work.do", "ok", 5.0, 0.0, affinity_key="s1")
+    router.finished("a", "work.do", "timeout", 5.0, 0.0)
+    router.finished("b", "work.do", "ok", 5.0, 0.0, affinity_key="s2")
+    router.started("a")  # still in flight when it leaves
+    router.forget("a")
+    assert "a" not in router.ewma
+    assert "a" not in router.inflight
+    assert "a" not in router.instance_breakers
+    assert ("work.do", "s1") not in router.affinity
+    assert router.affinity[("work.do", "s2")] == "b"
+    # the late answer of the attempt in flight does not bring the instance back
+    router.finished("a", "work.do", "ok", 5.0, 1.0, affinity_key="s3")
+    assert "a" not in router.ewma
+    assert "a" not in router.inflight
+    assert ("work.do", "s3") not in router.affinity
+
+
+def test_router_inflight_map_holds_only_instances_with_work_in_flight():
+    router = Router()
+    for i in range(1000):
+        router.started(f"i{i}")
+        router.finished(f"i{i}", "work.do", "ok", 1.0, 0.0)
+    assert router.inflight == {}

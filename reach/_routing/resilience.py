@@ -31,37 +31,56 @@ def attempt_budget(remaining: float, attempts_left: int) -> float:
 
 class RetryBudget:
     """Retries at most ``ratio`` of requests over a sliding window, plus a small floor,
-    so a bad minute never multiplies traffic (after Finagle's RetryBudget)."""
+    so a bad minute never multiplies traffic (after Finagle's RetryBudget).
 
-    def __init__(self, *, ratio: float = 0.2, floor: int = 10, window: float = 10.0) -> None:
+    Counts live in a ring of ``slots`` buckets spanning the window, so memory stays the same
+    however many requests pass; the window slides one bucket (window / slots) at a time.
+    """
+
+    def __init__(
+        self, *, ratio: float = 0.2, floor: int = 10, window: float = 10.0, slots: int = 10
+    ) -> None:
         self.ratio = ratio
         self.floor = floor
         self.window = window
-        self._requests: deque[float] = deque()
-        self._retries: deque[float] = deque()
+        self._width = window / slots
+        self._requests = [0] * slots
+        self._retries = [0] * slots
+        self._slot = 0  # the bucket "now" falls in: int(now / width)
+        self._total_requests = 0
+        self._total_retries = 0
 
-    def _trim(self, now: float) -> None:
-        edge = now - self.window
-        for q in (self._requests, self._retries):
-            while q and q[0] <= edge:
-                q.popleft()
+    def _advance(self, slot: int) -> None:
+        """Move to bucket ``slot``, emptying the buckets the window left behind."""
+        n = len(self._requests)
+        for k in range(self._slot + 1, self._slot + 1 + min(slot - self._slot, n)):
+            i = k % n
+            self._total_requests -= self._requests[i]
+            self._total_retries -= self._retries[i]
+            self._requests[i] = self._retries[i] = 0
+        self._slot = slot
 
     def record_request(self, now: float) -> None:
-        self._requests.append(now)
-        if self._requests[0] <= now - self.window:
-            self._trim(now)
+        slot = int(now / self._width)
+        if slot > self._slot:
+            self._advance(slot)
+        self._requests[self._slot % len(self._requests)] += 1
+        self._total_requests += 1
 
     def try_retry(self, now: float) -> bool:
         """Spend one retry if the budget allows it."""
-        self._trim(now)
-        if len(self._retries) >= self.floor + self.ratio * len(self._requests):
+        slot = int(now / self._width)
+        if slot > self._slot:
+            self._advance(slot)
+        if self._total_retries >= self.floor + self.ratio * self._total_requests:
             return False
-        self._retries.append(now)
+        self._retries[self._slot % len(self._retries)] += 1
+        self._total_retries += 1
         return True
 
     @property
     def retries(self) -> int:
-        return len(self._retries)
+        return self._total_retries
 
 
 class BreakerState(enum.StrEnum):

@@ -1,24 +1,21 @@
 """A client's routing state: who to send to next, and what it learnt from past answers.
 
 Synchronous and free of I/O: the request path in ``_client`` asks it for a target, sends,
-and reports the outcome back. Time comes in as ``now`` (the event loop's clock).
+and reports the outcome back. Time comes in as ``now`` (the event loop's clock). It reads
+the routing table through the small ``TableView`` protocol, and forgets an instance when
+the table says it left, so its maps hold only instances that exist.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from ._resilience import (
-    BreakerState,
-    CircuitBreaker,
-    LatencyWindow,
-    PeakEwma,
-    RetryBudget,
-    TokenBucket,
-)
-from ._routing import (
+from ..errors import CapabilityNotFound, CircuitOpen
+from ..wire import AgentRecord, Priority
+from .policies import (
     Policy,
     Weights,
     balanced_cost,
@@ -26,9 +23,14 @@ from ._routing import (
     rank,
     two_choices,
 )
-from ._table import RoutingTable
-from .errors import CapabilityNotFound, CircuitOpen
-from .wire import Priority
+from .resilience import (
+    BreakerState,
+    CircuitBreaker,
+    LatencyWindow,
+    PeakEwma,
+    RetryBudget,
+    TokenBucket,
+)
 
 # Outcomes that say "try another instance" (the others end the request).
 FAILOVER = frozenset(
@@ -38,6 +40,26 @@ _MAX_AFFINITY = 100_000  # remembered sessions per client
 
 # Outcomes that count against an instance's breaker.
 INSTANCE_FAILURE = FAILOVER | {"failed"}
+
+# Attempts that got no answer of their own: cut short by the caller or a hedge ("cancelled"),
+# or lost with the connection ("error"). They teach nothing: no latency, no breaker outcome,
+# no affinity; only the in-flight count goes down.
+UNANSWERED = frozenset({"cancelled", "error"})
+
+
+class TableView(Protocol):
+    """What the router reads from a routing table (the client's ``RoutingTable``)."""
+
+    @property
+    def records(self) -> Mapping[str, AgentRecord]: ...
+
+    def offers(self, capability: str) -> bool: ...
+
+    def offering(self, capability: str) -> list[AgentRecord]: ...
+
+    def eligible_ids(
+        self, capability: str, version: str | None, tags: tuple[str, ...], priority: Priority
+    ) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +90,8 @@ class Router:
         self.instance_breakers: dict[str, CircuitBreaker] = {}
         self.cap_breakers: dict[str, CircuitBreaker] = {}
         self.affinity: dict[tuple[str, str], str] = {}
+        self._sessions: dict[str, set[tuple[str, str]]] = {}  # agent id -> its affinity keys
+        self._departed: dict[str, int] = {}  # left the table with attempts still in flight
         self.rate_limits = dict(rate_limits or {})
         self.buckets: dict[str, TokenBucket] = {}
         self.weights: dict[str, Weights] = dict(weights or {})
@@ -98,7 +122,7 @@ class Router:
     def choose(
         self,
         policy: Policy,
-        table: RoutingTable | None,
+        table: TableView | None,
         capability: str,
         version: str | None,
         tags: tuple[str, ...],
@@ -197,8 +221,21 @@ class Router:
         now: float,
         affinity_key: str | None = None,
     ) -> None:
+        """Learn from one attempt; ``started`` must have been called for it."""
         if agent_id is not None:
-            self.inflight[agent_id] = self.inflight.get(agent_id, 1) - 1
+            n = self.inflight.get(agent_id)
+            if n is None:
+                left = self._departed.get(agent_id)
+                if left is not None:  # it left the table while this was in flight
+                    if left > 1:
+                        self._departed[agent_id] = left - 1
+                    else:
+                        del self._departed[agent_id]
+                    return  # nothing to learn about an instance that is gone
+            elif n > 1:
+                self.inflight[agent_id] = n - 1
+            else:
+                del self.inflight[agent_id]  # only instances with work in flight stay
         if outcome == "ok":
             window = self.cap_latency.get(capability)
             if window is None:
@@ -208,19 +245,22 @@ class Router:
             self.cap_typical[capability] = (
                 latency_ms if typical is None else typical + 0.1 * (latency_ms - typical)
             )
-        if agent_id is None:
-            return
-        if outcome == "ok":
+            if agent_id is None:
+                return
             ewma = self.ewma.get(agent_id)
             if ewma is None:
                 ewma = self.ewma[agent_id] = PeakEwma()
             ewma.observe(latency_ms, now)
             if affinity_key is not None:
-                key = (capability, affinity_key)
-                self.affinity.pop(key, None)
-                self.affinity[key] = agent_id
-                if len(self.affinity) > _MAX_AFFINITY:
-                    del self.affinity[next(iter(self.affinity))]  # the least recently used
+                self._stick((capability, affinity_key), agent_id)
+            breaker = self.instance_breakers.get(agent_id)
+            if breaker is not None:
+                breaker.success(now)
+                if breaker.clean():
+                    del self.instance_breakers[agent_id]
+            return
+        if agent_id is None or outcome in UNANSWERED:
+            return
         breaker = self.instance_breakers.get(agent_id)
         if outcome in INSTANCE_FAILURE:
             if breaker is None:
@@ -228,10 +268,53 @@ class Router:
                     cooldown=self.breaker_cooldown
                 )
             breaker.failure(now)
-        elif breaker is not None:
+        elif breaker is not None:  # it answered (bad_request, ...): the instance works
             breaker.success(now)
             if breaker.clean():
                 del self.instance_breakers[agent_id]
+
+    def _stick(self, key: tuple[str, str], agent_id: str) -> None:
+        """Remember the session's instance (least recently used sessions go first)."""
+        old = self.affinity.pop(key, None)
+        if old is not None and old != agent_id:
+            self._unstick(old, key)
+        self.affinity[key] = agent_id
+        self._sessions.setdefault(agent_id, set()).add(key)
+        if len(self.affinity) > _MAX_AFFINITY:
+            oldest = next(iter(self.affinity))
+            self._unstick(self.affinity.pop(oldest), oldest)
+
+    def _unstick(self, agent_id: str, key: tuple[str, str]) -> None:
+        keys = self._sessions.get(agent_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._sessions[agent_id]
+
+    def forget(self, agent_id: str) -> None:
+        """The instance left the routing table: drop everything learnt about it."""
+        outstanding = self.inflight.pop(agent_id, 0)
+        if outstanding:
+            self._departed[agent_id] = self._departed.get(agent_id, 0) + outstanding
+        self.ewma.pop(agent_id, None)
+        self.instance_breakers.pop(agent_id, None)
+        for key in self._sessions.pop(agent_id, ()):
+            if self.affinity.get(key) == agent_id:
+                del self.affinity[key]
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of the router's maps: per instance (``router.``) and per capability."""
+        return {
+            "router.inflight": len(self.inflight),
+            "router.ewma": len(self.ewma),
+            "router.instance_breakers": len(self.instance_breakers),
+            "router.affinity": len(self.affinity),
+            "router.sessions": len(self._sessions),
+            "router.departed": len(self._departed),
+            "capabilities.latency": len(self.cap_latency),
+            "capabilities.breakers": len(self.cap_breakers),
+            "capabilities.rate_limits": len(self.buckets),
+        }
 
     def request_done(self, capability: str, ok: bool, now: float) -> None:
         """The capability breaker counts whole requests, after failover."""

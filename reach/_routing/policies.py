@@ -1,4 +1,8 @@
-"""Who may take a request, and in what order: pure functions over registry records."""
+"""Who may take a request, and in what order: pure functions over registry records.
+
+Heartbeat numbers come from peers and are used only through the clamps below: a load
+outside [0, 1], a negative, NaN or infinite latency or a negative queue cannot buy traffic.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,36 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .wire import AgentRecord, CapabilityInfo, Priority, Status
+from ..wire import AgentRecord, CapabilityInfo, Heartbeat, Priority, Status
 
 _BASE = {Status.UP: 10.0, Status.DEGRADED: 6.0}
 W_LOAD = 4.0
 W_LATENCY = 2.0
 DEGRADED_COST = 2.0
+#: What an impossible reported latency (negative, NaN, infinite, over an hour) counts as.
+WORST_LATENCY_MS = 3_600_000.0
+
+
+def clamp_load(load: float) -> float:
+    """A reported load in [0, 1]; NaN counts as fully loaded."""
+    if 0.0 <= load <= 1.0:
+        return load
+    return 0.0 if load < 0.0 else 1.0  # NaN fails both comparisons: 1.0
+
+
+def clamp_latency(latency_ms: float) -> float:
+    """A reported latency as finite ms >= 0; anything impossible counts as the worst."""
+    return latency_ms if 0.0 <= latency_ms <= WORST_LATENCY_MS else WORST_LATENCY_MS
+
+
+def in_range(hb: Heartbeat) -> bool:
+    """Are a heartbeat's numbers usable as sent (so the clamps change nothing)?"""
+    return (
+        0.0 <= hb.load <= 1.0
+        and 0.0 <= hb.latency_ms <= WORST_LATENCY_MS
+        and hb.queue_len >= 0
+        and hb.inflight >= 0
+    )
 
 
 class Policy(enum.StrEnum):
@@ -123,11 +151,15 @@ def _plural(reason: str, n: int) -> str:
 
 
 def score(record: AgentRecord, max_latency: float, weights: Weights = Weights()) -> float:
-    """The seed formula: base (UP 10, DEGRADED 6) + w_load*(1-load) + w_lat*(1-lat/max)."""
+    """The seed formula: base (UP 10, DEGRADED 6) + w_load*(1-load) + w_lat*(1-lat/max),
+    with the reported numbers clamped (an impossible latency scores as the slowest)."""
     hb = record.heartbeat
-    load = min(1.0, max(0.0, hb.load)) if hb else 0.0
-    latency = hb.latency_ms if hb else 0.0
-    lat_term = 1.0 - latency / max_latency if max_latency > 0 else 1.0
+    load = clamp_load(hb.load) if hb else 0.0
+    latency = clamp_latency(hb.latency_ms) if hb else 0.0
+    if max_latency > 0:
+        lat_term = max(0.0, 1.0 - latency / max_latency)
+    else:
+        lat_term = 0.0 if latency >= WORST_LATENCY_MS else 1.0
     return (
         _BASE.get(record.status, 0.0) + weights.w_load * (1.0 - load) + weights.w_latency * lat_term
     )
@@ -149,7 +181,8 @@ def rank(
     """Eligible instances, best first, with their score and why; those whose normalised
     score is under the threshold are dropped."""
     ok = eligible(records, capability, version, tags, priority)
-    max_latency = max((r.heartbeat.latency_ms for r in ok if r.heartbeat), default=0.0)
+    reported = (clamp_latency(r.heartbeat.latency_ms) for r in ok if r.heartbeat)
+    max_latency = max((x for x in reported if x < WORST_LATENCY_MS), default=0.0)
     scored = []
     for r in ok:
         s = score(r, max_latency, weights)
@@ -175,14 +208,23 @@ def balanced_cost(
     the capability's median; outstanding is this client's in-flight plus the reported
     queue. DEGRADED doubles the cost. Latency alone ignores queues, load alone ignores
     speed: either sends work to the wrong instance when speeds and capacities differ.
+    Reported numbers are clamped inline (this runs twice per request).
     """
     hb = record.heartbeat
+    if hb is None:
+        load, queued, reported = 0.0, 0, 0.0
+    else:
+        load, queued, reported = hb.load, hb.queue_len, hb.latency_ms
+        if not 0.0 <= load <= 1.0:
+            load = 0.0 if load < 0.0 else 1.0  # NaN: fully loaded
+        if queued < 0:
+            queued = 0
+        if not 0.0 <= reported <= WORST_LATENCY_MS:
+            reported = WORST_LATENCY_MS  # negative, NaN or infinite: the slowest
     latency = measured_ms
     if latency is None:
-        latency = hb.latency_ms if hb is not None and hb.latency_ms > 0 else fallback_ms
+        latency = reported if reported > 0 else fallback_ms
     capacity = max(1, record.info.max_concurrency)
-    load = hb.load if hb is not None else 0.0
-    queued = hb.queue_len if hb is not None else 0
     cost = max(latency, 0.001) * (1.0 + load + (client_inflight + queued) / capacity)
     return cost * DEGRADED_COST if record.status is Status.DEGRADED else cost
 

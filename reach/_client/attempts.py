@@ -1,0 +1,346 @@
+"""One request's life: check the arguments, then attempts with failover, backoff and
+hedging until an answer, a final error or the deadline. Each attempt is reported to the
+router with its true outcome; a cancelled one ("cancelled") teaches it nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from opentelemetry import propagate, trace
+
+from .._codec import encode_payload, now_ms
+from .._routing import FAILOVER, Policy, Router, TableView, attempt_budget, backoff_delay
+from .._subjects import Subjects, validate_agent_id, validate_capability
+from ..errors import (
+    AgentUnavailable,
+    Attempt,
+    CapabilityNotFound,
+    CircuitOpen,
+    ConfigurationError,
+    RemoteError,
+    RequestTimeout,
+    ResourceExhausted,
+)
+from ..settings import ReachSettings
+from ..wire import Header, Priority
+from .inbox import Call, Inbox, Reply
+
+__all__ = ["Requester"]
+
+_PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
+
+
+class Requester:
+    """The request path of one client: ``call`` -> ``attempt`` -> ``Inbox.send``."""
+
+    def __init__(
+        self,
+        settings: ReachSettings,
+        subjects: Subjects,
+        name: str,
+        router: Router,
+        inbox: Inbox,
+        start_table: Callable[[], Awaitable[TableView]],
+        routing: Policy,
+    ) -> None:
+        self.subjects = subjects
+        self.name = name
+        self.router = router
+        self.inbox = inbox
+        self.routing = routing
+        self.max_attempts = settings.max_attempts
+        self.retry_base = settings.retry_base
+        self.retry_cap = settings.retry_cap
+        self.default_timeout = settings.timeout_ms / 1000
+        #: None until the first routed request starts the table (then awaited once).
+        self.table: TableView | None = None
+        self._start_table = start_table
+        self.cancelled = 0  # attempts cut short: hedge losers, caller timeouts
+        self._checked: set[str] = set()
+
+    @property
+    def checked(self) -> int:
+        """Capability names validated once and remembered (at most 10,000)."""
+        return len(self._checked)
+
+    def check_capability(self, capability: str) -> None:
+        if capability not in self._checked:
+            validate_capability(capability)
+            if len(self._checked) < 10_000:
+                self._checked.add(capability)
+
+    async def call(
+        self,
+        capability: str,
+        payload: Any,
+        *,
+        timeout: float | None,
+        priority: Priority | str,
+        agent_id: str | None,
+        response_type: Any,
+        request_id: str | None,
+        version: str | None,
+        required_tags: Sequence[str],
+        routing: Policy | str | None,
+        affinity_key: str | None,
+        hedge: bool,
+        max_attempts: int | None,
+    ) -> Reply:
+        router = self.router
+        table = None
+        if agent_id is None:
+            table = self.table
+            if table is None:
+                table = await self._start_table()
+        capability = router.resolve(capability)
+        self.check_capability(capability)
+        prio = _PRIORITIES.get(priority)
+        if prio is None:
+            raise ConfigurationError(f"priority {priority!r} is invalid; use high, normal or low")
+        if agent_id is not None:
+            validate_agent_id(agent_id)
+            policy = Policy.DIRECT
+        elif routing is None:
+            policy = self.routing
+        else:
+            try:
+                policy = Policy(routing)
+            except ValueError:
+                raise ConfigurationError(
+                    f"routing {routing!r} is invalid; use balanced, scored, queue or affinity"
+                ) from None
+        wait = self.default_timeout if timeout is None else timeout
+        if wait <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        refused = router.admit(capability, now)
+        if refused is not None:
+            cls = ResourceExhausted if refused == "resource_exhausted" else CircuitOpen
+            raise cls(
+                f"{capability!r} refused by this client: "
+                + ("rate limit reached" if refused == "resource_exhausted" else "circuit open"),
+                capability=capability,
+            )
+        deadline = now + wait
+        data = encode_payload(payload)
+        limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
+        base = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
+        if prio is not Priority.NORMAL:
+            base[Header.PRIORITY] = prio.value
+        if self.name:
+            base[Header.CALLER] = self.name
+        if request_id:
+            base[Header.REQUEST_ID] = request_id
+        if trace.get_current_span().get_span_context().is_valid:
+            propagate.inject(base)
+        call = Call(
+            capability,
+            data,
+            request_id,
+            response_type,
+            affinity_key,
+            version,
+            tuple(required_tags),
+            prio,
+            policy,
+            table,
+        )
+        attempts: list[Attempt] = []
+        tried: list[str] = []
+        router.budget.record_request(now)
+        last: RemoteError | None = None
+        for n in range(1, limit + 1):
+            remaining = deadline - loop.time()
+            if remaining <= 0 or (n > 1 and not router.budget.try_retry(loop.time())):
+                break
+            if policy is Policy.DIRECT:
+                target: str | None = agent_id
+            elif table is None:
+                target = None  # no registry bucket (yet): the queue group decides
+            else:
+                target = router.choose(
+                    policy,
+                    table,
+                    capability,
+                    call.version,
+                    call.tags,
+                    prio,
+                    tried,
+                    affinity_key,
+                    loop.time(),
+                ).agent_id
+            headers = base if n == 1 else {**base, Header.ATTEMPT: str(n)}
+            budget = attempt_budget(remaining, limit - n + 1)
+            started = loop.time()
+            try:
+                if hedge and policy is not Policy.DIRECT and target is not None:
+                    reply = await self.hedged(call, target, headers, budget)
+                else:
+                    reply = await self.attempt(call, target, headers, budget)
+            except RemoteError as exc:
+                outcome = exc.outcome
+                attempts.append(
+                    Attempt(target or exc.agent_id or "", outcome, (loop.time() - started) * 1000)
+                )
+                if target is not None:
+                    tried.append(target)
+                last = exc
+                if outcome not in FAILOVER or policy is Policy.DIRECT:
+                    if outcome in FAILOVER:
+                        router.request_done(capability, False, loop.time())
+                    exc.attempts = attempts
+                    raise
+                if target is None and outcome == "no_responders":
+                    # Nobody serves it at all: fail fast, no retry, no breaker (no-responders
+                    # is already instant); alone, it keeps its plain message.
+                    if len(attempts) == 1:
+                        exc.attempts = attempts
+                        raise
+                    break
+                if outcome != "no_responders" and n < limit:
+                    # Busy or slow: back off (full jitter) before the next instance, within
+                    # the deadline. A vanished instance is skipped at once.
+                    pause = backoff_delay(n, router.rng, base=self.retry_base, cap=self.retry_cap)
+                    pause = min(pause, max(0.0, deadline - loop.time() - 0.001))
+                    if pause > 0:
+                        await asyncio.sleep(pause)
+                continue
+            router.request_done(capability, True, loop.time())
+            return reply
+        if any(a.outcome != "no_responders" for a in attempts):
+            router.request_done(capability, False, loop.time())
+        raise exhausted(capability, attempts, last, wait)
+
+    async def attempt(
+        self, call: Call, target: str | None, headers: dict[str, str], budget: float
+    ) -> Reply:
+        """One send, reported to the router with what really happened to it."""
+        router = self.router
+        loop = asyncio.get_running_loop()
+        router.started(target)
+        started = loop.time()
+        outcome = "cancelled"
+        subject = (
+            self.subjects.agent(target, call.capability)
+            if target
+            else self.subjects.cap(call.capability)
+        )
+        try:
+            reply = await self.inbox.send(call, subject, headers, budget, target)
+            outcome = "ok"
+            return reply
+        except RemoteError as exc:
+            outcome = exc.outcome
+            raise
+        except asyncio.CancelledError:
+            self.cancelled += 1  # a hedge loser or the caller's own timeout: no answer
+            raise
+        except Exception:
+            outcome = "error"  # the connection went away: says nothing about the instance
+            raise
+        finally:
+            now = loop.time()
+            router.finished(
+                target,
+                call.capability,
+                outcome,
+                (now - started) * 1000,
+                now,
+                call.affinity_key if outcome == "ok" else None,
+            )
+
+    async def hedged(
+        self, call: Call, target: str, headers: dict[str, str], budget: float
+    ) -> Reply:
+        """Send to ``target``; if no answer by the p95, also to a second instance. The first
+        answer wins; the other attempt is cancelled and awaited before this returns, and
+        both are when this is cancelled itself."""
+        delay = self.router.hedge_delay(call.capability)
+        if delay is None or delay >= budget:
+            return await self.attempt(call, target, headers, budget)
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self.attempt(call, target, headers, budget))]
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=delay)
+            if not done:
+                try:
+                    other = self.router.choose(
+                        call.policy,
+                        call.table,
+                        call.capability,
+                        call.version,
+                        call.tags,
+                        call.priority,
+                        [target],
+                        None,
+                        loop.time(),
+                    ).agent_id
+                except RemoteError:
+                    other = None  # nobody else to ask: wait for the first
+                if other is not None and other != target:
+                    second = self.attempt(call, other, headers, budget - delay)
+                    tasks.append(loop.create_task(second))
+            pending = set(tasks)
+            error: BaseException | None = None
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    exc = task.exception()
+                    if exc is None:
+                        return task.result()
+                    error = exc
+            assert error is not None
+            raise error
+        finally:
+            await _reap(tasks)
+
+
+async def _reap(tasks: list[asyncio.Task[Reply]]) -> None:
+    """Cancel what still runs and wait until all of it has ended, even if cancelled
+    meanwhile (then re-raise): no attempt outlives its request."""
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    interrupted = False
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            interrupted = True
+        pending = [t for t in pending if not t.done()]
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: a loser's error is not "never retrieved"
+    if interrupted:
+        raise asyncio.CancelledError
+
+
+def exhausted(
+    capability: str, attempts: list[Attempt], last: RemoteError | None, wait: float
+) -> RemoteError:
+    """The error for a request whose attempts all failed, saying what was tried."""
+    tried = "; ".join(
+        f"{a.agent_id or 'queue'}: {a.outcome} in {a.duration_ms:.0f} ms" for a in attempts
+    )
+    outcomes = {a.outcome for a in attempts}
+    cls: type[RemoteError]
+    if not attempts:
+        cls, why = RequestTimeout, f"no time left within {wait:g}s"
+    elif outcomes <= {"no_responders", "agent_unavailable"}:
+        cls = CapabilityNotFound if all(not a.agent_id for a in attempts) else AgentUnavailable
+        why = "no agent alive"
+    elif outcomes <= {"resource_exhausted", "circuit_open"}:
+        cls, why = ResourceExhausted, "all busy"
+    else:
+        cls, why = RequestTimeout, f"no answer within {wait:g}s"
+    detail = f"; last: {last.message}" if last is not None else ""
+    return cls(
+        f"{capability!r}: {why} after {len(attempts)} attempt(s) [{tried}]{detail}",
+        capability=capability,
+        agent_id=last.agent_id if last is not None else "",
+        request_id=last.request_id if last is not None else "",
+        attempts=attempts,
+    )

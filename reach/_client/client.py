@@ -1,0 +1,356 @@
+"""The client facade: capability requests, direct calls, broadcast publish and subscribe.
+
+Background work (the routing-table and config watches, their watchdog and rebuilds) lives
+in ``watches``, under one ``TaskOwner``; ``close()`` cancels and awaits it. The request
+path is in ``attempts`` and ``inbox``; routing state is the pure ``reach._routing``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+from nats.aio.client import Client as NatsConnection
+
+from .._nats import TRANSIENT, connect_nats, flush_nats
+from .._routing import Policy, Router, Weights
+from .._subjects import Subjects, validate_capability
+from ..errors import NotStarted
+from ..settings import ReachSettings
+from ..wire import AgentRecord, Priority
+from .attempts import Requester
+from .config import ConfigSink, config_bucket
+from .inbox import Inbox, Reply
+from .table import RoutingTable
+from .topics import TopicSubscription, publish, subscribe
+from .watches import Watches
+
+__all__ = ["Client", "ClientStats"]
+
+log = logging.getLogger("reach.client")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """Counters of a client's background and bounded machinery (a read-only snapshot)."""
+
+    changes_dropped: int = 0  # changes() items dropped (oldest first): a listener lagged
+    background_failures: int = 0  # background tasks that crashed (logged; loops restart)
+    watch_errors: int = 0  # failures inside the routing-table or config watch
+    table_rebuilds: int = 0  # routing-table watches (re)built
+    attempts_cancelled: int = 0  # attempts cut short: hedge losers, caller timeouts
+    heartbeats_clamped: int = 0  # records whose heartbeat numbers were out of range
+
+
+class Client:
+    """Calls capabilities and broadcasts; one NATS connection, opened by ``async with``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        settings: ReachSettings | None = None,
+        name: str = "",
+        routing: Policy | str | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else ReachSettings()
+        self.url = url or self.settings.nats_url
+        self.name = name
+        self.subjects = Subjects(self.settings.subject_prefix)
+        self._nc: NatsConnection | None = None
+        self._owns_nc = True
+        self._router = Router(
+            breaker_cooldown=self.settings.breaker_cooldown,
+            retry_ratio=self.settings.retry_budget,
+            rate_limits=self.settings.rate_limits,
+            weights={c: Weights(**w) for c, w in self.settings.routing_weights.items()},
+            task_types=self.settings.task_types,
+        )
+        self._table = RoutingTable(on_leave=self._router.forget)
+        self._watches = Watches(
+            name or "reach-client",
+            self.settings,
+            self.subjects,
+            self._table,
+            ConfigSink(self._router),
+        )
+        self._inbox = Inbox(self.url, f"{self.subjects.prefix}.agent.")
+        self._requests = Requester(
+            self.settings,
+            self.subjects,
+            name,
+            self._router,
+            self._inbox,
+            self._start_table,
+            Policy(routing or self.settings.routing),
+        )
+
+    @property
+    def nc(self) -> NatsConnection:
+        """The underlying nats-py connection (for what Agent-Reach does not wrap)."""
+        if self._nc is None or self._nc.is_closed:
+            raise NotStarted("client is not connected; use 'async with Client(...)' first")
+        return self._nc
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    @property
+    def routing(self) -> Policy:
+        """The policy of requests that name none."""
+        return self._requests.routing
+
+    @routing.setter
+    def routing(self, policy: Policy | str) -> None:
+        self._requests.routing = Policy(policy)
+
+    async def connect(self) -> Self:
+        if self._nc is None or self._nc.is_closed:
+            nc = await connect_nats(
+                self.settings, self.url, self.name or "reach-client", reconnected=self.on_reconnect
+            )
+            await self._open(nc, owned=True)
+        return self
+
+    async def _adopt(self, nc: NatsConnection) -> None:
+        """Share a connection owned by someone else (an Agent's); ``close()`` leaves it open."""
+        await self._open(nc, owned=False)
+
+    async def _open(self, nc: NatsConnection, *, owned: bool) -> None:
+        self._nc, self._owns_nc = nc, owned
+        self._watches.reopen()
+        await self._inbox.open(nc)
+
+    async def on_reconnect(self) -> None:
+        """Rebuild the watches (nats-py's own can stay silent for ~15 s after a reconnect)."""
+        self._watches.rebuild_soon()
+
+    async def _start_table(self) -> RoutingTable:
+        """Start following the registry's bucket on first use (once; callers share it)."""
+        await self._watches.ensure(self.nc)  # NotStarted before connect
+        self._requests.table = self._table
+        return self._table
+
+    async def set_routing_weights(
+        self,
+        capability: str,
+        *,
+        w_load: float = 4.0,
+        w_latency: float = 2.0,
+        threshold: float = 0.3,
+    ) -> None:
+        """Change the ``scored`` weights of a capability for every client, no restart."""
+        validate_capability(capability)
+        kv = await config_bucket(self.nc.jetstream(), self.subjects.bucket("config"), create=True)
+        body = {"w_load": w_load, "w_latency": w_latency, "threshold": threshold}
+        await kv.put(f"weights.{capability}", msgspec.json.encode(body))
+
+    async def set_task_type(self, task_type: str, capability: str) -> None:
+        """Let callers ask for ``task_type``; it is served by ``capability``."""
+        validate_capability(task_type)
+        validate_capability(capability)
+        kv = await config_bucket(self.nc.jetstream(), self.subjects.bucket("config"), create=True)
+        await kv.put(f"task.{task_type}", capability.encode())
+
+    # -- reading the table -------------------------------------------------------------
+
+    async def agents(self, capability: str | None = None) -> list[AgentRecord]:
+        """The routing table: every known instance (of ``capability``), by agent id."""
+        table = await self._start_table()
+        records = table.offering(capability) if capability else list(table.records.values())
+        return sorted(records, key=lambda r: r.info.agent_id)
+
+    async def changes(self) -> AsyncIterator[AgentRecord | str]:
+        """Follow the routing table: each record as it is written, an agent id when it goes.
+        A consumer that falls more than 1024 changes behind loses the oldest (counted in
+        ``stats.changes_dropped``)."""
+        table = await self._start_table()
+        queue = table.listen()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            table.unlisten(queue)
+
+    async def pick(
+        self,
+        capability: str,
+        *,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
+        priority: Priority | str = Priority.NORMAL,
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+    ) -> str | None:
+        """The agent id the next request would go to (None: the NATS queue group).
+
+        Raises ``CapabilityNotFound`` when instances exist but none fits, like a request.
+        """
+        table = await self._start_table()
+        capability = self._router.resolve(capability)
+        return self._router.choose(
+            Policy(routing or self.routing),
+            table,
+            capability,
+            version,
+            tuple(required_tags),
+            Priority(priority),
+            (),
+            affinity_key,
+            asyncio.get_running_loop().time(),
+        ).agent_id
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of every per-instance and per-key map this client holds (read-only), so
+        long-lived processes can check that they stay bounded. ``table.*`` and ``router.*``
+        follow the routing table; ``capabilities.*`` grow with the capabilities called."""
+        return {
+            **self._table.footprint(),
+            **self._router.footprint(),
+            "capabilities.checked": self._requests.checked,
+            "pending": len(self._inbox.pending),
+            "tasks": len(self._watches.owner),
+        }
+
+    @property
+    def stats(self) -> ClientStats:
+        """Counters: dropped changes, background failures, cancelled attempts, ..."""
+        return ClientStats(
+            changes_dropped=self._table.dropped,
+            background_failures=self._watches.owner.failures,
+            watch_errors=self._watches.errors,
+            table_rebuilds=self._watches.rebuilds,
+            attempts_cancelled=self._requests.cancelled,
+            heartbeats_clamped=self._table.clamped,
+        )
+
+    # -- closing -----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop background work and fail pending requests; close the connection if it is
+        ours (an adopted one stays open for its owner)."""
+        await self._watches.close()
+        self._requests.table = None
+        nc, self._nc = self._nc, None
+        await self._inbox.close(unsubscribe=not self._owns_nc)
+        if nc is not None and self._owns_nc and not nc.is_closed:
+            try:
+                await nc.drain()
+            except TRANSIENT as exc:
+                log.debug("drain on close failed: %s", exc)
+                await nc.close()
+
+    async def _close_table(self) -> None:
+        """Kept for the Agent's stop path: the same as ``close()``."""
+        await self.close()
+
+    async def __aenter__(self) -> Self:
+        return await self.connect()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def request(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        agent_id: str | None = None,
+        response_type: Any = None,
+        request_id: str | None = None,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+        hedge: bool = False,
+        max_attempts: int | None = None,
+    ) -> Any:
+        """Call ``capability`` and return the decoded answer; errors raise ``ReachError``s."""
+        reply = await self._requests.call(
+            capability,
+            payload,
+            timeout=timeout,
+            priority=priority,
+            agent_id=agent_id,
+            response_type=response_type,
+            request_id=request_id,
+            version=version,
+            required_tags=required_tags,
+            routing=routing,
+            affinity_key=affinity_key,
+            hedge=hedge,
+            max_attempts=max_attempts,
+        )
+        return reply.value
+
+    async def call(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        agent_id: str | None = None,
+        response_type: Any = None,
+        request_id: str | None = None,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+        hedge: bool = False,
+        max_attempts: int | None = None,
+    ) -> Reply:
+        """Like :meth:`request` but returns the :class:`Reply` (who answered, latency).
+
+        ``capability`` may also be a task type (``REACH_TASK_TYPES`` or the config bucket).
+        Routing: ``agent_id`` goes to that instance only and is never substituted.
+        Otherwise ``routing`` (default: the client's, ``balanced``) picks among live
+        instances in the routing table (UP; DEGRADED too unless priority is high) that offer
+        the capability in the same major ``version`` with all ``required_tags``; with no
+        instance of it in the table at all, the NATS queue group chooses. An attempt that
+        finds nobody, a full queue, an open circuit or no answer in its share of the time
+        moves to another instance while the deadline and the retry budget last;
+        ``failed`` and ``bad_request`` are never retried. ``hedge=True`` sends one
+        duplicate to a second instance after the capability's p95 latency.
+        """
+        return await self._requests.call(
+            capability,
+            payload,
+            timeout=timeout,
+            priority=priority,
+            agent_id=agent_id,
+            response_type=response_type,
+            request_id=request_id,
+            version=version,
+            required_tags=required_tags,
+            routing=routing,
+            affinity_key=affinity_key,
+            hedge=hedge,
+            max_attempts=max_attempts,
+        )
+
+    # -- broadcast ---------------------------------------------------------------------
+
+    async def publish(self, topic: str, payload: Any = None) -> None:
+        """Broadcast ``payload`` to every subscriber of ``topic``."""
+        await publish(self.nc, self.subjects, self.name, self.url, topic, payload)
+
+    async def subscribe(self, topic: str) -> TopicSubscription:
+        """Receive every broadcast on ``topic`` (``*`` and ``>`` allowed); flushed on return."""
+        return await subscribe(self.nc, self.subjects, self.url, topic)
+
+    async def flush(self) -> None:
+        """Wait until the server has everything this client sent (e.g. after publish)."""
+        await flush_nats(self.nc)

@@ -1,0 +1,195 @@
+"""A client's live copy of the registry: the ``reach_agents`` bucket, fed by a BucketMirror.
+
+The table is only a ``MirrorSink``: the mirror (``reach._kv``) owns the watch, its
+watchdog and rebuilds. The table decodes records, indexes them by capability, tells the
+router when an instance leaves (so per-instance state goes with it) and feeds the bounded
+queues of ``Client.changes()`` listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from .._kv import KvEntry
+from .._routing import eligible, in_range
+from ..wire import AgentRecord, Priority
+
+__all__ = ["LISTEN_LIMIT", "RoutingTable"]
+
+log = logging.getLogger("reach.table")
+
+#: Changes a ``changes()`` listener may have waiting; past it the oldest are dropped.
+LISTEN_LIMIT = 1024
+
+_decoder = msgspec.json.Decoder(AgentRecord)
+
+
+def _ignore(agent_id: str) -> None:
+    return None
+
+
+class RoutingTable:
+    """agent_id -> record, indexed by capability; replaced wholesale after each rebuild.
+
+    When the bucket or the watch is unavailable the mirror keeps the last table (it is marked
+    stale there): routing on slightly old data beats failing requests.
+    """
+
+    def __init__(
+        self,
+        *,
+        on_leave: Callable[[str], None] = _ignore,
+        listen_limit: int = LISTEN_LIMIT,
+    ) -> None:
+        self.records: dict[str, AgentRecord] = {}
+        self._by_cap: dict[str, set[str]] = {}
+        self._on_leave = on_leave
+        self._listen_limit = listen_limit
+        self._listeners: list[asyncio.Queue[AgentRecord | str]] = []
+        # Eligibility depends on status, version and tags only, not on load: cache the
+        # eligible ids per query, keyed by a generation that changes with the shape of a
+        # capability's instances. Generations come from one counter, so they never repeat.
+        self._gen = 0
+        self._cap_gen: dict[str, int] = {}
+        self._eligible: dict[tuple[Any, ...], tuple[int, list[str]]] = {}
+        self.dropped = 0  # changes dropped because a listener fell behind
+        self.clamped = 0  # records whose heartbeat numbers were out of range
+        self.undecodable = 0  # records that could not be decoded (ignored)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def offers(self, capability: str) -> bool:
+        """Does any known instance (in any status) offer it? O(1), for the request path."""
+        return bool(self._by_cap.get(capability))
+
+    def offering(self, capability: str) -> list[AgentRecord]:
+        ids = self._by_cap.get(capability)
+        if not ids:
+            return []
+        return [self.records[i] for i in ids]
+
+    def eligible_ids(
+        self, capability: str, version: str | None, tags: tuple[str, ...], priority: Priority
+    ) -> list[str]:
+        """Ids of the instances that may take this request (cached until their shape changes)."""
+        gen = self._cap_gen.get(capability, 0)
+        key = (capability, version, tags, priority)
+        hit = self._eligible.get(key)
+        if hit is not None and hit[0] == gen:
+            return hit[1]
+        ids = sorted(
+            r.info.agent_id
+            for r in eligible(self.offering(capability), capability, version, tags, priority)
+        )
+        if len(self._eligible) > 4096:
+            self._eligible.clear()
+        self._eligible[key] = (gen, ids)
+        return ids
+
+    def listen(self) -> asyncio.Queue[AgentRecord | str]:
+        """A bounded queue of changes: a record when it is written, the agent id when it goes.
+        A listener that falls behind loses the oldest changes (counted in ``dropped``)."""
+        q: asyncio.Queue[AgentRecord | str] = asyncio.Queue(self._listen_limit)
+        self._listeners.append(q)
+        return q
+
+    def unlisten(self, q: asyncio.Queue[AgentRecord | str]) -> None:
+        if q in self._listeners:
+            self._listeners.remove(q)
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of the table's maps and queues (all bounded by the bucket's size)."""
+        return {
+            "table.records": len(self.records),
+            "table.capabilities": len(self._by_cap),
+            "table.generations": len(self._cap_gen),
+            "table.eligible_cache": len(self._eligible),
+            "table.listeners": len(self._listeners),
+            "table.queued": max((q.qsize() for q in self._listeners), default=0),
+        }
+
+    # -- the mirror's sink -------------------------------------------------------------
+
+    def replace(self, snapshot: dict[str, KvEntry]) -> None:
+        """A fresh snapshot after a (re)build: reconcile, telling who left."""
+        decoded: dict[str, AgentRecord] = {}
+        for key, entry in snapshot.items():
+            record = self._decode(key, entry)
+            if record is not None:
+                decoded[key] = record
+        for key in [k for k in self.records if k not in decoded]:
+            self._set(key, None)
+        for key, record in decoded.items():
+            self._set(key, record)
+
+    def update(self, key: str, entry: KvEntry) -> None:
+        record = self._decode(key, entry)
+        if record is None and entry.value is not None:
+            return  # undecodable: keep what we had
+        self._set(key, record)
+
+    def _decode(self, key: str, entry: KvEntry) -> AgentRecord | None:
+        if entry.value is None:
+            return None
+        try:
+            record = _decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            self.undecodable += 1
+            log.warning("routing table: undecodable record %s ignored", key)
+            return None
+        hb = record.heartbeat
+        if hb is not None and not in_range(hb):
+            self.clamped += 1  # routing clamps the numbers; count the peer that sent them
+        return record
+
+    def _set(self, key: str, record: AgentRecord | None) -> None:
+        old = self.records.pop(key, None)
+        if old is None and record is None:
+            return
+        if old is not None:
+            for cap in old.info.capabilities:
+                ids = self._by_cap.get(cap.name)
+                if ids is not None:
+                    ids.discard(key)
+        if record is not None:
+            self.records[key] = record
+            for cap in record.info.capabilities:
+                self._by_cap.setdefault(cap.name, set()).add(key)
+        if old is None or record is None or _shape(old) != _shape(record):
+            names = {c.name for r in (old, record) if r is not None for c in r.info.capabilities}
+            for name in names:
+                if self._by_cap.get(name):
+                    self._gen += 1
+                    self._cap_gen[name] = self._gen
+                elif name in self._by_cap:
+                    self._drop_capability(name)
+        if record is None:
+            self._on_leave(key)
+            self._notify(key)
+        else:
+            self._notify(record)
+
+    def _drop_capability(self, name: str) -> None:
+        """No instance offers ``name`` any more: forget its index and cached answers."""
+        del self._by_cap[name]
+        self._cap_gen.pop(name, None)
+        for query in [q for q in self._eligible if q[0] == name]:
+            del self._eligible[query]
+
+    def _notify(self, change: AgentRecord | str) -> None:
+        for q in self._listeners:
+            if q.full():
+                q.get_nowait()  # the oldest goes: a slow listener cannot grow without end
+                self.dropped += 1
+            q.put_nowait(change)
+
+
+def _shape(record: AgentRecord) -> tuple[Any, ...]:
+    """What eligibility depends on (a heartbeat's load and latency do not change it)."""
+    info = record.info
+    return (record.status, tuple(info.tags), tuple((c.name, c.version) for c in info.capabilities))

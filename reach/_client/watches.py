@@ -1,0 +1,124 @@
+"""A client's background work: the routing-table and config watches, both
+``reach._kv.BucketMirror``s, and every task they run, held by one ``TaskOwner``.
+
+Started once, on first use (an agent that never calls anything never watches), by a single
+flight that concurrent callers share; closed (cancelled and awaited) by ``Client.close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client as NatsConnection
+
+from .. import _kv
+from .._owner import TaskOwner
+from .._subjects import Subjects
+from ..errors import NotStarted
+from ..settings import ReachSettings
+from .config import ConfigSink, config_bucket
+from .table import RoutingTable
+
+__all__ = ["Watches"]
+
+
+class Watches:
+    def __init__(
+        self,
+        name: str,
+        settings: ReachSettings,
+        subjects: Subjects,
+        table: RoutingTable,
+        config: ConfigSink,
+    ) -> None:
+        self.owner = TaskOwner(f"client {name}")
+        self._settings = settings
+        self._subjects = subjects
+        self._table = table
+        self._config = config
+        self.mirrors: list[_kv.BucketMirror] = []
+        self._start: asyncio.Task[None] | None = None
+
+    async def ensure(self, nc: NatsConnection) -> None:
+        """Start both watches unless started; every caller waits for the one start."""
+        start = self._start
+        if start is None:
+            start = self._start = self.owner.spawn(self._run(nc), "watches start")
+        try:
+            await asyncio.shield(start)  # a caller's timeout does not abandon it for others
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if start.cancelled() and task is not None and not task.cancelling():
+                raise NotStarted("client closed while it started routing") from None
+            raise
+        except Exception:
+            if self._start is start:
+                self._start = None  # the next caller tries again
+            raise
+
+    async def _run(self, nc: NatsConnection) -> None:
+        js = nc.jetstream()
+        timeout = self._settings.connect_timeout
+        agents, config = self._subjects.bucket("agents"), self._subjects.bucket("config")
+        table = _kv.BucketMirror(
+            lambda: _kv.agents_bucket(js, agents, create=False),
+            self._table,
+            self.owner,
+            name=f"routing table {agents}",
+            silence_limit=max(3 * self._settings.heartbeat_interval, 1.0),
+            rebuild_timeout=timeout,
+            connected=lambda: nc.is_connected,
+        )
+        watch = _kv.BucketMirror(
+            lambda: config_bucket(js, config, create=False),
+            self._config,
+            self.owner,
+            name=f"config {config}",
+            rebuild_timeout=timeout,
+            connected=lambda: nc.is_connected,
+        )
+        self.mirrors = [table, watch]
+        # No bucket yet means no registry (or no config) yet: requests use the queue group
+        # and the watchdog keeps looking. Routing on a stale table beats failing requests.
+        try:
+            await table.start(timeout)
+            await watch.start(timeout)
+        except BaseException:
+            self.mirrors = []  # the next caller starts afresh; leave nothing of this try
+            for mirror in (table, watch):
+                await mirror.stop()
+            raise
+        self.owner.keep(lambda: self._retry_config(watch, nc), "config retry")
+
+    async def _retry_config(self, watch: _kv.BucketMirror, nc: NatsConnection) -> None:
+        """The config bucket is silent by nature, so silence proves nothing: only retry
+        while it is missing or its watch ended."""
+        interval = max(self._settings.heartbeat_interval, 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            if watch.stale and nc.is_connected:
+                await watch.rebuild(self._settings.connect_timeout)
+
+    def rebuild_soon(self) -> None:
+        """After a reconnect: fresh watchers, reconciled against fresh snapshots."""
+        for mirror in self.mirrors:
+            mirror.rebuild_soon()
+
+    @property
+    def rebuilds(self) -> int:
+        return self.mirrors[0].rebuilds if self.mirrors else 0
+
+    @property
+    def errors(self) -> int:
+        return sum(m.errors for m in self.mirrors)
+
+    async def close(self) -> None:
+        """Cancel and await every task first (a rebuild cut short cleans up its own
+        watcher), then stop the watchers that were running."""
+        await self.owner.close()
+        mirrors, self.mirrors, self._start = self.mirrors, [], None
+        for mirror in mirrors:
+            await mirror.stop()
+
+    def reopen(self) -> None:
+        self.owner.reopen()

@@ -1,0 +1,58 @@
+"""Routing, pure: who may take a request (policies), the reliability machinery (resilience)
+and a client's routing state (router). No I/O, no asyncio, no import of the client: time
+comes in as numbers and the routing table is read through ``router.TableView``."""
+
+from .policies import (
+    Policy,
+    Weights,
+    balanced_cost,
+    clamp_latency,
+    clamp_load,
+    eligible,
+    explain_miss,
+    in_range,
+    normalised,
+    rank,
+    reject_reason,
+    score,
+    two_choices,
+)
+from .resilience import (
+    BreakerState,
+    CircuitBreaker,
+    LatencyWindow,
+    PeakEwma,
+    RetryBudget,
+    TokenBucket,
+    attempt_budget,
+    backoff_delay,
+)
+from .router import FAILOVER, Choice, Router, TableView
+
+__all__ = [
+    "FAILOVER",
+    "BreakerState",
+    "Choice",
+    "CircuitBreaker",
+    "LatencyWindow",
+    "PeakEwma",
+    "Policy",
+    "RetryBudget",
+    "Router",
+    "TableView",
+    "TokenBucket",
+    "Weights",
+    "attempt_budget",
+    "backoff_delay",
+    "balanced_cost",
+    "clamp_latency",
+    "clamp_load",
+    "eligible",
+    "explain_miss",
+    "in_range",
+    "normalised",
+    "rank",
+    "reject_reason",
+    "score",
+    "two_choices",
+]
