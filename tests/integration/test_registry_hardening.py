@@ -173,7 +173,7 @@ async def test_a_stopped_registry_starts_again(settings):
 # -- bounded state -----------------------------------------------------------------------
 
 
-async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
+async def test_ten_thousand_agent_ids_leave_the_registry_and_the_client_small(nats_server):
     # Long leases: this test is about churn through the API, not about expiry.
     settings = fast_settings(nats_server.url, lease_ttl=60.0)
     n, batch = 10_000, 500
@@ -183,12 +183,24 @@ async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
         make_agent(settings, "geo-steady"),  # a fleet is never silent: the bucket keeps moving
     ):
         nc = client.nc
+        await client.agents()  # the client follows the table from here on
         for start in range(0, n, batch):
             replies = await asyncio.gather(
-                *(register(nc, settings, info(f"churn-{i}")) for i in range(start, start + batch))
+                *(
+                    register(nc, settings, info(f"churn-{i}", capability="ghost.do"))
+                    for i in range(start, start + batch)
+                )
             )
             assert all(not r.headers or ERROR not in r.headers for r in replies)
         await eventually(lambda: registry.footprint()["records"] == n + 1, timeout=30)
+        await eventually(lambda: client.footprint()["table.records"] == n + 1, timeout=30)
+        # The client routes to them: nobody answers, so every attempt leaves router state
+        # (in-flight counts, breakers) for an instance that is about to go.
+        for _ in range(20):
+            with pytest.raises(reach.ReachError):
+                await client.request("ghost.do", {}, timeout=2)
+        grown = client.footprint()
+        assert grown["router.instance_breakers"] > 0
         for start in range(0, n, batch):
             await asyncio.gather(
                 *(deregister(nc, settings, f"churn-{i}") for i in range(start, start + batch))
@@ -203,9 +215,15 @@ async def test_ten_thousand_agent_ids_leave_the_registry_small(nats_server):
             return all(size <= 16 for size in registry.footprint().values())
 
         await eventually(small, timeout=30)
+        await eventually(lambda: client.footprint()["table.records"] == 1, timeout=30)
+        assert await client.request("geo.lookup", {}) == {"by": "geo-steady"}
+        sizes = client.footprint()
         assert registry.stats.registrations >= n + 1
         assert registry.stats.deregistrations == n
         assert list(registry.records()) == ["geo-steady"]
+    # Only geo-steady may have left a trace in the client, in any map.
+    per_instance = {k: v for k, v in sizes.items() if k.startswith(("table.", "router."))}
+    assert all(size <= 2 for size in per_instance.values()), per_instance
 
 
 async def test_a_list_too_big_for_one_message_is_refused_or_paged(settings):
