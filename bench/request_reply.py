@@ -1,7 +1,8 @@
 """Request/reply on the default path: reach vs raw nats-py, same server, same run.
 
 What users get by default: a registry running (its own process), two agent instances (one
-process each, default settings: balanced routing, max_concurrency 8, max_queue 64) and a
+process each, default settings: balanced routing, max_concurrency 8, max_queue 64, whatever
+REACH_* variables the shell exports or a .env holds; printed under "setup") and a
 `reach.Client` whose routing table holds both. Each instance process also runs a raw nats-py
 responder in queue group `raw`, doing the same per-request work as the reach handler: msgspec
 JSON decode of the 256-byte request and encode of the reply.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 import nats
+from _fleet import Children, defaults, pct, shown
 
 import reach
 from reach.testing import NatsServer, eventually
@@ -66,14 +67,14 @@ def payload() -> bytes:
 
 def run_registry(url: str, ready: Any, stop: Any) -> None:
     async def main() -> None:
-        async with reach.Registry(settings=reach.ReachSettings(nats_url=url)):
+        async with reach.Registry(settings=defaults(url)):
             ready.set()
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
 
     asyncio.run(main())
 
 
-def run_instance(url: str, index: int, ready: Any, stop: Any, served: Any) -> None:
+def run_instance(url: str, index: int, served: Any, ready: Any, stop: Any) -> None:
     async def main() -> None:
         count = {"raw": 0, "reach": 0}
         nc = await nats.connect(url)
@@ -84,7 +85,7 @@ def run_instance(url: str, index: int, ready: Any, stop: Any, served: Any) -> No
 
         await nc.subscribe(RAW, queue="raw", cb=raw)
         await nc.flush()
-        agent = reach.Agent("bench", f"bench-{index}", settings=reach.ReachSettings(nats_url=url))
+        agent = reach.Agent("bench", f"bench-{index}", settings=defaults(url))
 
         @agent.capability(CAP)
         async def echo(value: dict[str, Any]) -> dict[str, Any]:
@@ -100,39 +101,19 @@ def run_instance(url: str, index: int, ready: Any, stop: Any, served: Any) -> No
     asyncio.run(main())
 
 
-class Fleet:
-    """The registry and the two instances, each in its own process."""
+class Fleet(Children):
+    """The registry and the two instances, each in its own process, on the defaults."""
 
     def __init__(self, url: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.stop = ctx.Event()
-        self.served: Any = ctx.Queue()
-        self.readies = [ctx.Event() for _ in range(3)]
-        self.procs = [ctx.Process(target=run_registry, args=(url, self.readies[0], self.stop))]
-        self.procs += [
-            ctx.Process(
-                target=run_instance, args=(url, i, self.readies[i + 1], self.stop, self.served)
-            )
-            for i in range(2)
-        ]
-
-    def __enter__(self) -> Fleet:
-        for proc, ready in zip(self.procs, self.readies, strict=True):
-            proc.start()
-            if not ready.wait(60):
-                raise RuntimeError("a bench process did not start")
-        return self
+        super().__init__()
+        self.served = self.queue()
+        self.add(run_registry, url)
+        for i in range(2):
+            self.add(run_instance, url, i, self.served)
 
     def counts(self) -> dict[int, dict[str, int]]:
         """What each instance served, once it has stopped."""
         return dict(self.served.get(timeout=30) for _ in range(2))
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for proc in self.procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
 
 
 # -- the client side ----------------------------------------------------------------------
@@ -194,14 +175,9 @@ async def closed_loop(fn: Call, seconds: float, inflight: int) -> tuple[float, l
     return len(lat) / (time.perf_counter() - t0), lat
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     body = payload()
-    settings = reach.ReachSettings(nats_url=url)
+    settings = defaults(url)
     nc = await nats.connect(url)
     mux = Mux(nc)
     await mux.start()
@@ -332,6 +308,7 @@ def main() -> int:
         "inflight": args.inflight,
         "loop": "uvloop" if args.uvloop else "asyncio",
         "payload_bytes": SIZE,
+        "settings": defaults(server.url).model_dump(mode="json"),
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -347,6 +324,7 @@ def main() -> int:
             f"bench-{i} {c['raw']:,} / {c['reach']:,}" for i, c in sorted(out["served"].items())
         )
     )
+    print(f"settings (defaults; REACH_* and .env ignored): {shown(defaults(server.url))}")
     changes = ", ".join(f"{k} x{n}" for k, n in sorted(out["status_changes"].items()))
     print(f"status changes while measuring: {changes or 'none'}")
     print()

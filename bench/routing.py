@@ -9,8 +9,9 @@
 
 Everything runs against one local nats-server and a registry; agents live in child
 processes, the client in this one. Ratios compare runs made in the same process run.
-Settings are the defaults (5 s heartbeats, 15 s leases) except where a bench says otherwise:
-`decision` keeps its simulated leases alive while it measures.
+Settings are the defaults (5 s heartbeats, 15 s leases), whatever REACH_* variables or .env
+say, except where a bench says otherwise: `decision` keeps its simulated leases alive while
+it measures. The settings in effect are printed first, under "setup".
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import signal
 import statistics
@@ -30,6 +30,15 @@ from typing import Any
 
 import msgspec
 import nats
+from _fleet import (
+    Children,
+    clean_environ,
+    closed_loop,
+    defaults,
+    open_loop,
+    pct,
+    whole_fleet,
+)
 
 import reach
 from reach.testing import NatsServer, eventually
@@ -38,32 +47,13 @@ from reach.wire import AgentInfo, CapabilityInfo, Heartbeat, Registration
 RESULTS = Path(__file__).parent / "results"
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def settings(url: str, prefix: str, **kw: Any) -> reach.ReachSettings:
-    return reach.ReachSettings(nats_url=url, subject_prefix=prefix, **kw)
-
-
-async def whole_fleet(client: reach.Client, n: int) -> None:
-    """Wait until the client's routing table holds all n instances, UP."""
-
-    async def known() -> bool:
-        records = await client.agents("bench.work")
-        return len(records) == n and all(r.status == reach.Status.UP for r in records)
-
-    await eventually(known, timeout=60)
-
-
 # -- decision cost ----------------------------------------------------------------------
 
 
 async def decision(url: str, sizes: list[int], picks: int) -> list[dict[str, Any]]:
     out = []
     for n in sizes:
-        s = settings(url, f"dec{n}", lease_ttl=600.0)  # no expiry while measuring
+        s = defaults(url, f"dec{n}", lease_ttl=600.0)  # no expiry while measuring
         async with reach.Registry(settings=s), reach.Client(settings=s) as client:
             nc = client.nc
             for i in range(n):
@@ -111,7 +101,7 @@ def fleet(
     """Agents of capability bench.work, one per delay (seconds of simulated work)."""
 
     async def main() -> None:
-        s = settings(url, prefix)
+        s = defaults(url, prefix)
         nc = await nats.connect(url)
 
         async def raw(msg: Any) -> None:
@@ -147,61 +137,11 @@ def fleet(
     asyncio.run(main())
 
 
-class Fleet:
-    def __init__(self, url: str, prefix: str, delays: list[float], concurrency: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.ready, self.stop = ctx.Event(), ctx.Event()
-        self.proc = ctx.Process(
-            target=fleet, args=(url, prefix, delays, concurrency, self.ready, self.stop)
-        )
-
-    def __enter__(self) -> Fleet:
-        self.proc.start()
-        if not self.ready.wait(60):
-            raise RuntimeError("fleet did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.proc.join(20)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-async def closed_loop(fn: Any, seconds: float, inflight: int) -> tuple[float, list[float]]:
-    lat: list[float] = []
-    end = time.perf_counter() + seconds
-
-    async def worker() -> None:
-        while (t := time.perf_counter()) < end:
-            await fn()
-            lat.append((time.perf_counter() - t) * 1000)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(inflight)))
-    return len(lat) / (time.perf_counter() - t0), lat
-
-
-async def open_loop(fn: Any, rate: float, seconds: float) -> list[float]:
-    """Latencies (ms) at a fixed offered rate, so every policy faces the same load."""
-    lat: list[float] = []
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def one() -> None:
-        t = time.perf_counter()
-        await fn()
-        lat.append((time.perf_counter() - t) * 1000)
-
-    start = time.perf_counter()
-    n = 0
-    while time.perf_counter() - start < seconds:
-        task = asyncio.ensure_future(one())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        n += 1
-        await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
-    await asyncio.gather(*tasks)
-    return lat
+def agents(url: str, prefix: str, delays: list[float], concurrency: int) -> Children:
+    """The registry and agents of ``fleet`` in one child process; enter it to start them."""
+    children = Children(stop_timeout=20)
+    children.add(fleet, url, prefix, delays, concurrency)
+    return children
 
 
 # -- overhead: balanced vs queue vs raw ------------------------------------------------
@@ -211,9 +151,9 @@ async def overhead(url: str, rounds: int, seconds: float) -> dict[str, Any]:
     prefix = "ovh"
     instances = 3
     body = msgspec.json.encode({"order_id": "A-1", "note": "x" * 200})
-    with Fleet(url, prefix, [0.0] * instances, 64):
+    with agents(url, prefix, [0.0] * instances, 64):
         nc = await nats.connect(url)
-        async with reach.Client(settings=settings(url, prefix)) as client:
+        async with reach.Client(settings=defaults(url, prefix)) as client:
             await whole_fleet(client, instances)
 
             async def raw() -> None:
@@ -257,8 +197,8 @@ async def skewed(
     lat: dict[str, list[float]] = {p: [] for p in policies}
     rates: dict[str, list[float]] = {p: [] for p in policies}
     share: dict[str, dict[str, int]] = {p: {} for p in policies}
-    with Fleet(url, prefix, delays, 8):
-        async with reach.Client(settings=settings(url, prefix)) as client:
+    with agents(url, prefix, delays, 8):
+        async with reach.Client(settings=defaults(url, prefix)) as client:
             await whole_fleet(client, len(delays))
             for policy in policies:  # warm up: heartbeats and this client's EWMAs
 
@@ -288,7 +228,7 @@ async def skewed(
         for p in policies
     }
     out["balanced_p99_vs_queue"] = round(out["balanced"]["p99_ms"] / out["queue"]["p99_ms"], 3)
-    out["heartbeat_interval_s"] = settings(url, prefix).heartbeat_interval  # the default
+    out["heartbeat_interval_s"] = defaults(url, prefix).heartbeat_interval  # the default
     if png is not None:
         chart(lat, png)
         out["png"] = str(png)
@@ -321,8 +261,9 @@ def chart(lat: dict[str, list[float]], png: Path) -> None:
 
 AGENT = """
 import asyncio, sys
-from reach import Agent
-agent = Agent("victim", sys.argv[1], max_concurrency=16, max_queue=1024)
+from reach import Agent, ReachSettings
+settings = ReachSettings(_env_file=None, nats_url=sys.argv[2], subject_prefix=sys.argv[3])
+agent = Agent("victim", sys.argv[1], settings=settings, max_concurrency=16, max_queue=1024)
 
 @agent.capability("bench.work")
 async def work(value: dict) -> dict:
@@ -335,8 +276,7 @@ agent.run()
 
 async def failure(url: str, rate: float, seconds: float, kill_at: float) -> dict[str, Any]:
     prefix = "fail"
-    env = {**os.environ, "REACH_NATS_URL": url, "REACH_SUBJECT_PREFIX": prefix}
-    s = reach.ReachSettings(nats_url=url, subject_prefix=prefix)
+    s = defaults(url, prefix)
     results: list[tuple[float, float, bool]] = []
     async with reach.Registry(settings=s), reach.Client(settings=s) as client:
         procs = [
@@ -345,7 +285,9 @@ async def failure(url: str, rate: float, seconds: float, kill_at: float) -> dict
                 "-c",
                 AGENT,
                 f"victim-{i}",
-                env=env,
+                url,
+                prefix,
+                env=clean_environ(),  # the victims run on the defaults too
                 stdin=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -424,6 +366,8 @@ def main() -> int:
     todo = ["decision", "overhead", "skewed", "failure"] if args.which == "all" else [args.which]
     report: dict[str, Any] = {}
     with NatsServer() as server:
+        report["setup"] = {"settings": defaults(server.url).model_dump(mode="json")}
+        print(json.dumps({"setup": report["setup"]}, indent=2), flush=True)
         for which in todo:
             if which == "decision":
                 report[which] = asyncio.run(decision(server.url, args.sizes, args.picks))

@@ -1,7 +1,8 @@
 """Ownership of background work: every task an Agent, Client or Registry starts lives here.
 
 Closing the owner cancels and awaits all of them. A loop that crashes is logged, counted
-and restarted with backoff (``keep``); a one-off task that fails is logged and counted
+and restarted with backoff (``keep``; the backoff starts over once a loop has run longer
+than ``backoff_max``); a one-off task that fails is logged and counted
 (``spawn``). Nothing dies silently and nothing outlives its owner.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -21,10 +23,18 @@ log = logging.getLogger("reach.tasks")
 class TaskOwner:
     """A set of tasks with one owner; like a TaskGroup whose children may fail alone."""
 
-    def __init__(self, owner: str, *, backoff: float = 0.1, backoff_max: float = 5.0) -> None:
+    def __init__(
+        self,
+        owner: str,
+        *,
+        backoff: float = 0.1,
+        backoff_max: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.owner = owner
         self.backoff = backoff
         self.backoff_max = backoff_max
+        self.clock = clock  # how long a loop ran before it crashed; tests pass their own
         self.failures = 0
         self.restarts = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -56,12 +66,15 @@ class TaskOwner:
     async def _supervise(self, factory: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
         delay = self.backoff
         while True:
+            started = self.clock()
             try:
                 await factory()
                 return  # a loop that ends by itself is done
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if self.clock() - started > self.backoff_max:
+                    delay = self.backoff  # it ran well for a while: a new fault, not a crash loop
                 self.failures += 1
                 self.restarts += 1
                 log.exception("%s: %s crashed; restarting in %.2fs", self.owner, name, delay)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Self
 
-from .errors import ConfigurationError, ConnectionFailed
+from .errors import ConfigurationError, ConnectionFailed, ReachError
 
 _POLL = 0.01  # seconds between looks at the ports file or the process
 
@@ -64,6 +64,7 @@ class NatsServer:
     Sync code (session fixtures, the CLI) uses ``start``/``stop``/``kill``/``restart``/``close``
     or ``with``; async code uses ``astart``/``astop``/``akill``/``arestart``/``aclose`` or
     ``async with``, which poll with ``asyncio.sleep`` and never block the event loop.
+    Stopping gives up with a ReachError if the process outlives SIGKILL by the timeout.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class NatsServer:
         self.log_file = Path(log_file) if log_file else self.work_dir / "nats-server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self._starting = False  # an astart is spawning or awaiting readiness
 
     @property
     def pid(self) -> int | None:
@@ -164,18 +166,29 @@ class NatsServer:
         return self
 
     async def astart(self, timeout: float = 10.0) -> Self:
-        """``start()`` for async code: waits for readiness without blocking the loop."""
+        """``start()`` for async code: waits for readiness without blocking the loop.
+
+        Concurrent calls start one process; the others return once it is ready.
+        """
+        deadline = time.monotonic() + timeout
+        while self._starting:
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(f"nats-server not ready within {timeout}s")
+            await asyncio.sleep(_POLL)
         if self._running():
             return self
-        ports_file = self._spawn()
-        deadline = time.monotonic() + timeout
-        while True:
-            await asyncio.sleep(_POLL)
-            if self._ready(ports_file):
-                return self
-            if time.monotonic() > deadline:
-                await self.akill()
-                raise ConnectionFailed(f"nats-server not ready within {timeout}s")
+        self._starting = True
+        try:
+            ports_file = self._spawn()
+            while True:
+                await asyncio.sleep(_POLL)
+                if self._ready(ports_file):
+                    return self
+                if time.monotonic() > deadline:
+                    await self.akill()
+                    raise ConnectionFailed(f"nats-server not ready within {timeout}s")
+        finally:
+            self._starting = False
 
     def _send(self, sig: signal.Signals) -> subprocess.Popen[bytes] | None:
         """Signal the process by its PID; None if there is none running."""
@@ -185,28 +198,41 @@ class NatsServer:
         os.kill(proc.pid, sig)
         return proc
 
+    @staticmethod
+    def _unkillable(proc: subprocess.Popen[bytes], wait: float) -> ReachError:
+        return ReachError(
+            f"nats-server (pid {proc.pid}) still runs {wait}s after SIGKILL; giving up on it"
+        )
+
     def _signal(self, sig: signal.Signals, wait: float) -> None:
+        """Send ``sig``, wait up to ``wait`` s, then SIGKILL and wait as long again."""
         proc = self._send(sig)
         if proc is None:
             return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
+        while True:
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                if sig == signal.SIGKILL:
+                    raise self._unkillable(proc, wait) from None
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+            sig = signal.SIGKILL
 
     async def _asignal(self, sig: signal.Signals, wait: float) -> None:
+        """``_signal`` polling with ``asyncio.sleep``."""
         proc = self._send(sig)
         if proc is None:
             return
         deadline = time.monotonic() + wait
-        while True:
-            await asyncio.sleep(_POLL)
-            if proc.poll() is not None:
-                return
-            if time.monotonic() > deadline and sig != signal.SIGKILL:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                if sig == signal.SIGKILL:
+                    raise self._unkillable(proc, wait)
                 os.kill(proc.pid, signal.SIGKILL)
                 sig = signal.SIGKILL
+                deadline = time.monotonic() + wait
+            await asyncio.sleep(_POLL)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful stop (SIGTERM), then SIGKILL if it lingers."""
@@ -238,9 +264,9 @@ class NatsServer:
         self._tmp.cleanup()
 
     async def aclose(self) -> None:
-        """``close()`` for async code."""
+        """``close()`` for async code; the store is removed in a thread, off the loop."""
         await self.astop()
-        self._tmp.cleanup()
+        await asyncio.to_thread(self._tmp.cleanup)
 
     def __enter__(self) -> Self:
         return self.start()

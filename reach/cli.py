@@ -299,14 +299,16 @@ async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 
 def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
-    """Run ``sdk/examples/demo.py``: it is built from the example agents, which live in the
-    repository (``make demo``), not in the installed package."""
-    roots = (Path.cwd(), Path(__file__).resolve().parents[1])
-    found = [r / "sdk/examples/demo.py" for r in roots if (r / "sdk/examples/demo.py").is_file()]
-    if not found:
-        raise ConfigurationError("the demo runs the repository's sdk/examples: run 'make demo'")
-    sys.path.insert(0, str(found[0].parent))  # its sibling example agents
-    code: int = run_async(runpy.run_path(str(found[0]))["main"]())
+    """Run ``sdk/examples/demo.py`` of the checkout this package was installed from (an
+    editable install): the demo is built from the example agents, which live in the
+    repository, not in the package. Never a file of that name in the current directory."""
+    demo = Path(__file__).resolve().parents[1] / "sdk/examples/demo.py"
+    if not demo.is_file():
+        raise ConfigurationError(
+            "the demo runs the repository's sdk/examples: in a checkout, run 'make demo'"
+        )
+    sys.path.insert(0, str(demo.parent))  # its sibling example agents
+    code: int = run_async(runpy.run_path(str(demo))["main"]())
     return code
 
 

@@ -217,9 +217,12 @@ async def burst(client: Client, title: str) -> None:
         latencies.append(r.latency_ms)
 
     await asyncio.gather(*(one(i) for i in range(60)))
-    line("  " + ", ".join(f"{a} served {n}" for a, n in sorted(served.items())))
+    line("  " + (", ".join(f"{a} served {n}" for a, n in sorted(served.items())) or "none served"))
     fails = ", ".join(f"{n} {code}" for code, n in failed.items()) or "none failed"
-    line(f"  p50 {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms; {fails}")
+    if latencies:
+        line(f"  p50 {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms; {fails}")
+    else:
+        line(f"  every request failed: {fails}")
 
 
 async def discover(client: Client) -> set[str]:

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import os
+import runpy
 import signal
 import sys
 from pathlib import Path
@@ -228,18 +229,31 @@ async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(reach_se
             await proc.wait()
 
 
-async def test_demo_runs_end_to_end():
+DECOY = """
+def main():
+    print("DECOY RAN")
+    return 3
+"""
+
+
+async def test_demo_runs_end_to_end_from_any_directory(tmp_path):
+    # A file of the same name in the current directory is not the demo: `reach demo` runs
+    # only the one in the checkout the package was installed from.
+    (tmp_path / "sdk/examples").mkdir(parents=True)
+    (tmp_path / "sdk/examples/demo.py").write_text(DECOY)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "reach.cli",
         "demo",
+        cwd=tmp_path,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     async with asyncio.timeout(120):
         out, err = await proc.communicate()
     text = out.decode()
+    assert "DECOY RAN" not in text
     assert proc.returncode == 0, err.decode()
     assert "logistics-1" in text
     assert "logistics-2" in text
@@ -247,3 +261,14 @@ async def test_demo_runs_end_to_end():
     assert "logistics-3 is killed" in text
     assert "logistics-2 is drained" in text
     assert "Demo OK" in text
+
+
+async def test_demo_burst_reports_failures_when_every_request_fails(
+    reach_client, monkeypatch, capsys
+):
+    monkeypatch.syspath_prepend(str(ROOT / "sdk/examples"))  # the demo's sibling agents
+    demo = runpy.run_path(str(ROOT / "sdk/examples/demo.py"))
+    await demo["burst"](reach_client, "nobody serves logistics.track:")
+    out = capsys.readouterr().out
+    assert "nobody serves logistics.track:" in out
+    assert "60 capability_not_found" in out

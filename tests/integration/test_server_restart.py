@@ -1,11 +1,15 @@
 """The embedded server helper, and agents and clients riding through a server restart."""
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import os
+import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 
-from reach import Agent, Client, ReachSettings
+from reach import Agent, Client, ReachError, ReachSettings
 from reach.testing import NatsServer, eventually
 
 
@@ -60,40 +64,111 @@ async def test_async_stop_kill_and_restart_are_by_pid_and_idempotent(own_server)
     assert own_server.proc.poll() is not None
 
 
-async def ticks_during(call: Callable[[], Awaitable[object]]) -> int:
-    """How often another task got the loop while ``call()`` ran (0: the call blocked it)."""
-    ticks = 0
+@pytest.fixture
+def loop_guard(monkeypatch):
+    """Blocking calls made on the event loop's thread raise instead of blocking it."""
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
+    def guarded(original, what):
+        def call(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # another thread (asyncio.to_thread): blocking is fine
+                return original(*args, **kwargs)
+            raise AssertionError(f"{what} would block the event loop")
 
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)  # the ticker is running
-    before = ticks
-    try:
-        await call()
-        return ticks - before
-    finally:
-        task.cancel()
+        return call
+
+    monkeypatch.setattr(time, "sleep", guarded(time.sleep, "time.sleep"))
+    monkeypatch.setattr(subprocess.Popen, "wait", guarded(subprocess.Popen.wait, "Popen.wait"))
+    monkeypatch.setattr(shutil, "rmtree", guarded(shutil.rmtree, "shutil.rmtree"))
 
 
-async def test_async_start_and_restart_leave_the_loop_free():
+async def test_the_async_api_never_blocks_the_loop(loop_guard):
     server = NatsServer()
+    await server.astart()
+    pid = server.pid
+    await server.arestart()
+    assert server.pid != pid
+    async with Client(server.url) as client:
+        assert client.connected
+    proc = server.proc
+    await server.astop()
+    assert proc.poll() is not None
+    await server.astart()
+    proc = server.proc
+    await server.akill()
+    assert proc.poll() is not None
+    await server.astart()
+    proc = server.proc
+    await server.aclose()
+    assert proc.poll() is not None
+    assert not server.work_dir.exists()
+
+
+async def test_concurrent_astart_runs_one_server(monkeypatch):
+    started = []
+
+    class Recording(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recording)
+    server = NatsServer()
+
+    async def url_once_started() -> str:
+        await server.astart()
+        return server.url
+
     try:
-        assert await ticks_during(server.astart) > 0
-        assert server.proc.poll() is None
-        pid = server.pid
-        assert await ticks_during(server.arestart) > 0
-        assert server.pid != pid
-        assert server.proc.poll() is None
-        async with Client(server.url) as client:
-            assert client.connected
+        # Both return once the one server is ready: neither spawns its own, neither returns
+        # before the server can take clients.
+        urls = await asyncio.gather(url_once_started(), url_once_started())
+        assert started == [server.proc]
+        assert urls == [server.url, server.url]
+        assert server.url
     finally:
         await server.aclose()
-    assert server.proc.poll() is not None
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def ignore_signals(monkeypatch) -> list[int]:
+    """os.kill sends nothing: the server behaves like a process that will not die."""
+    sent: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig))
+    return sent
+
+
+async def test_astop_gives_up_with_a_clear_error_when_sigkill_does_not_end_it(
+    own_server, monkeypatch
+):
+    sent = ignore_signals(monkeypatch)
+    with pytest.raises(ReachError, match="after SIGKILL"):
+        async with asyncio.timeout(10):  # without a bound it would poll forever
+            await own_server.astop(timeout=0.05)
+    assert sent == [signal.SIGTERM, signal.SIGKILL]
+    monkeypatch.undo()
+    assert own_server.proc.poll() is None  # still there; the fixture stops it for real
+
+
+async def test_stop_gives_up_with_a_clear_error_when_sigkill_does_not_end_it(
+    own_server, monkeypatch
+):
+    proc = own_server.proc
+    sent = ignore_signals(monkeypatch)
+    try:
+        with pytest.raises(ReachError, match="after SIGKILL"):
+            async with asyncio.timeout(10):  # without a bound it would wait forever
+                await asyncio.to_thread(own_server.stop, 0.05)
+        assert sent == [signal.SIGTERM, signal.SIGKILL]
+        assert proc.poll() is None
+    finally:
+        monkeypatch.undo()
+        proc.kill()  # for real now; frees the thread if stop() is still waiting
+        await asyncio.to_thread(proc.wait)
 
 
 async def test_async_context_manager_starts_and_stops():

@@ -1,0 +1,170 @@
+"""What the benches share: child processes, settings from the defaults, load loops.
+
+Benches import only the public ``reach`` API; this module is theirs (``python bench/x.py``
+puts ``bench/`` on the path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import reach
+from reach.testing import eventually
+
+Call = Callable[[], Awaitable[Any]]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+class DefaultSettings(reach.ReachSettings):
+    """ReachSettings from the defaults and the arguments only: no REACH_* variable, no .env.
+
+    "The default path" must not mean whatever the shell exports (REACH_ROUTING=queue...).
+    """
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[Any],
+        init_settings: Any,
+        env_settings: Any,
+        dotenv_settings: Any,
+        file_secret_settings: Any,
+    ) -> tuple[Any, ...]:
+        return (init_settings,)
+
+
+def defaults(url: str, prefix: str = "reach", **kw: Any) -> reach.ReachSettings:
+    """Settings from the defaults, the server URL, a prefix and ``kw``; nothing else."""
+    return DefaultSettings(nats_url=url, subject_prefix=prefix, **kw)
+
+
+def shown(settings: reach.ReachSettings) -> str:
+    """The settings in effect, one ``name=value`` each, for a bench's setup line."""
+    return ", ".join(f"{k}={v}" for k, v in settings.model_dump(mode="json").items())
+
+
+def clean_environ(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) without any REACH_* variable."""
+    env = os.environ if base is None else base
+    return {k: v for k, v in env.items() if not k.startswith("REACH_")}
+
+
+def _child(target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """A child's entry point: nothing in it may read settings from the parent's shell."""
+    for key in [k for k in os.environ if k.startswith("REACH_")]:
+        del os.environ[key]
+    target(*args)
+
+
+class Children:
+    """Bench child processes, started in turn, each awaited until it sets its ready event.
+
+    ``add(target, *args)`` runs ``target(*args, ready, stop)`` in a spawned daemon process.
+    However the start or the ``with`` block ends, every child is told to stop, then killed
+    if it lingers: a child that never gets ready cannot keep the bench from exiting.
+    """
+
+    def __init__(self, ready_timeout: float = 60.0, stop_timeout: float = 30.0) -> None:
+        self._ctx = mp.get_context("spawn")
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.stop = self._ctx.Event()
+        self.procs: list[Any] = []
+        self._readies: list[Any] = []
+
+    def queue(self) -> Any:
+        return self._ctx.Queue()
+
+    def add(self, target: Callable[..., None], *args: Any) -> None:
+        ready = self._ctx.Event()
+        proc = self._ctx.Process(
+            target=_child, args=(target, (*args, ready, self.stop)), daemon=True
+        )
+        self.procs.append(proc)
+        self._readies.append(ready)
+
+    def __enter__(self) -> Children:
+        try:
+            for proc, ready in zip(self.procs, self._readies, strict=True):
+                proc.start()
+                self._await_ready(proc, ready)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _await_ready(self, proc: Any, ready: Any) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while not ready.wait(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(f"bench process {proc.name} exited with {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"bench process {proc.name} not ready within {self.ready_timeout}s"
+                )
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            if proc.pid is None:
+                continue  # never started
+            proc.join(self.stop_timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+async def whole_fleet(client: reach.Client, n: int, capability: str = "bench.work") -> None:
+    """Wait until the client's routing table holds all n instances, UP."""
+
+    async def known() -> bool:
+        records = await client.agents(capability)
+        return len(records) == n and all(r.status == reach.Status.UP for r in records)
+
+    await eventually(known, timeout=60)
+
+
+async def closed_loop(fn: Call, seconds: float, inflight: int) -> tuple[float, list[float]]:
+    """Requests per second and per-request latencies (ms) with ``inflight`` callers."""
+    lat: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        while (t := time.perf_counter()) < end:
+            await fn()
+            lat.append((time.perf_counter() - t) * 1000)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(inflight)))
+    return len(lat) / (time.perf_counter() - t0), lat
+
+
+async def open_loop(fn: Call, rate: float, seconds: float) -> list[float]:
+    """Latencies (ms) at a fixed offered rate, so every variant faces the same load."""
+    lat: list[float] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one() -> None:
+        t = time.perf_counter()
+        await fn()
+        lat.append((time.perf_counter() - t) * 1000)
+
+    start = time.perf_counter()
+    n = 0
+    while time.perf_counter() - start < seconds:
+        task = asyncio.ensure_future(one())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        n += 1
+        await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
+    await asyncio.gather(*tasks)
+    return lat
