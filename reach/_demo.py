@@ -15,10 +15,9 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
-from ._agent import Agent
+from ._agent import Agent, Context
 from ._client import Client
 from ._codec import encode_json
-from ._handlers import Context
 from ._registry import Registry
 from ._server import NatsServer
 from ._wait import eventually

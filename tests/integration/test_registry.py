@@ -161,8 +161,7 @@ async def test_silent_but_alive_agent_is_probed_back_up(settings):
         async with Events(client) as events, agent:
             await wait_status(client, "geo-quiet", Status.UP)
             # Stop heartbeating without stopping: only the probe can tell it is alive.
-            presence = agent._workers[-1]
-            presence.cancel()
+            await agent.presence.stop()
             await eventually(lambda: ("UP", "probe answered") in events.of("geo-quiet"))
             assert await client.request("geo.lookup", {}) == {"by": "geo-quiet"}
     assert events.of("geo-quiet")[:3] == [
@@ -270,15 +269,17 @@ async def test_two_registries_one_record_per_agent_no_lost_updates(settings):
             async with Client(settings=settings) as client:
                 for a in agents:
                     await wait_status(client, a.agent_id, Status.UP)
-                seqs = {a.agent_id: a._hb_seq for a in agents}
-                await eventually(lambda: all(a._hb_seq >= seqs[a.agent_id] + 10 for a in agents))
+                seqs = {a.agent_id: a.presence.seq for a in agents}
+                await eventually(
+                    lambda: all(a.presence.seq >= seqs[a.agent_id] + 10 for a in agents)
+                )
                 # Every registry's view ends at each agent's latest heartbeat.
                 for reg in (r1, r2):
                     await eventually(
                         lambda reg=reg: all(
                             (rec := reg.records().get(a.agent_id)) is not None
                             and rec.heartbeat is not None
-                            and rec.heartbeat.seq >= a._hb_seq - 1
+                            and rec.heartbeat.seq >= a.presence.seq - 1
                             for a in agents
                         )
                     )
@@ -324,7 +325,7 @@ async def test_malformed_and_spoofed_heartbeats_are_dropped_and_counted(settings
                     registry.stats.dropped_malformed == 2 and registry.stats.dropped_spoofed == 1
                 )
             )
-            seq = agent._hb_seq
+            seq = agent.presence.seq
             await eventually(
                 lambda: (
                     (rec := registry.records().get("geo-real")) is not None
@@ -409,9 +410,9 @@ async def test_nats_server_restart_on_same_store_table_recovers(tmp_path):
 
 async def test_agent_without_registry_keeps_serving_and_registers_when_one_appears(settings):
     async with Client(settings=settings) as client, make_agent(settings, "geo-early") as agent:
-        assert not agent._registered
+        assert not agent.presence.registered
         assert await client.request("geo.lookup", {}) == {"by": "geo-early"}
         async with Registry(settings=settings) as registry:
             await eventually(lambda: "geo-early" in registry.records())
             await wait_status(client, "geo-early", Status.UP)
-        assert agent._registered
+        assert agent.presence.registered
