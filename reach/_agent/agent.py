@@ -19,7 +19,6 @@ from types import TracebackType
 from typing import Self
 
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._client import Client
@@ -38,6 +37,7 @@ from .intake import Intake, topic_handler
 from .lifecycle import Lifecycle, State
 from .model import AgentStats, Served, TopicSpec
 from .presence import Presence
+from .subscriptions import Subscriptions
 from .workers import Workers
 
 __all__ = ["Agent"]
@@ -101,8 +101,7 @@ class Agent:
         self._stopping: asyncio.Task[None] | None = None
         self._control_lock = asyncio.Lock()  # start, pause, resume and leaving the queues
         self._drain_requested = asyncio.Event()
-        self._queue_subs: list[Subscription] = []
-        self._subs: list[Subscription] = []
+        self._subs = Subscriptions(self.agent_id, self.subjects)
         self._started_ms = 0
         self._presence = Presence(
             self.agent_id,
@@ -220,29 +219,7 @@ class Agent:
 
     def service_snapshot(self) -> srv.ServiceSnapshot:
         """What ``$SRV`` answers say about this instance, as of now."""
-        s = self.subjects
-        return srv.ServiceSnapshot(
-            name=self.name,
-            agent_id=self.agent_id,
-            version=self.version,
-            description=self.description,
-            metadata={"reach.tags": ",".join(self.tags), **self.metadata},
-            started_ms=self._started_ms,
-            endpoints=[
-                srv.Endpoint(
-                    name=name,
-                    version=c.info.version,
-                    subject=s.cap(name),
-                    queue_group=s.cap_queue(name),
-                    direct=s.agent(self.agent_id, name),
-                    requests=c.requests,
-                    errors=c.errors,
-                    processing_ns=c.processing_ns,
-                    last_error=c.last_error,
-                )
-                for name, c in self._caps.items()
-            ],
-        )
+        return srv.snapshot(self.info(), self.description, self.subjects, self._caps)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -283,48 +260,26 @@ class Agent:
 
     async def _subscribe(self, nc: NatsConnection) -> None:
         listeners = ControlListeners(self, nc)
-        for name, cap in self._caps.items():
-            cap.direct = self.subjects.agent(self.agent_id, name)
-            cap.handler = self._intake.handler_for(cap)
-            self._subs.append(await nc.subscribe(cap.direct, cb=cap.handler))
-        await self._join_queues(nc)
-        own: list[tuple[str, Callable[[Msg], Awaitable[None]]]] = [
+        others: list[tuple[str, Callable[[Msg], Awaitable[None]]]] = [
             (self.subjects.ping(self.agent_id), listeners.on_ping),
             (self.subjects.ctl(self.agent_id), listeners.on_ctl),
+            (self.subjects.event(self.agent_id), self._presence.on_event),
         ]
-        own += [(s, listeners.on_srv) for s in srv.subjects(self.name, self.agent_id)]
-        own += [
+        others += [(s, listeners.on_srv) for s in srv.subjects(self.name, self.agent_id)]
+        others += [
             (
                 self.subjects.topic(t.pattern),
                 topic_handler(self.agent_id, self.subjects, t, self.stats),
             )
             for t in self._topics
         ]
-        for subject, cb in own:
-            self._subs.append(await nc.subscribe(subject, cb=cb))
-
-    async def _join_queues(self, nc: NatsConnection) -> None:
-        for name, cap in self._caps.items():
-            self._queue_subs.append(
-                await nc.subscribe(
-                    self.subjects.cap(name), queue=self.subjects.cap_queue(name), cb=cap.handler
-                )
-            )
-
-    async def _leave_queues(self) -> None:
-        """Drain (not unsubscribe) so requests already delivered to us are still served."""
-        subs, self._queue_subs = self._queue_subs, []  # a resume appends to a new list
-        for sub in subs:
-            try:
-                await sub.drain()  # type: ignore[no-untyped-call]
-            except TRANSIENT as exc:
-                log.debug("agent %s: leaving a queue group: %s", self.agent_id, exc)
+        await self._subs.subscribe(nc, self._caps, self._intake.handler_for, others)
 
     async def pause(self) -> None:
         """Take no new work: leave the queue groups; direct calls get ``agent_unavailable``."""
         async with self._control_lock:
             if self._life.pause():
-                await self._leave_queues()
+                await self._subs.leave_queues()
 
     async def resume(self) -> None:
         """Back into the queue groups, UP (or DEGRADED while a reason holds); refused while
@@ -333,7 +288,7 @@ class Agent:
             nc = self._nc
             if self._life.state is not State.PAUSED or nc is None:
                 return
-            await self._join_queues(nc)
+            await self._subs.join_queues(nc, self._caps)
             await flush_nats(nc)
             # A drain that began meanwhile refuses this; it leaves the queues next (it
             # waits for this lock), the ones just joined included.
@@ -370,20 +325,26 @@ class Agent:
 
     async def _shutdown(self, graceful: bool) -> None:
         try:
+            # The lock: after a start under way has finished, and before any resume.
+            async with self._control_lock:
+                if graceful and self._nc is not None:
+                    await self._presence.send_heartbeat()  # routing stops before we do
+                    await self._subs.leave_queues()
             if graceful:
-                await self._presence.send_heartbeat()  # routing stops before we do
-                async with self._control_lock:
-                    await self._leave_queues()
                 if not await self._workers.wait_idle(self.drain_timeout):
                     log.warning(
                         "agent %s: in-flight work outlived drain_timeout (%ss)",
                         self.agent_id,
                         self.drain_timeout,
                     )
+                # Routing stops before we do: deregister once the registry shows PAUSED.
+                await self._presence.seen_as(Status.PAUSED, self.settings.probe_timeout)
         finally:
             await self._close(deregister=graceful)
 
     async def _close(self, *, deregister: bool) -> None:
+        if self._life.state is State.STOPPED:
+            return  # a failed start closed it already
         self._intake.accepting = False
         await self._presence.stop()
         await self._workers.close(self._work)
@@ -392,8 +353,7 @@ class Agent:
         self._presence.attach(None)
         await self._client.close()
         nc, self._nc = self._nc, None
-        self._queue_subs.clear()
-        self._subs.clear()
+        self._subs.forget()
         if nc is not None and not nc.is_closed:
             try:
                 await nc.close()

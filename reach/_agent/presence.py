@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from .._codec import encode_json
 from .._nats import TRANSIENT, NatsConnection
@@ -21,13 +22,23 @@ from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
-from ..wire import AgentInfo, Deregistration, Header, Heartbeat, RegisterReply, Registration, Status
+from ..wire import (
+    AgentEvent,
+    AgentInfo,
+    Deregistration,
+    Header,
+    Heartbeat,
+    RegisterReply,
+    Registration,
+    Status,
+)
 
 __all__ = ["Presence"]
 
 log = logging.getLogger("reach.agent")
 
 _register_reply = msgspec.json.Decoder(RegisterReply)
+_event = msgspec.json.Decoder(AgentEvent)
 _REGISTER_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, msgspec.DecodeError)
 
 
@@ -35,7 +46,8 @@ class Presence:
     """How one agent tells the registry it exists: ``agent.presence``.
 
     ``seq`` is the number of the last heartbeat sent, ``registered`` whether a registry has
-    accepted the agent since it started.
+    accepted the agent since it started, ``seen`` the status the registry last published
+    for it (``reach.evt.agent.<id>``; None before any, or once removed).
     """
 
     def __init__(
@@ -61,12 +73,15 @@ class Presence:
         self.registered = False
         self.interval = settings.heartbeat_interval
         self._need_register = True
+        self.seen: Status | None = None
+        self._seen_changed = asyncio.Event()
 
     def attach(self, nc: NatsConnection | None) -> None:
         """Use ``nc`` from now on (None: the agent has stopped)."""
         self._nc = nc
         if nc is not None:
             self.registered = False
+            self.seen = None
             self._need_register = True
             self.interval = self._settings.heartbeat_interval
 
@@ -95,6 +110,31 @@ class Presence:
         """A registry has no record of us (``$ctl register``): register at once."""
         self._need_register = True
         self._now.set()
+
+    async def on_event(self, msg: Msg) -> None:
+        """The registry published a transition of ours."""
+        try:
+            event = _event.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.debug("agent %s: undecodable event: %s", self.agent_id, exc)
+            return
+        if event.agent_id == self.agent_id:
+            self.seen = None if event.removed else event.new
+            self._seen_changed.set()
+
+    async def seen_as(self, status: Status, timeout: float) -> bool:
+        """Wait until the registry has recorded us as ``status`` (so routing follows it);
+        at once when no registry has us, False when ``timeout`` came first."""
+        if not self.registered:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                while self.seen != status:
+                    self._seen_changed.clear()
+                    await self._seen_changed.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def register(self) -> bool:
         """One registration attempt; False (logged) when no registry accepted it."""

@@ -10,8 +10,11 @@ from typing import Any
 import msgspec
 
 from .._codec import encode_json
+from .._subjects import Subjects
+from ..wire import AgentInfo
+from .model import Served
 
-__all__ = ["Endpoint", "ServiceSnapshot", "answer", "subjects"]
+__all__ = ["Endpoint", "ServiceSnapshot", "answer", "snapshot", "subjects"]
 
 _VERBS = ("PING", "INFO", "STATS")
 
@@ -88,6 +91,33 @@ class ServiceSnapshot:
     metadata: dict[str, str]
     started_ms: int
     endpoints: list[Endpoint]
+
+
+def snapshot(
+    info: AgentInfo, description: str, subjects: Subjects, caps: dict[str, Served]
+) -> ServiceSnapshot:
+    return ServiceSnapshot(
+        name=info.name,
+        agent_id=info.agent_id,
+        version=info.version,
+        description=description,
+        metadata={"reach.tags": ",".join(info.tags), **info.metadata},
+        started_ms=info.started_ms,
+        endpoints=[
+            Endpoint(
+                name=name,
+                version=c.info.version,
+                subject=subjects.cap(name),
+                queue_group=subjects.cap_queue(name),
+                direct=subjects.agent(info.agent_id, name),
+                requests=c.requests,
+                errors=c.errors,
+                processing_ns=c.processing_ns,
+                last_error=c.last_error,
+            )
+            for name, c in caps.items()
+        ],
+    )
 
 
 def answer(subject: str, snap: ServiceSnapshot) -> bytes | None:
