@@ -14,11 +14,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
-from nats.aio.msg import Msg
 from nats.nuid import NUID
 
 from .._client import Client
@@ -246,7 +245,17 @@ class Agent:
                 self._workers.start(nc, self._work)
                 self._intake.accepting = True
                 self._presence.attach(nc)
-                await self._subscribe(nc)
+                await self._subs.subscribe(
+                    nc,
+                    self._caps,
+                    self._intake.handler_for,
+                    ControlListeners(self, nc),
+                    on_event=self._presence.on_event,
+                    topics=[
+                        (t.pattern, topic_handler(self.agent_id, self.subjects, t, self.stats))
+                        for t in self._topics
+                    ],
+                )
                 await flush_nats(nc)
                 self._life.started()
                 # One registration attempt now (no-responders answers at once when no
@@ -257,23 +266,6 @@ class Agent:
                 await self._close(deregister=False)
                 raise
         log.info("agent %s serving %s", self.agent_id, ", ".join(self._caps) or "no capabilities")
-
-    async def _subscribe(self, nc: NatsConnection) -> None:
-        listeners = ControlListeners(self, nc)
-        others: list[tuple[str, Callable[[Msg], Awaitable[None]]]] = [
-            (self.subjects.ping(self.agent_id), listeners.on_ping),
-            (self.subjects.ctl(self.agent_id), listeners.on_ctl),
-            (self.subjects.event(self.agent_id), self._presence.on_event),
-        ]
-        others += [(s, listeners.on_srv) for s in srv.subjects(self.name, self.agent_id)]
-        others += [
-            (
-                self.subjects.topic(t.pattern),
-                topic_handler(self.agent_id, self.subjects, t, self.stats),
-            )
-            for t in self._topics
-        ]
-        await self._subs.subscribe(nc, self._caps, self._intake.handler_for, others)
 
     async def pause(self) -> None:
         """Take no new work: leave the queue groups; direct calls get ``agent_unavailable``."""

@@ -36,6 +36,7 @@ class Controlled(Protocol):
     """What the control subjects may do to an agent."""
 
     agent_id: str
+    name: str
 
     @property
     def state(self) -> State: ...

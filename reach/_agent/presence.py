@@ -75,6 +75,7 @@ class Presence:
         self._need_register = True
         self.seen: Status | None = None
         self._seen_changed = asyncio.Event()
+        self._halt = False
 
     def attach(self, nc: NatsConnection | None) -> None:
         """Use ``nc`` from now on (None: the agent has stopped)."""
@@ -92,11 +93,16 @@ class Presence:
 
     def start(self, owner: TaskOwner) -> None:
         """Heartbeat (and register until it works) for as long as ``owner`` is open."""
+        self._halt = False
         self._task = owner.keep(self._loop, "presence")
 
     async def stop(self) -> None:
         """Stop heartbeating and registering; the agent itself keeps serving (its lease then
         expires and the registry probes ``$ping``). Shutdown calls it before deregistering."""
+        # The flag as well as the cancellation: on Python 3.11 a request whose answer lands
+        # as it is cancelled swallows the cancellation (asyncio.wait_for, gh-86296).
+        self._halt = True
+        self._now.set()
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -185,7 +191,7 @@ class Presence:
         loop = asyncio.get_running_loop()
         backoff = self._settings.register_backoff
         register_at = loop.time() + random.uniform(0, backoff) if self._need_register else 0.0
-        while True:
+        while not self._halt:
             now = loop.time()
             if self._need_register and now >= register_at:
                 if await self.register():
@@ -193,6 +199,8 @@ class Presence:
                 else:
                     backoff = min(backoff * 2, self._settings.register_backoff_max)
                     register_at = loop.time() + random.uniform(0, backoff)  # full jitter
+                if self._halt:
+                    return
             self._now.clear()
             await self.send_heartbeat()
             wait = self.interval

@@ -16,6 +16,8 @@ from nats.aio.subscription import Subscription
 
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
+from . import srv
+from .control import ControlListeners
 from .model import Served
 
 __all__ = ["Subscriptions"]
@@ -41,14 +43,28 @@ class Subscriptions:
         nc: NatsConnection,
         caps: dict[str, Served],
         handler_for: Callable[[Served], Callback],
-        others: list[tuple[str, Callback]],
+        listeners: ControlListeners,
+        *,
+        on_event: Callback,
+        topics: list[tuple[str, Callback]],
     ) -> None:
-        """Direct subjects, queue groups, then ``others`` (ping, ctl, $SRV, topics)."""
+        """Direct subjects, queue groups, ``$ping``, ``$ctl``, the agent's own registry
+        events, ``$SRV`` and topics (``topics``: pattern and callback)."""
+        s, agent_id = self.subjects, self.agent_id
         for name, cap in caps.items():
-            cap.direct = self.subjects.agent(self.agent_id, name)
+            cap.direct = s.agent(agent_id, name)
             cap.handler = handler_for(cap)
             self._others.append(await nc.subscribe(cap.direct, cb=cap.handler))
         await self.join_queues(nc, caps)
+        others: list[tuple[str, Callback]] = [
+            (s.ping(agent_id), listeners.on_ping),
+            (s.ctl(agent_id), listeners.on_ctl),
+            (s.event(agent_id), on_event),
+        ]
+        others += [
+            (subject, listeners.on_srv) for subject in srv.subjects(listeners.agent.name, agent_id)
+        ]
+        others += [(s.topic(pattern), cb) for pattern, cb in topics]
         for subject, cb in others:
             self._others.append(await nc.subscribe(subject, cb=cb))
 

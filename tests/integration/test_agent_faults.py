@@ -8,6 +8,7 @@ leave none), then good requests must still be served; under ``start()`` and unde
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,6 @@ import pytest
 
 import reach
 from reach import Agent, Client
-from reach._codec import now_ms
 from reach.wire import ErrorBody, Header
 
 WORKERS = 2
@@ -138,7 +138,7 @@ async def raw_error(client: Client, kind: str, *, deadline_in_ms: int | None = N
     """Send one faulty request with plain nats-py; return (status header, error body)."""
     headers = {}
     if deadline_in_ms is not None:
-        headers[Header.DEADLINE] = str(now_ms() + deadline_in_ms)
+        headers[Header.DEADLINE] = str(int(time.time() * 1000) + deadline_in_ms)
     msg = await client.nc.request(
         client.subjects.cap("fault.op"),
         msgspec.json.encode({"kind": kind}),
