@@ -173,6 +173,9 @@ async def test_resume_during_stop_is_refused(settings):
         assert not reply.ok
         assert agent.status == Status.PAUSED
         assert not await takes_queue_work(client)
+        # direct subjects stay until the end and send callers elsewhere at once
+        with pytest.raises(reach.AgentUnavailable, match="draining"):
+            await client.request("life.op", {}, agent_id="l-stop", max_attempts=1)
         gate.release.set()
         assert await in_flight == {"by": "l-stop"}
         await stopping
