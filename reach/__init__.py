@@ -2,12 +2,12 @@
 
 from ._agent import Agent as Agent
 from ._agent import AgentStats as AgentStats
+from ._agent import Context as Context
 from ._client import Client as Client
 from ._client import ClientStats as ClientStats
 from ._client import Reply as Reply
 from ._client import TopicMessage as TopicMessage
 from ._client import TopicSubscription as TopicSubscription
-from ._handlers import Context as Context
 from ._registry import Registry as Registry
 from ._registry import RegistryStats as RegistryStats
 from .errors import (

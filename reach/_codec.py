@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import functools
+import re
 import time
 from typing import Any
 
 import msgspec
 
 from .errors import ReachError, RemoteError, error_for_code
-from .wire import ERROR_CODES, ErrorBody, ErrorCode, Header
+from .wire import ERROR_CODES, ErrorBody, Header
 
 _json_encoder = msgspec.json.Encoder()
 _any_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _error_decoder = msgspec.json.Decoder(ErrorBody)
 encode_json = _json_encoder.encode
+#: the protocol's own codes -> (Nats-Service-Error-Code, retryable); fixed by the protocol
+_PROTOCOL: dict[str, tuple[int, bool]] = {str(k): v for k, v in ERROR_CODES.items()}
+_APP_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def now_ms() -> int:
@@ -63,9 +67,36 @@ def decoder_for(type_: Any) -> PayloadDecoder:
     return PayloadDecoder(type_)
 
 
-def error_reply(code: ErrorCode, message: str, agent_id: str = "") -> tuple[bytes, dict[str, str]]:
-    """Body and headers of an error reply (NATS services convention plus our JSON body)."""
-    status, retryable = ERROR_CODES[code]
+def wire_error(exc: RemoteError) -> tuple[str, int, bool] | None:
+    """The ``(code, status, retryable)`` a handler's refusal is sent with; None when its code
+    is not a valid wire code (``[a-z][a-z0-9_]*``, at most 64 characters).
+
+    Protocol codes keep the protocol's status and retryability; an application code takes
+    the exception's ``status`` (400..599, else 500) and ``retryable``.
+    """
+    code = exc.code
+    if not isinstance(code, str) or _APP_CODE.fullmatch(code) is None:
+        return None
+    known = _PROTOCOL.get(code)
+    if known is not None:
+        return code, known[0], known[1]
+    status = exc.status
+    if type(status) is not int or not 400 <= status <= 599:
+        status = 500
+    return code, status, exc.retryable is True
+
+
+def error_reply(
+    code: str, message: str, agent_id: str = "", *, status: int = 500, retryable: bool = False
+) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of an error reply (NATS services convention plus our JSON body).
+
+    A protocol code takes its status and retryability from the protocol table; any other
+    (application) code is sent with ``status`` and ``retryable`` as given.
+    """
+    known = _PROTOCOL.get(code)
+    if known is not None:
+        status, retryable = known
     body = _json_encoder.encode(ErrorBody(code=code, message=message, retryable=retryable))
     headers = {Header.SERVICE_ERROR_CODE: str(status), Header.SERVICE_ERROR: message[:200]}
     if agent_id:
@@ -80,7 +111,9 @@ def error_from_reply(
     agent_id = headers.get(Header.AGENT, "")
     try:
         body = _error_decoder.decode(data)
-        code, message, retryable = str(body.code), body.message, body.retryable
+        code, message, retryable = body.code, body.message, body.retryable
+        if code not in _PROTOCOL and _APP_CODE.fullmatch(code) is None:
+            code = "failed"  # not a code anyone may branch on
     except msgspec.DecodeError:
         # A plain NATS service (or a foreign agent) may send only the headers.
         status = headers.get(Header.SERVICE_ERROR_CODE, "500")
@@ -100,5 +133,6 @@ def error_from_reply(
         agent_id=agent_id,
         request_id=request_id,
         retryable=retryable,
+        code=code,  # an application code stays itself (class HandlerFailed)
     )
     return err

@@ -90,14 +90,26 @@ class TaskOwner:
             self.failures += 1
             log.error("%s: task %s failed", self.owner, task.get_name(), exc_info=exc)
 
-    async def close(self) -> None:
-        """Cancel every task and wait for all of them to finish."""
+    async def close(self, timeout: float | None = None) -> int:
+        """Cancel every task and wait for all of them to finish.
+
+        With ``timeout``, stop waiting after that many seconds and return how many tasks
+        still run (a task that swallows its cancellation must not hold its owner forever);
+        the caller logs them. 0 when all finished.
+        """
         self._closed = True
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while self._tasks:
             tasks = list(self._tasks)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return len(self._tasks)
+            # asyncio.wait, not gather: a cancelled gather waits for every child anyway.
+            await asyncio.wait(tasks, timeout=left)
+        return 0
 
     def reopen(self) -> None:
         """Allow spawning again after ``close`` (an agent or client started a second time)."""

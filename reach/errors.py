@@ -18,6 +18,19 @@
 
 Each error keeps its structured fields (``code``, ``retryable``, ``capability``,
 ``agent_id``, ``request_id``) so callers branch on data, not on message text.
+
+Application codes. A handler may refuse with an error class of its own::
+
+    class Busy(reach.RemoteError):
+        code = "busy_now"   # snake_case: [a-z][a-z0-9_]*, at most 64 characters
+        status = 503        # Nats-Service-Error-Code, 400..599; 500 when absent or invalid
+        retryable = True    # sent in the error body; the client still fails over only on
+                            # the protocol's own retryable codes
+
+The code crosses the wire unchanged (error body ``code``, header ``Nats-Service-Error-Code``
+= ``status``) and reaches the caller as a ``HandlerFailed`` whose ``code`` and ``outcome``
+are ``"busy_now"``. A code that breaks the rule is sent as ``failed`` (and logged). For the
+protocol's own codes above, the status and retryability are fixed by the protocol table.
 """
 
 from __future__ import annotations
@@ -89,6 +102,9 @@ class NotStarted(ReachError, RuntimeError):
 class RemoteError(ReachError):
     """An error reported by (or on behalf of) the other side of a request."""
 
+    #: the numeric ``Nats-Service-Error-Code`` an application code is sent with (400..599)
+    status: int = 500
+
     def __init__(
         self,
         message: str,
@@ -98,7 +114,10 @@ class RemoteError(ReachError):
         request_id: str = "",
         retryable: bool | None = None,
         attempts: list[Attempt] | None = None,
+        code: str | None = None,
     ) -> None:
+        if code is not None and code != self.code:
+            self.code = code  # an application code this class stands in for
         self.capability = capability
         self.agent_id = agent_id
         self.request_id = request_id
@@ -112,34 +131,41 @@ class RemoteError(ReachError):
 
 class BadRequest(RemoteError, ValueError):
     code = "bad_request"
+    status = 400
 
 
 class Unauthorized(RemoteError):
     code = "unauthorized"
+    status = 401
 
 
 class CapabilityNotFound(RemoteError, LookupError):
     code = "capability_not_found"
+    status = 404
 
 
 class AgentUnavailable(RemoteError):
     code = "agent_unavailable"
     retryable = True
+    status = 503
 
 
 class RequestTimeout(RemoteError, TimeoutError):
     code = "timeout"
     retryable = True
+    status = 408
 
 
 class ResourceExhausted(RemoteError):
     code = "resource_exhausted"
     retryable = True
+    status = 429
 
 
 class CircuitOpen(RemoteError):
     code = "circuit_open"
     retryable = True
+    status = 503
 
 
 class HandlerFailed(RemoteError):
@@ -154,6 +180,7 @@ class InvalidReply(RemoteError):
 
 class Cancelled(RemoteError):
     code = "cancelled"
+    status = 499
 
 
 _BY_CODE: dict[str, type[RemoteError]] = {
@@ -173,5 +200,6 @@ _BY_CODE: dict[str, type[RemoteError]] = {
 
 
 def error_for_code(code: str) -> type[RemoteError]:
-    """The exception class for a wire error code; unknown codes map to HandlerFailed."""
+    """The exception class for a wire error code; unknown (application) codes map to
+    HandlerFailed, raised with ``code=`` set to the application code."""
     return _BY_CODE.get(code, HandlerFailed)

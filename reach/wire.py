@@ -9,7 +9,7 @@ defaults, so agents and clients of different versions run side by side.
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -104,9 +104,24 @@ class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 
 class ErrorBody(_Wire, tag="reach.error", frozen=True, kw_only=True):
-    """Body of an error reply; headers ``Nats-Service-Error-Code``/``-Error`` mirror it."""
+    """Body of an error reply; headers ``Nats-Service-Error-Code``/``-Error`` mirror it.
 
-    code: ErrorCode
+    ``code`` is one of the protocol's codes (``ErrorCode``: bad_request, unauthorized,
+    capability_not_found, timeout, resource_exhausted, cancelled, failed,
+    agent_unavailable, circuit_open) or an application's own snake_case code
+    (``[a-z][a-z0-9_]*``, at most 64 characters), which crosses the wire unchanged.
+    """
+
+    code: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                "A protocol code (see ErrorCode) or an application's snake_case code,"
+                " [a-z][a-z0-9_]*, at most 64 characters. Decoders accept any string."
+            ),
+            examples=[c.value for c in ErrorCode] + ["busy_now"],
+        ),
+    ]
     message: str
     retryable: bool = False
 

@@ -29,7 +29,7 @@ def translator(settings, agent_id=None, calls=None, **kw) -> Agent:
     @agent.capability("text.translate", version="1.2")
     async def translate(req: Translate, ctx: Context) -> Translated:
         if calls is not None:
-            calls.append((ctx.agent.agent_id, req.text))
+            calls.append((ctx.agent_id, req.text))
         if req.text == "boom":
             raise RuntimeError("secret internal detail")
         if req.text == "refuse":

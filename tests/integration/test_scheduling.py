@@ -186,3 +186,25 @@ async def test_priority_enum_and_string_are_equivalent(reach_settings, reach_cli
         a = await reach_client.request("work.do", {"n": 1}, priority=Priority.HIGH)
         b = await reach_client.request("work.do", {"n": 2}, priority="high")
     assert a["priority"] == b["priority"] == "high"
+
+
+async def test_queue_overload_degrades_then_recovers(reach_settings, reach_client):
+    order: list = []
+    gate = asyncio.Event()
+    agent = gated_agent(reach_settings, order, gate, max_concurrency=1, max_queue=5)
+    async with agent:
+        running = asyncio.create_task(reach_client.request("work.do", {"n": 0, "wait": True}))
+        await eventually(lambda: order == [0])
+        queued = []
+        for n in range(1, 5):  # 4 of 5 queued: 80%
+            assert agent.status == reach.Status.UP
+            queued.append(asyncio.create_task(reach_client.request("work.do", {"n": n})))
+            await wait_queue(agent, n)
+        assert agent.status == reach.Status.DEGRADED
+        assert agent.state == "DEGRADED"
+        with pytest.raises(reach.ResourceExhausted, match="DEGRADED"):
+            await reach_client.request("work.do", {"n": 9}, priority="high", max_attempts=1)
+        gate.set()
+        await asyncio.gather(running, *queued)
+        assert agent.status == reach.Status.UP
+    assert order == [0, 1, 2, 3, 4]

@@ -1,6 +1,7 @@
 """sdk/ is the contract for other languages: schemas must match reach.wire, vectors decode."""
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -58,9 +59,13 @@ def test_vector_decodes(path):
         assert msgspec.json.decode(msgspec.json.encode(decoded)) == v["body"]
     elif kind == "error":
         err = msgspec.json.decode(body, type=ErrorBody)
-        status, retryable = ERROR_CODES[err.code]
-        assert headers[Header.SERVICE_ERROR_CODE] == str(status)
-        assert err.retryable == retryable
+        if err.code in ERROR_CODES:
+            status, retryable = ERROR_CODES[err.code]
+            assert headers[Header.SERVICE_ERROR_CODE] == str(status)
+            assert err.retryable == retryable
+        else:  # an application's own code
+            assert re.fullmatch(r"[a-z][a-z0-9_]{0,63}", err.code)
+            assert 400 <= int(headers[Header.SERVICE_ERROR_CODE]) <= 599
     elif kind == "heartbeat":
         hb = msgspec.json.decode(body, type=Heartbeat)
         assert v["subject"] == f"reach.hb.{hb.agent_id}"

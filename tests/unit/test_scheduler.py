@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reach import Priority
-from reach._scheduler import PriorityQueue, WorkQueue
+from reach._agent.scheduler import PriorityQueue, WorkQueue
 from reach.testing import eventually
 
 H, N, L = Priority.HIGH, Priority.NORMAL, Priority.LOW

@@ -8,21 +8,26 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._codec import PayloadDecoder, decoder_for, now_ms
-from .wire import Priority
+from .._codec import PayloadDecoder, decoder_for, now_ms
+from ..wire import Priority
 
 if TYPE_CHECKING:
-    from ._agent import Agent
-    from ._client import Client
+    from .._client import Client
 
 Handler = Callable[..., Awaitable[Any]]
 
 
 @dataclass(slots=True)
 class Context:
-    """What a handler may want to know about the request it serves."""
+    """What a handler may want to know about the request it serves.
 
-    agent: Agent
+    It names the serving instance (``agent_id``) and carries the agent's ``client`` for calls
+    to other capabilities; it does not hold the Agent itself, so a handler cannot stop,
+    pause or reconfigure the agent that runs it.
+    """
+
+    agent_id: str
+    client: Client
     capability: str
     request_id: str
     priority: Priority
@@ -30,11 +35,6 @@ class Context:
     caller: str
     attempt: int
     headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def client(self) -> Client:
-        """The agent's client, to call other capabilities from inside a handler."""
-        return self.agent.client
 
     def remaining(self) -> float | None:
         """Seconds left before the caller's deadline (None when it set none)."""

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from .wire import Priority
+from ..wire import Priority
 
 T = TypeVar("T")
 

@@ -1,0 +1,391 @@
+"""The Agent facade: declaration, start and stop, and the one owner of the agent's lifecycle.
+
+The parts live beside it: ``intake`` (admission), ``workers`` (running and answering),
+``lifecycle`` (the state machine), ``presence`` (registry), ``control`` ($ctl, $ping, $SRV).
+Every background task lives in a TaskOwner: workers, the deadline watch and the presence
+loop in ``_work``; the one stop task in ``_stopper``. SIGTERM, ``$ctl drain``, ``stop()`` and
+``async with`` all end in that same stop task: PAUSED (out of the queue groups), finish
+in-flight work, deregister, STOPPED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from types import TracebackType
+from typing import Self
+
+from nats.nuid import NUID
+
+from .._client import Client
+from .._codec import now_ms
+from .._nats import TRANSIENT, NatsConnection, connect_nats, flush_nats
+from .._owner import TaskOwner
+from .._runtime import run_async
+from .._subjects import validate_agent_id, validate_capability, validate_topic
+from ..errors import ConfigurationError
+from ..settings import ReachSettings
+from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Status
+from . import srv
+from .control import ControlListeners
+from .handlers import Handler, inspect_handler
+from .intake import Intake, topic_handler
+from .lifecycle import Lifecycle, State
+from .model import AgentStats, Served, TopicSpec
+from .presence import Presence
+from .subscriptions import Subscriptions
+from .workers import Workers
+
+__all__ = ["Agent"]
+
+log = logging.getLogger("reach.agent")
+
+
+class Agent:
+    """One running instance of a named agent that serves capabilities.
+
+    Capabilities are served on ``reach.cap.<cap>`` (queue group ``cap.<cap>``: one instance
+    takes each request) and ``reach.agent.<agent_id>.<cap>`` (this instance only).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        agent_id: str | None = None,
+        *,
+        tags: list[str] | tuple[str, ...] = (),
+        max_concurrency: int | None = None,
+        max_queue: int | None = None,
+        drain_timeout: float | None = None,
+        version: str = "1.0.0",
+        description: str = "",
+        metadata: dict[str, str] | None = None,
+        settings: ReachSettings | None = None,
+        url: str | None = None,
+        reply_headers: bool = False,
+    ) -> None:
+        self.settings = settings if settings is not None else ReachSettings()
+        try:
+            validate_agent_id(name)
+            self.agent_id = validate_agent_id(agent_id or f"{name}-{NUID().next().decode()}")
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        self.name = name
+        self.tags = list(tags)
+        self.version = version
+        self.description = description
+        self.metadata = dict(metadata or {})
+        self.max_concurrency = max_concurrency or self.settings.max_concurrency
+        self.max_queue = self.settings.max_queue if max_queue is None else max_queue
+        self.drain_timeout = self.settings.drain_timeout if drain_timeout is None else drain_timeout
+        if self.max_concurrency < 1 or self.max_queue < 0:
+            raise ConfigurationError("max_concurrency must be >= 1 and max_queue >= 0")
+        # A success reply names its agent in its own reply-to subject (the instance's direct
+        # subject): free to parse. Headers on every reply cost ~20% of throughput (measured),
+        # so Reach-Agent/Reach-Duration-Ms on success replies are opt-in.
+        self.reply_headers = reply_headers
+        self.stats = AgentStats()
+        self._url = url or self.settings.nats_url
+        self._client = Client(self._url, settings=self.settings, name=self.agent_id)
+        self.subjects = self._client.subjects
+        self._caps: dict[str, Served] = {}
+        self._topics: list[TopicSpec] = []
+        self._nc: NatsConnection | None = None
+        self._life = Lifecycle(self._status_changed)
+        self._work = TaskOwner(f"agent {self.agent_id}")
+        self._stopper = TaskOwner(f"agent {self.agent_id} lifecycle")
+        self._stopping: asyncio.Task[None] | None = None
+        self._control_lock = asyncio.Lock()  # start, pause, resume and leaving the queues
+        self._drain_requested = asyncio.Event()
+        self._subs = Subscriptions(self.agent_id, self.subjects)
+        self._started_ms = 0
+        self._presence = Presence(
+            self.agent_id,
+            self.subjects,
+            self.settings,
+            info=self.info,
+            heartbeat=self.heartbeat,
+            status=lambda: self._life.status,
+        )
+        self._build()
+
+    def _build(self) -> None:
+        """Fresh workers and intake for a (re)start."""
+        self._workers = Workers(
+            self.agent_id,
+            self._client,
+            self.stats,
+            self._life,
+            max_concurrency=self.max_concurrency,
+            max_queue=self.max_queue,
+            reply_headers=self.reply_headers,
+        )
+        self._intake = Intake(self.agent_id, self._workers, self._life, self.stats)
+
+    # -- declaration -------------------------------------------------------------------
+
+    def capability(
+        self, name: str, *, version: str = "1.0", description: str = ""
+    ) -> Callable[[Handler], Handler]:
+        """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``."""
+        validate_capability(name)
+        if self._life.running:
+            raise ConfigurationError("add capabilities before the agent starts")
+
+        def register(fn: Handler) -> Handler:
+            if name in self._caps:
+                raise ConfigurationError(f"capability {name!r} is already served by this agent")
+            spec = inspect_handler(fn, f"capability {name!r}")
+            info = CapabilityInfo(name=name, version=version, description=description)
+            self._caps[name] = Served(info, spec)
+            return fn
+
+        return register
+
+    def on_topic(self, topic: str) -> Callable[[Handler], Handler]:
+        """Receive every broadcast on ``topic`` (wildcards allowed), on every instance."""
+        validate_topic(topic, wildcards=True)
+        if self._life.running:
+            raise ConfigurationError("add topic handlers before the agent starts")
+
+        def register(fn: Handler) -> Handler:
+            self._topics.append(TopicSpec(topic, inspect_handler(fn, f"topic {topic!r}")))
+            return fn
+
+        return register
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def client(self) -> Client:
+        """A client on the agent's own connection, for calling other capabilities."""
+        return self._client
+
+    @property
+    def state(self) -> State:
+        """Where the agent is in its life: STARTING, UP, DEGRADED, PAUSED, DRAINING, STOPPED."""
+        return self._life.state
+
+    @property
+    def status(self) -> Status:
+        """The status it advertises (DRAINING and STARTING show as PAUSED, STOPPED as DOWN)."""
+        return self._life.status
+
+    @property
+    def presence(self) -> Presence:
+        """Registration and heartbeats: ``seq``, ``registered``, ``stop()``."""
+        return self._presence
+
+    @property
+    def capabilities(self) -> list[CapabilityInfo]:
+        return [c.info for c in self._caps.values()]
+
+    @property
+    def queue_len(self) -> int:
+        return len(self._workers.queue)
+
+    def info(self) -> AgentInfo:
+        return AgentInfo(
+            agent_id=self.agent_id,
+            name=self.name,
+            version=self.version,
+            capabilities=self.capabilities,
+            tags=self.tags,
+            max_concurrency=self.max_concurrency,
+            max_queue=self.max_queue,
+            started_ms=self._started_ms,
+            metadata=self.metadata,
+        )
+
+    def heartbeat(self, seq: int = 0) -> Heartbeat:
+        s = self.stats
+        return Heartbeat(
+            agent_id=self.agent_id,
+            status=self._life.status,
+            seq=seq,
+            inflight=s.inflight,
+            queue_len=len(self._workers.queue),
+            load=s.inflight / self.max_concurrency,
+            latency_ms=round(s.latency_ewma_ms, 3),
+            served=s.served,
+            failed=s.failed,
+            dropped=s.expired,
+            sent_ms=now_ms(),
+        )
+
+    def service_snapshot(self) -> srv.ServiceSnapshot:
+        """What ``$SRV`` answers say about this instance, as of now."""
+        return srv.snapshot(self.info(), self.description, self.subjects, self._caps)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _status_changed(self, status: Status) -> None:
+        """The lifecycle's one listener: tell the registry now, not at the next tick."""
+        self._presence.nudge()
+
+    async def start(self) -> None:
+        """Connect, subscribe and flush: once this returns, requests reach the agent."""
+        async with self._control_lock:
+            if not self._life.start():
+                return  # already running (or stopping)
+            self._stopping = None
+            self._drain_requested.clear()
+            self._build()
+            try:
+                nc = await connect_nats(
+                    self.settings, self._url, self.agent_id, reconnected=self._client.on_reconnect
+                )
+                self._nc = nc
+                await self._client._adopt(nc)
+                self._started_ms = now_ms()
+                self._work.reopen()
+                self._workers.start(nc, self._work)
+                self._intake.accepting = True
+                self._presence.attach(nc)
+                await self._subs.subscribe(
+                    nc,
+                    self._caps,
+                    self._intake.handler_for,
+                    ControlListeners(self, nc),
+                    on_event=self._presence.on_event,
+                    topics=[
+                        (t.pattern, topic_handler(self.agent_id, self.subjects, t, self.stats))
+                        for t in self._topics
+                    ],
+                )
+                await flush_nats(nc)
+                self._life.started()
+                # One registration attempt now (no-responders answers at once when no
+                # registry runs); the presence loop retries with backoff and heartbeats.
+                await self._presence.register()
+                self._presence.start(self._work)
+            except BaseException:
+                await self._close(deregister=False)
+                raise
+        log.info("agent %s serving %s", self.agent_id, ", ".join(self._caps) or "no capabilities")
+
+    async def pause(self) -> None:
+        """Take no new work: leave the queue groups; direct calls get ``agent_unavailable``."""
+        async with self._control_lock:
+            if self._life.pause():
+                await self._subs.leave_queues()
+
+    async def resume(self) -> None:
+        """Back into the queue groups, UP (or DEGRADED while a reason holds); refused while
+        the agent drains or stops."""
+        async with self._control_lock:
+            nc = self._nc
+            if self._life.state is not State.PAUSED or nc is None:
+                return
+            await self._subs.join_queues(nc, self._caps)
+            await flush_nats(nc)
+            # A drain that began meanwhile refuses this; it leaves the queues next (it
+            # waits for this lock), the ones just joined included.
+            self._life.resume()
+
+    def request_drain(self) -> None:
+        """Drain and stop in the background (``$ctl drain``, SIGTERM): the same path as
+        ``stop()``, which then just waits for it."""
+        self._drain_requested.set()
+        self._begin_stop(graceful=True)
+
+    def register_again(self) -> None:
+        self._presence.register_again()
+
+    async def wait_drain_requested(self) -> None:
+        """Return when a ``drain`` command arrived or the agent stopped."""
+        await self._drain_requested.wait()
+
+    def _begin_stop(self, *, graceful: bool) -> asyncio.Task[None] | None:
+        """Start the one stop task (or return the one already running)."""
+        if self._stopping is None:
+            if not self._life.running:
+                return None
+            self._life.drain()
+            self._stopping = self._stopper.spawn(self._shutdown(graceful), "stop")
+        return self._stopping
+
+    async def stop(self) -> None:
+        """Graceful: PAUSED, out of the queue groups, finish in-flight work (within
+        ``drain_timeout``), deregister, close. Waits for a drain already under way."""
+        task = self._begin_stop(graceful=True)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _shutdown(self, graceful: bool) -> None:
+        try:
+            # The lock: after a start under way has finished, and before any resume.
+            async with self._control_lock:
+                if graceful and self._nc is not None:
+                    await self._presence.send_heartbeat()  # routing stops before we do
+                    await self._subs.leave_queues()
+            if graceful:
+                if not await self._workers.wait_idle(self.drain_timeout):
+                    log.warning(
+                        "agent %s: in-flight work outlived drain_timeout (%ss)",
+                        self.agent_id,
+                        self.drain_timeout,
+                    )
+                # Routing stops before we do: deregister once the registry shows PAUSED.
+                await self._presence.seen_as(Status.PAUSED, self.settings.probe_timeout)
+        finally:
+            await self._close(deregister=graceful)
+
+    async def _close(self, *, deregister: bool) -> None:
+        if self._life.state is State.STOPPED:
+            return  # a failed start closed it already
+        self._intake.accepting = False
+        await self._presence.stop()
+        await self._workers.close(self._work)
+        if deregister and self._presence.registered:
+            await self._presence.deregister()
+        self._presence.attach(None)
+        await self._client.close()
+        nc, self._nc = self._nc, None
+        self._subs.forget()
+        if nc is not None and not nc.is_closed:
+            try:
+                await nc.close()
+            except TRANSIENT as exc:
+                log.debug("agent %s: close: %s", self.agent_id, exc)
+        self._life.stopped()
+        self._drain_requested.set()
+        log.info("agent %s stopped", self.agent_id)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        task = self._begin_stop(graceful=et is None)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def serve_forever(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, ``$ctl drain`` or cancellation, then drain and
+        stop."""
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_drain)
+                installed.append(sig)
+        try:
+            await self.start()
+            await self._drain_requested.wait()
+            log.info("agent %s: draining", self.agent_id)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+    def run(self) -> None:
+        """Blocking entry point for a process that is one agent (uses uvloop when present)."""
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        run_async(self.serve_forever())

@@ -1,0 +1,197 @@
+"""The agent's lifecycle: one small, pure state machine and the only place status changes.
+
+::
+
+    STOPPED --start--> STARTING --started--> UP <--degrade/recover--> DEGRADED
+                                             |  ^                        |
+                                       pause |  | resume (back to UP or DEGRADED)
+                                             v  |                        |
+                                            PAUSED <------pause----------+
+    STARTING, UP, DEGRADED, PAUSED --drain--> DRAINING --stopped--> STOPPED
+
+DEGRADED is UP with a non-empty set of reasons (queue overload, handler timeouts). The
+reasons survive a pause, so ``resume`` returns to DEGRADED while they last. Nothing leaves
+DRAINING but ``stopped``: ``resume`` is refused while the agent stops. The wire status is
+derived: DRAINING and STARTING advertise PAUSED (nothing new is routed there), STOPPED
+advertises DOWN. The machine does no I/O; the Agent owns it, performs the effects, and is
+told of every advertised change through ``on_change`` (it then heartbeats at once).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+
+from ..wire import Status
+
+__all__ = ["Lifecycle", "Reason", "State", "TimeoutWatch"]
+
+
+class State(enum.StrEnum):
+    STARTING = "STARTING"
+    UP = "UP"
+    DEGRADED = "DEGRADED"
+    PAUSED = "PAUSED"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+
+
+class Reason(enum.StrEnum):
+    """Why an agent is DEGRADED (both may hold at once)."""
+
+    OVERLOAD = "queue overload"
+    TIMEOUTS = "handler timeouts"
+
+
+_WIRE = {
+    State.STARTING: Status.PAUSED,
+    State.UP: Status.UP,
+    State.DEGRADED: Status.DEGRADED,
+    State.PAUSED: Status.PAUSED,
+    State.DRAINING: Status.PAUSED,
+    State.STOPPED: Status.DOWN,
+}
+
+
+class Lifecycle:
+    """Where the agent is in its life. Every transition returns whether it was taken.
+
+    ``state``, ``status``, ``refuse_high`` and ``refuse_direct`` are read-only attributes
+    (plain attributes, not properties: the request path reads them per request).
+    """
+
+    __slots__ = (
+        "_on_change",
+        "_phase",
+        "_reasons",
+        "refuse_direct",
+        "refuse_high",
+        "state",
+        "status",
+    )
+
+    def __init__(self, on_change: Callable[[Status], None] | None = None) -> None:
+        self._on_change = on_change
+        self._phase = State.STOPPED  # STARTING, UP, PAUSED, DRAINING or STOPPED
+        self._reasons: set[Reason] = set()
+        self.state = State.STOPPED
+        self.status = Status.DOWN
+        self.refuse_high = False  # DEGRADED: high priority goes to an UP instance
+        self.refuse_direct = False  # PAUSED or DRAINING: direct callers go elsewhere
+
+    @property
+    def reasons(self) -> frozenset[Reason]:
+        return frozenset(self._reasons)
+
+    @property
+    def running(self) -> bool:
+        """Started and not yet stopped (STARTING through DRAINING)."""
+        return self._phase is not State.STOPPED
+
+    @property
+    def in_queue_groups(self) -> bool:
+        """Should the agent be in its capabilities' queue groups?"""
+        return self._phase is State.STARTING or self._phase is State.UP
+
+    def start(self) -> bool:
+        """STOPPED -> STARTING. A second start while running is refused."""
+        if self._phase is not State.STOPPED:
+            return False
+        self._reasons.clear()
+        return self._go(State.STARTING)
+
+    def started(self) -> bool:
+        """STARTING -> UP (or DEGRADED): subscribed and flushed, ready to be announced."""
+        return self._phase is State.STARTING and self._go(State.UP)
+
+    def pause(self) -> bool:
+        """UP or DEGRADED -> PAUSED."""
+        return self._phase is State.UP and self._go(State.PAUSED)
+
+    def resume(self) -> bool:
+        """PAUSED -> UP (or DEGRADED while a reason holds); refused in any other state."""
+        return self._phase is State.PAUSED and self._go(State.UP)
+
+    def drain(self) -> bool:
+        """Anything running -> DRAINING (stop, ``$ctl drain`` or a signal asked)."""
+        if self._phase is State.DRAINING or self._phase is State.STOPPED:
+            return False
+        return self._go(State.DRAINING)
+
+    def stopped(self) -> bool:
+        """-> STOPPED, from wherever (the connection is closed)."""
+        if self._phase is State.STOPPED:
+            return False
+        return self._go(State.STOPPED)
+
+    def degrade(self, reason: Reason) -> bool:
+        """Record a reason; UP becomes DEGRADED. True if the reason is new."""
+        if reason in self._reasons:
+            return False
+        self._reasons.add(reason)
+        self._update()
+        return True
+
+    def recover(self, reason: Reason) -> bool:
+        """Drop a reason; DEGRADED becomes UP when none is left. True if it was held."""
+        if reason not in self._reasons:
+            return False
+        self._reasons.discard(reason)
+        self._update()
+        return True
+
+    def _go(self, phase: State) -> bool:
+        self._phase = phase
+        self._update()
+        return True
+
+    def _update(self) -> None:
+        state = self._phase
+        if state is State.UP and self._reasons:
+            state = State.DEGRADED
+        self.state = state
+        self.refuse_high = state is State.DEGRADED
+        self.refuse_direct = state is State.PAUSED or state is State.DRAINING
+        status = _WIRE[state]
+        if status is not self.status:
+            self.status = status
+            if self._on_change is not None:
+                self._on_change(status)
+
+
+class TimeoutWatch:
+    """Handler timeouts as a health signal: ``limit`` of them within ``window`` seconds trip
+    it; ``recover_after`` successes in a row (with no timeout between) reset it. Pure: time
+    comes in as ``now`` (monotonic seconds)."""
+
+    __slots__ = ("_successes", "_times", "limit", "recover_after", "tripped", "window")
+
+    def __init__(self, limit: int = 3, window: float = 10.0, recover_after: int = 10) -> None:
+        self.limit = limit
+        self.window = window
+        self.recover_after = recover_after
+        self.tripped = False
+        self._times: deque[float] = deque(maxlen=limit)
+        self._successes = 0
+
+    def timed_out(self, now: float) -> bool:
+        """Count one timeout; True when this one trips the watch."""
+        self._successes = 0
+        self._times.append(now)
+        while self._times and self._times[0] < now - self.window:
+            self._times.popleft()
+        if self.tripped or len(self._times) < self.limit:
+            return False
+        self.tripped = True
+        return True
+
+    def succeeded(self) -> bool:
+        """Count one success while tripped; True when the watch recovers."""
+        self._successes += 1
+        if self._successes < self.recover_after:
+            return False
+        self.tripped = False
+        self._successes = 0
+        self._times.clear()
+        return True

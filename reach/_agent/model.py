@@ -1,0 +1,68 @@
+"""The agent's records: what it serves, the requests it holds, and its counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from ..wire import CapabilityInfo, Priority
+from .handlers import HandlerSpec
+
+__all__ = ["AgentStats", "Job", "Served", "TopicSpec"]
+
+
+@dataclass(slots=True)
+class Served:
+    """One capability this agent serves, with its $SRV counters."""
+
+    info: CapabilityInfo
+    spec: HandlerSpec
+    direct: str = ""
+    handler: Callable[[Msg], Any] | None = None
+    requests: int = 0
+    errors: int = 0
+    processing_ns: int = 0
+    last_error: str = ""
+
+    def failed(self, reason: str) -> None:
+        self.errors += 1
+        self.last_error = reason
+
+
+@dataclass(slots=True)
+class Job:
+    """One accepted request, from the queue to its reply."""
+
+    msg: Msg
+    cap: Served
+    priority: Priority
+    deadline_ms: int | None
+    request_id: str
+    expired: bool = False  # the deadline watch cancelled its handler
+    abandoned: bool = False  # ...which ignored that; answered, and its worker replaced
+
+
+@dataclass(slots=True)
+class TopicSpec:
+    pattern: str
+    spec: HandlerSpec
+
+
+@dataclass(slots=True)
+class AgentStats:
+    """Counters an agent keeps about itself (also reported in heartbeats and $SRV.STATS)."""
+
+    served: int = 0
+    failed: int = 0
+    rejected: int = 0
+    expired: int = 0
+    invalid: int = 0
+    inflight: int = 0
+    latency_ewma_ms: float = 0.0
+    #: bugs of ours caught around a worker or a subscription: logged, answered ``failed``
+    internal_errors: int = 0
+    #: handlers that ignored their deadline's cancellation; their workers were replaced
+    abandoned: int = 0

@@ -1,0 +1,211 @@
+"""Presence: registration with backoff, heartbeats (at once on a status change), deregistration.
+
+The loop runs in the agent's TaskOwner via ``keep``: if it crashes it is logged and
+restarted with backoff, so an agent never goes silent while it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from .._codec import encode_json
+from .._nats import TRANSIENT, NatsConnection
+from .._owner import TaskOwner
+from .._subjects import Subjects
+from ..errors import NotStarted
+from ..settings import ReachSettings
+from ..wire import (
+    AgentEvent,
+    AgentInfo,
+    Deregistration,
+    Header,
+    Heartbeat,
+    RegisterReply,
+    Registration,
+    Status,
+)
+
+__all__ = ["Presence"]
+
+log = logging.getLogger("reach.agent")
+
+_register_reply = msgspec.json.Decoder(RegisterReply)
+_event = msgspec.json.Decoder(AgentEvent)
+_REGISTER_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, msgspec.DecodeError)
+
+
+class Presence:
+    """How one agent tells the registry it exists: ``agent.presence``.
+
+    ``seq`` is the number of the last heartbeat sent, ``registered`` whether a registry has
+    accepted the agent since it started, ``seen`` the status the registry last published
+    for it (``reach.evt.agent.<id>``; None before any, or once removed).
+    """
+
+    def __init__(
+        self,
+        agent_id: str,
+        subjects: Subjects,
+        settings: ReachSettings,
+        *,
+        info: Callable[[], AgentInfo],
+        heartbeat: Callable[[int], Heartbeat],
+        status: Callable[[], Status],
+    ) -> None:
+        self.agent_id = agent_id
+        self._subjects = subjects
+        self._settings = settings
+        self._info = info
+        self._heartbeat = heartbeat
+        self._status = status
+        self._nc: NatsConnection | None = None
+        self._now = asyncio.Event()
+        self._task: asyncio.Task[Any] | None = None
+        self.seq = 0
+        self.registered = False
+        self.interval = settings.heartbeat_interval
+        self._need_register = True
+        self.seen: Status | None = None
+        self._seen_changed = asyncio.Event()
+        self._halt = False
+
+    def attach(self, nc: NatsConnection | None) -> None:
+        """Use ``nc`` from now on (None: the agent has stopped)."""
+        self._nc = nc
+        if nc is not None:
+            self.registered = False
+            self.seen = None
+            self._need_register = True
+            self.interval = self._settings.heartbeat_interval
+
+    def _conn(self) -> NatsConnection:
+        if self._nc is None:
+            raise NotStarted(f"agent {self.agent_id} is not started")
+        return self._nc
+
+    def start(self, owner: TaskOwner) -> None:
+        """Heartbeat (and register until it works) for as long as ``owner`` is open."""
+        self._halt = False
+        self._task = owner.keep(self._loop, "presence")
+
+    async def stop(self) -> None:
+        """Stop heartbeating and registering; the agent itself keeps serving (its lease then
+        expires and the registry probes ``$ping``). Shutdown calls it before deregistering."""
+        # The flag as well as the cancellation: on Python 3.11 a request whose answer lands
+        # as it is cancelled swallows the cancellation (asyncio.wait_for, gh-86296).
+        self._halt = True
+        self._now.set()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])  # never raises; our own cancellation still does
+
+    def nudge(self) -> None:
+        """Heartbeat now, not at the next tick (the status changed)."""
+        self._now.set()
+
+    def register_again(self) -> None:
+        """A registry has no record of us (``$ctl register``): register at once."""
+        self._need_register = True
+        self._now.set()
+
+    async def on_event(self, msg: Msg) -> None:
+        """The registry published a transition of ours."""
+        try:
+            event = _event.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.debug("agent %s: undecodable event: %s", self.agent_id, exc)
+            return
+        if event.agent_id == self.agent_id:
+            self.seen = None if event.removed else event.new
+            self._seen_changed.set()
+
+    async def seen_as(self, status: Status, timeout: float) -> bool:
+        """Wait until the registry has recorded us as ``status`` (so routing follows it);
+        at once when no registry has us, False when ``timeout`` came first."""
+        if not self.registered:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                while self.seen != status:
+                    self._seen_changed.clear()
+                    await self._seen_changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def register(self) -> bool:
+        """One registration attempt; False (logged) when no registry accepted it."""
+        body = encode_json(Registration(info=self._info(), status=self._status()))
+        try:
+            msg = await self._conn().request(
+                self._subjects.registry("register"), body, timeout=self._settings.probe_timeout
+            )
+            if msg.headers and Header.SERVICE_ERROR_CODE in msg.headers:
+                log.warning(
+                    "agent %s: registry refused registration: %s",
+                    self.agent_id,
+                    msg.headers.get(Header.SERVICE_ERROR, ""),
+                )
+                return False
+            reply = _register_reply.decode(msg.data)
+        except _REGISTER_ERRORS as exc:
+            log.debug("agent %s: registration failed: %s", self.agent_id, exc)
+            return False
+        self.interval = min(reply.heartbeat_interval, self._settings.heartbeat_interval)
+        self._need_register = False
+        self.registered = True
+        log.info("agent %s registered with %s", self.agent_id, reply.registry or "a registry")
+        return True
+
+    async def deregister(self) -> None:
+        """Tell the registry we are gone (best effort: a lease expires by itself anyway)."""
+        body = encode_json(Deregistration(agent_id=self.agent_id))
+        try:
+            await self._conn().request(
+                self._subjects.registry("deregister"), body, timeout=self._settings.probe_timeout
+            )
+        except TRANSIENT as exc:
+            log.info("agent %s: deregistration not confirmed: %s", self.agent_id, exc)
+        self.registered = False
+
+    async def send_heartbeat(self) -> None:
+        self.seq += 1
+        try:
+            await self._conn().publish(
+                self._subjects.heartbeat(self.agent_id), encode_json(self._heartbeat(self.seq))
+            )
+        except TRANSIENT as exc:
+            log.debug("agent %s: heartbeat not sent: %s", self.agent_id, exc)
+
+    async def _loop(self) -> None:
+        """Heartbeat every interval (at once on a status change); register until it works."""
+        loop = asyncio.get_running_loop()
+        backoff = self._settings.register_backoff
+        register_at = loop.time() + random.uniform(0, backoff) if self._need_register else 0.0
+        while not self._halt:
+            now = loop.time()
+            if self._need_register and now >= register_at:
+                if await self.register():
+                    backoff = self._settings.register_backoff
+                else:
+                    backoff = min(backoff * 2, self._settings.register_backoff_max)
+                    register_at = loop.time() + random.uniform(0, backoff)  # full jitter
+                if self._halt:
+                    return
+            self._now.clear()
+            await self.send_heartbeat()
+            wait = self.interval
+            if self._need_register:
+                wait = max(0.0, min(wait, register_at - loop.time()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._now.wait()

@@ -1,0 +1,91 @@
+"""Which subjects an agent listens on, and leaving its queue groups without losing a request.
+
+Queue-group subscriptions (``reach.cap.<cap>``) are the only ones pause and drain touch.
+Direct subjects, ``$ping``, ``$ctl``, ``$SRV`` and topics stay until the connection closes:
+a paused or draining agent still answers direct callers (``agent_unavailable``), probes and
+control commands.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from .._nats import TRANSIENT, NatsConnection
+from .._subjects import Subjects
+from . import srv
+from .control import ControlListeners
+from .model import Served
+
+__all__ = ["Subscriptions"]
+
+log = logging.getLogger("reach.agent")
+
+Callback = Callable[[Msg], Awaitable[None]]
+
+
+class Subscriptions:
+    def __init__(self, agent_id: str, subjects: Subjects) -> None:
+        self.agent_id = agent_id
+        self.subjects = subjects
+        self._queues: list[Subscription] = []
+        self._others: list[Subscription] = []
+
+    @property
+    def in_queue_groups(self) -> bool:
+        return bool(self._queues)
+
+    async def subscribe(
+        self,
+        nc: NatsConnection,
+        caps: dict[str, Served],
+        handler_for: Callable[[Served], Callback],
+        listeners: ControlListeners,
+        *,
+        on_event: Callback,
+        topics: list[tuple[str, Callback]],
+    ) -> None:
+        """Direct subjects, queue groups, ``$ping``, ``$ctl``, the agent's own registry
+        events, ``$SRV`` and topics (``topics``: pattern and callback)."""
+        s, agent_id = self.subjects, self.agent_id
+        for name, cap in caps.items():
+            cap.direct = s.agent(agent_id, name)
+            cap.handler = handler_for(cap)
+            self._others.append(await nc.subscribe(cap.direct, cb=cap.handler))
+        await self.join_queues(nc, caps)
+        others: list[tuple[str, Callback]] = [
+            (s.ping(agent_id), listeners.on_ping),
+            (s.ctl(agent_id), listeners.on_ctl),
+            (s.event(agent_id), on_event),
+        ]
+        others += [
+            (subject, listeners.on_srv) for subject in srv.subjects(listeners.agent.name, agent_id)
+        ]
+        others += [(s.topic(pattern), cb) for pattern, cb in topics]
+        for subject, cb in others:
+            self._others.append(await nc.subscribe(subject, cb=cb))
+
+    async def join_queues(self, nc: NatsConnection, caps: dict[str, Served]) -> None:
+        for name, cap in caps.items():
+            self._queues.append(
+                await nc.subscribe(
+                    self.subjects.cap(name), queue=self.subjects.cap_queue(name), cb=cap.handler
+                )
+            )
+
+    async def leave_queues(self) -> None:
+        """Drain (not unsubscribe) so requests already delivered to us are still served."""
+        subs, self._queues = self._queues, []  # a later join appends to a new list
+        for sub in subs:
+            try:
+                await sub.drain()  # type: ignore[no-untyped-call]
+            except TRANSIENT as exc:
+                log.debug("agent %s: leaving a queue group: %s", self.agent_id, exc)
+
+    def forget(self) -> None:
+        """The connection is closing: every subscription goes with it."""
+        self._queues = []
+        self._others = []

@@ -1,0 +1,342 @@
+"""Workers: run accepted requests and answer them, whatever the handler does.
+
+A handler may raise anything (a refusal with its own code included), raise CancelledError
+itself, return what cannot be encoded or sent, or overrun its deadline, even ignoring the
+cancellation: the caller always gets an answer and the agent keeps its ``max_concurrency``
+workers. A bug of ours on this path is caught around the worker loop, logged, counted in
+``AgentStats.internal_errors`` and answered ``failed``; the worker goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .._codec import encode_payload, error_reply, now_ms, wire_error
+from .._nats import TRANSIENT, NatsConnection
+from .._owner import TaskOwner
+from ..errors import RemoteError
+from ..wire import Header
+from .handlers import Context
+from .lifecycle import Lifecycle, Reason, TimeoutWatch
+from .model import AgentStats, Job
+from .scheduler import WorkQueue
+
+if TYPE_CHECKING:
+    from .._client import Client
+
+__all__ = ["Workers"]
+
+log = logging.getLogger("reach.agent")
+
+_EWMA_ALPHA = 0.2
+_SWEEP = 0.05  # deadline watch period, seconds
+_ABANDON_AFTER_MS = 500  # a cancelled handler still running this long past its deadline
+_CLOSE_GRACE = 1.0  # seconds to wait at stop for handlers that ignore cancellation
+
+
+class Workers:
+    """``max_concurrency`` workers over one priority queue, plus the deadline watch."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        client: Client,
+        stats: AgentStats,
+        life: Lifecycle,
+        *,
+        max_concurrency: int,
+        max_queue: int,
+        reply_headers: bool,
+    ) -> None:
+        self.agent_id = agent_id
+        self.stats = stats
+        self.queue: WorkQueue[Job] = WorkQueue(max_queue)
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.reply_headers = reply_headers
+        self.timeouts = TimeoutWatch()
+        self.overloaded = False
+        #: queue length from which the agent is DEGRADED (80%), and back UP (25%)
+        self.overload_at = (4 * max_queue + 4) // 5 if max_queue else sys.maxsize
+        self.recover_at = max_queue // 4
+        #: accepted and not yet answered; ``idle`` is set whenever it is 0
+        self.outstanding = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._client = client
+        self._life = life
+        self._nc: NatsConnection
+        self._owner: TaskOwner | None = None
+        self._deadlines: dict[asyncio.Task[Any], Job] = {}
+        self._armed = asyncio.Event()
+
+    def start(self, nc: NatsConnection, owner: TaskOwner) -> None:
+        self._nc = nc
+        self._owner = owner
+        for _ in range(self.max_concurrency):
+            owner.keep(self._worker, "worker")
+        owner.keep(self._deadline_watch, "deadline-watch")
+
+    async def close(self, owner: TaskOwner) -> None:
+        """Cancel every worker (in-flight requests are answered ``agent_unavailable``) and
+        answer what is still queued; a handler that ignores cancellation is left behind."""
+        stuck = await owner.close(_CLOSE_GRACE)
+        if stuck:
+            log.error(
+                "agent %s: %d task(s) ignore cancellation (a handler swallowing CancelledError?);"
+                " left behind",
+                self.agent_id,
+                stuck,
+            )
+        self._deadlines.clear()
+        for job in self.queue.drain():
+            self._done()
+            await self.reply_error(job.msg, "agent_unavailable", "agent stopped before running it")
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing accepted is unanswered; False if ``timeout`` came first."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _done(self) -> None:
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self.idle.set()
+
+    # -- the worker loop ---------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        queue, stats = self.queue, self.stats
+        while True:
+            job = await queue.get()
+            stats.inflight += 1
+            try:
+                await self._run(job, task)
+            except asyncio.CancelledError:
+                # Stopped past drain_timeout: tell the caller instead of leaving it waiting.
+                if not job.abandoned:
+                    await self.reply_error(
+                        job.msg, "agent_unavailable", "agent stopped while running the request"
+                    )
+                raise
+            except Exception:
+                await self._internal_error(job)
+            finally:
+                if not job.abandoned:
+                    stats.inflight -= 1
+                    self._done()
+                if self.overloaded and len(queue) <= self.recover_at:
+                    self.overloaded = False
+                    self._life.recover(Reason.OVERLOAD)
+            if job.abandoned:
+                return  # a replacement worker took this one's place
+
+    async def _run(self, job: Job, task: asyncio.Task[Any]) -> None:
+        cap, msg = job.cap, job.msg
+        if job.deadline_ms is not None and job.deadline_ms <= now_ms():
+            self.stats.expired += 1
+            return
+        started = time.perf_counter_ns()
+        cap.requests += 1
+        try:
+            payload = cap.spec.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self._count_error(job, str(exc))
+            self.stats.invalid += 1
+            await self.reply_error(msg, "bad_request", f"invalid payload: {exc}")
+            return
+        args: tuple[Any, ...] = (payload,)
+        if cap.spec.wants_context:
+            args = (payload, self._context(job))
+        if job.deadline_ms is not None:
+            self._deadlines[task] = job
+            if not self._armed.is_set():
+                self._armed.set()
+        try:
+            result = await cap.spec.fn(*args)
+            body = encode_payload(result)
+        except asyncio.CancelledError:
+            if job.expired:
+                task.uncancel()  # the deadline watch's cancellation, not a stop
+            if task.cancelling():
+                raise  # the agent stops
+            if job.expired:
+                await self._timed_out(job)
+            else:
+                await self._failed(job, "cancelled", "handler was cancelled")
+            return
+        except RemoteError as exc:
+            await self._refused(job, exc)
+            return
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:
+            await self._failed(job, "failed", "handler failed")
+            return
+        finally:
+            if job.deadline_ms is not None:
+                self._deadlines.pop(task, None)
+        if job.expired:
+            # The handler ignored the cancellation at its deadline and returned late.
+            task.uncancel()
+            if not job.abandoned:
+                await self._timed_out(job)
+            return
+        if self.timeouts.tripped and self.timeouts.succeeded():
+            self._life.recover(Reason.TIMEOUTS)
+        elapsed = time.perf_counter_ns() - started
+        ms = elapsed / 1e6
+        headers = None
+        if self.reply_headers:
+            headers = {Header.AGENT: self.agent_id, Header.DURATION_MS: f"{ms:.3f}"}
+        nc = self._nc
+        try:
+            await nc.publish(msg.reply, body, reply=cap.direct, headers=headers)
+        except TRANSIENT as exc:
+            if len(body) > nc.max_payload:
+                await self._failed(job, "failed", f"result of {len(body)} bytes is too large")
+                return
+            log.warning("agent %s: reply to %s lost: %s", self.agent_id, job.request_id, exc)
+        cap.processing_ns += elapsed
+        s = self.stats
+        s.served += 1
+        s.latency_ewma_ms = (
+            ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
+        )
+
+    def _context(self, job: Job) -> Context:
+        hdrs = job.msg.headers or {}
+        try:
+            attempt = int(hdrs.get(Header.ATTEMPT, "1"))
+        except ValueError:
+            attempt = 1
+        return Context(
+            agent_id=self.agent_id,
+            client=self._client,
+            capability=job.cap.info.name,
+            request_id=job.request_id,
+            priority=job.priority,
+            deadline_ms=job.deadline_ms,
+            caller=hdrs.get(Header.CALLER, ""),
+            attempt=attempt,
+            headers=dict(hdrs),
+        )
+
+    # -- the ways a request can fail -----------------------------------------------------
+
+    async def _failed(self, job: Job, code: str, what: str) -> None:
+        """The handler failed: log the traceback under the request id, tell the caller
+        only that (its exception text may hold secrets)."""
+        rid = job.request_id or "-"
+        self._count_error(job, what)
+        log.error(
+            "agent %s: %s for %s (request id %s)",
+            self.agent_id,
+            what,
+            job.cap.info.name,
+            rid,
+            exc_info=sys.exc_info()[0] is not None,
+        )
+        await self.reply_error(job.msg, code, f"{what} (request id {rid})")
+
+    async def _refused(self, job: Job, exc: RemoteError) -> None:
+        """A deliberate refusal: its code and message are meant for the caller."""
+        wire = wire_error(exc)
+        if wire is None:
+            await self._failed(job, "failed", f"handler refused with invalid code {exc.code!r}")
+            return
+        code, status, retryable = wire
+        self._count_error(job, exc.message)
+        await self.reply_error(job.msg, code, exc.message, status=status, retryable=retryable)
+
+    async def _timed_out(self, job: Job) -> None:
+        if self.timeouts.timed_out(time.monotonic()):
+            self._life.degrade(Reason.TIMEOUTS)
+        self._count_error(job, "deadline passed while running")
+        await self.reply_error(job.msg, "timeout", "deadline passed while running")
+
+    async def _internal_error(self, job: Job) -> None:
+        """A bug of ours around this request: counted and answered; the worker goes on."""
+        self.stats.internal_errors += 1
+        self.stats.failed += 1
+        rid = job.request_id or "-"
+        log.exception("agent %s: internal error serving request %s", self.agent_id, rid)
+        try:
+            await self.reply_error(job.msg, "failed", f"agent failed (request id {rid})")
+        except Exception:
+            log.exception("agent %s: could not answer request %s", self.agent_id, rid)
+
+    def _count_error(self, job: Job, reason: str) -> None:
+        job.cap.failed(reason)
+        self.stats.failed += 1
+
+    async def reply_error(
+        self, msg: Any, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        """Answer ``msg`` with an error (best effort: a lost reply is logged)."""
+        if not msg.reply:
+            return
+        body, headers = error_reply(
+            code, message, self.agent_id, status=status, retryable=retryable
+        )
+        try:
+            await self._nc.publish(msg.reply, body, headers=headers)
+        except TRANSIENT as exc:
+            log.warning("agent %s: error reply lost: %s", self.agent_id, exc)
+
+    # -- deadlines -------------------------------------------------------------------------
+
+    async def _deadline_watch(self) -> None:
+        """Cancel handlers still running past their caller's deadline.
+
+        One sweep every 50 ms while handlers with deadlines run, instead of a timer per
+        request: per-request asyncio.timeout cost ~10% of throughput; the price is up to
+        50 ms of overrun. Idle agents do not wake up. A handler that ignores the
+        cancellation is abandoned: its caller is answered and its worker replaced.
+        """
+        deadlines = self._deadlines
+        while True:
+            if not deadlines:
+                self._armed.clear()
+                await self._armed.wait()
+            await asyncio.sleep(_SWEEP)
+            now = now_ms()
+            for task, job in list(deadlines.items()):
+                deadline = job.deadline_ms
+                if deadline is None or deadline > now:
+                    continue
+                if not job.expired:
+                    job.expired = True
+                    task.cancel()
+                elif deadline + _ABANDON_AFTER_MS <= now:
+                    await self._abandon(task, job)
+
+    async def _abandon(self, task: asyncio.Task[Any], job: Job) -> None:
+        job.abandoned = True
+        self._deadlines.pop(task, None)
+        self.stats.abandoned += 1
+        self.stats.inflight -= 1
+        self._done()
+        log.error(
+            "agent %s: handler for %s (request id %s) ignores cancellation past its deadline;"
+            " its worker is replaced",
+            self.agent_id,
+            job.cap.info.name,
+            job.request_id or "-",
+        )
+        owner = self._owner
+        if owner is not None and not owner.closed:
+            owner.keep(self._worker, "worker")
+        await self._timed_out(job)

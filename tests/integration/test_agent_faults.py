@@ -1,0 +1,267 @@
+"""No handler can hurt its agent: every fault gets an error reply and the workers keep serving.
+
+Each fault is sent more often than ``max_concurrency`` (so one lost worker per fault would
+leave none), then good requests must still be served; under ``start()`` and under
+``serve_forever()`` run as a task.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+
+import reach
+from reach import Agent, Client
+from reach.wire import ErrorBody, Header
+
+WORKERS = 2
+WAVES = 3
+FAULTY = WORKERS * WAVES  # more than max_concurrency
+
+
+class Busy(reach.RemoteError):
+    """An application refusal with a code of its own (default status 500)."""
+
+    code = "busy_now"
+    retryable = True
+
+
+class Conflict(reach.RemoteError):
+    code = "version_conflict"
+    status = 409
+
+
+class NotSnake(reach.RemoteError):
+    code = "Not Snake!"
+
+
+class TooLong(reach.RemoteError):
+    code = "x" * 65
+
+
+class Weird(BaseException):
+    """Not an Exception at all."""
+
+
+class BrokenRefusal(reach.RemoteError):
+    """A refusal whose status cannot even be read: it breaks our own reply path."""
+
+    code = "broken_status"
+
+    @property
+    def status(self) -> int:
+        raise RuntimeError("no status for you")
+
+
+def fault_agent(settings: reach.ReachSettings, release: asyncio.Event) -> Agent:
+    agent = Agent("faulty", settings=settings, max_concurrency=WORKERS, max_queue=64)
+
+    @agent.capability("fault.op")
+    async def op(req: dict[str, Any]) -> Any:
+        kind = req["kind"]
+        if kind == "ok":
+            return {"ok": req.get("n", 0)}
+        if kind == "busy":
+            raise Busy("busy now, come back later")
+        if kind == "conflict":
+            raise Conflict("version 3 is stale")
+        if kind == "not_snake":
+            raise NotSnake("bad code")
+        if kind == "too_long":
+            raise TooLong("bad code")
+        if kind == "broken_refusal":
+            raise BrokenRefusal("unreadable")
+        if kind == "raise":
+            raise RuntimeError("secret")
+        if kind == "base":
+            raise Weird("odd")
+        if kind == "cancel":
+            raise asyncio.CancelledError
+        if kind == "unencodable":
+            return object()
+        if kind == "too_large":
+            return b"x" * (2 * 1024 * 1024)  # over the server's max_payload
+        if kind == "overrun":
+            await asyncio.Event().wait()
+        if kind == "swallow":
+            # Ignores the deadline's cancellation once, then answers late.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+            return {"late": True}
+        if kind == "hang":
+            # Ignores every cancellation until the test releases it.
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+            return {"late": True}
+        raise AssertionError(kind)
+
+    return agent
+
+
+async def serving_now(client: Client) -> bool:
+    try:
+        await client.request("fault.op", {"kind": "ok"}, max_attempts=1, timeout=2)
+    except reach.CapabilityNotFound:
+        return False
+    return True
+
+
+@contextlib.asynccontextmanager
+async def serving(agent: Agent, mode: str, client: Client) -> AsyncIterator[None]:
+    if mode == "start":
+        await agent.start()
+        try:
+            yield
+        finally:
+            async with asyncio.timeout(30):
+                await agent.stop()
+        return
+    task = asyncio.create_task(agent.serve_forever())
+    await reach.testing.eventually(lambda: serving_now(client))
+    try:
+        yield
+        assert not task.done(), "serve_forever ended by itself"
+    finally:
+        task.cancel()
+        async with asyncio.timeout(30):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def raw_error(client: Client, kind: str, *, deadline_in_ms: int | None = None) -> tuple:
+    """Send one faulty request with plain nats-py; return (status header, error body)."""
+    headers = {}
+    if deadline_in_ms is not None:
+        headers[Header.DEADLINE] = str(int(time.time() * 1000) + deadline_in_ms)
+    msg = await client.nc.request(
+        client.subjects.cap("fault.op"),
+        msgspec.json.encode({"kind": kind}),
+        headers=headers or None,
+        timeout=10,
+    )
+    assert msg.headers is not None, f"{kind}: a success reply {msg.data[:80]!r}"
+    return msg.headers[Header.SERVICE_ERROR_CODE], msgspec.json.decode(msg.data, type=ErrorBody)
+
+
+async def good_requests_still_served(client: Client) -> None:
+    replies = await asyncio.gather(
+        *(
+            client.request("fault.op", {"kind": "ok", "n": n}, timeout=10, max_attempts=1)
+            for n in range(WORKERS * 3)
+        )
+    )
+    assert replies == [{"ok": n} for n in range(WORKERS * 3)]
+
+
+# kind -> (status header, wire code, retryable, deadline for the request in ms)
+FAULTS = {
+    "busy": ("500", "busy_now", True, None),
+    "conflict": ("409", "version_conflict", False, None),
+    "not_snake": ("500", "failed", False, None),
+    "too_long": ("500", "failed", False, None),
+    "raise": ("500", "failed", False, None),
+    "base": ("500", "failed", False, None),
+    "cancel": ("499", "cancelled", False, None),
+    "unencodable": ("500", "failed", False, None),
+    "too_large": ("500", "failed", False, None),
+    "overrun": ("408", "timeout", True, 200),
+    "swallow": ("408", "timeout", True, 200),
+    "hang": ("408", "timeout", True, 200),
+    "broken_refusal": ("500", "failed", False, None),
+}
+MODES = ["start", "serve_forever"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", sorted(FAULTS))
+async def test_fault_gets_an_error_reply_and_workers_keep_serving(
+    reach_settings, reach_client, kind, mode
+):
+    status, code, retryable, deadline = FAULTS[kind]
+    release = asyncio.Event()
+    agent = fault_agent(reach_settings, release)
+    try:
+        async with serving(agent, mode, reach_client):
+            answers = []
+            for _ in range(WAVES):
+                # In waves of max_concurrency, so that none expires unrun in the queue
+                # (an expired request is dropped unanswered, by the protocol).
+                answers += await asyncio.gather(
+                    *(
+                        raw_error(reach_client, kind, deadline_in_ms=deadline)
+                        for _ in range(WORKERS)
+                    )
+                )
+            for got_status, body in answers:
+                assert (got_status, body.code, body.retryable) == (status, code, retryable)
+            await good_requests_still_served(reach_client)
+            release.set()
+    finally:
+        release.set()
+    assert agent.stats.internal_errors == (FAULTY if kind == "broken_refusal" else 0)
+
+
+async def test_application_code_reaches_the_caller_as_remote_error(reach_settings, reach_client):
+    agent = fault_agent(reach_settings, asyncio.Event())
+    async with agent:
+        with pytest.raises(reach.RemoteError, match="busy now") as info:
+            await reach_client.request("fault.op", {"kind": "busy"}, max_attempts=1)
+        with pytest.raises(reach.RemoteError, match="stale") as conflict:
+            await reach_client.request("fault.op", {"kind": "conflict"})
+    assert info.value.code == info.value.outcome == "busy_now"
+    assert info.value.retryable
+    assert info.value.agent_id == agent.agent_id
+    # An unknown code is not failed over: one attempt, on the instance that refused.
+    assert conflict.value.code == "version_conflict"
+    assert [a.outcome for a in conflict.value.attempts] == ["version_conflict"]
+
+
+async def test_invalid_application_code_is_logged_and_sent_as_failed(
+    reach_settings, reach_client, caplog
+):
+    caplog.set_level(logging.ERROR, logger="reach.agent")
+    agent = fault_agent(reach_settings, asyncio.Event())
+    async with agent:
+        with pytest.raises(reach.HandlerFailed) as info:
+            await reach_client.request(
+                "fault.op", {"kind": "not_snake"}, request_id="rid-code", max_attempts=1
+            )
+    assert info.value.code == "failed"
+    assert "rid-code" in str(info.value)
+    assert any(
+        "rid-code" in r.getMessage() and "Not Snake!" in r.getMessage() for r in caplog.records
+    )
+
+
+async def test_a_broken_reply_path_is_logged_and_counted(reach_settings, reach_client, caplog):
+    caplog.set_level(logging.ERROR, logger="reach.agent")
+    agent = fault_agent(reach_settings, asyncio.Event())
+    async with agent:
+        with pytest.raises(reach.HandlerFailed):
+            await reach_client.request("fault.op", {"kind": "broken_refusal"}, max_attempts=1)
+        await good_requests_still_served(reach_client)
+    assert agent.stats.internal_errors == 1
+    assert any(r.exc_info and "no status for you" in str(r.exc_info[1]) for r in caplog.records)
+
+
+async def test_stop_does_not_hang_on_a_handler_that_ignores_cancellation(
+    reach_settings, reach_client
+):
+    release = asyncio.Event()
+    agent = fault_agent(reach_settings, release)
+    agent.drain_timeout = 0.1
+    await agent.start()
+    try:
+        status, body = await raw_error(reach_client, "hang", deadline_in_ms=100)
+        assert (status, body.code) == ("408", "timeout")
+        async with asyncio.timeout(30):
+            await agent.stop()
+        assert agent.status == reach.Status.DOWN
+    finally:
+        release.set()

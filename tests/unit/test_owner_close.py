@@ -1,0 +1,56 @@
+"""TaskOwner.close with a timeout: a task that swallows its cancellation cannot hold it."""
+
+import asyncio
+import contextlib
+
+from reach._owner import TaskOwner
+
+
+async def test_close_gives_up_on_a_task_that_ignores_cancellation():
+    owner = TaskOwner("test")
+    release = asyncio.Event()
+    running = asyncio.Event()
+    cancels = 0
+
+    async def stubborn() -> None:
+        nonlocal cancels
+        running.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                cancels += 1
+
+    async def polite() -> None:
+        await asyncio.Event().wait()
+
+    owner.spawn(stubborn(), "stubborn")
+    polite_task = owner.spawn(polite(), "polite")
+    await running.wait()
+    assert await owner.close(timeout=0.05) == 1
+    assert polite_task.cancelled()
+    assert cancels >= 1
+    assert owner.closed
+    release.set()
+    assert await owner.close() == 0
+    assert len(owner) == 0
+
+
+async def test_close_without_timeout_waits_for_cleanup():
+    owner = TaskOwner("test")
+    running = asyncio.Event()
+    finished = asyncio.Event()
+
+    async def cleans_up() -> None:
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)
+            finished.set()
+
+    owner.spawn(cleans_up(), "cleans-up")
+    await running.wait()
+    assert await owner.close() == 0
+    assert finished.is_set()
