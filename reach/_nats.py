@@ -17,6 +17,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsConnection
+from nats.aio.subscription import Subscription
 
 from .errors import ConnectionFailed
 from .settings import ReachSettings
@@ -28,6 +29,7 @@ __all__ = [
     "connect_nats",
     "flush_nats",
     "is_no_responders",
+    "leave",
     "translate",
 ]
 
@@ -105,3 +107,18 @@ def translate(url: str = "") -> Iterator[None]:
         yield
     except CONNECTION_LOST as exc:
         raise ConnectionFailed(f"not connected to NATS: {exc}", url=url) from exc
+
+
+async def leave(nc: NatsConnection, sub: Subscription) -> None:
+    """Stop a subscription without losing what the server already sent to it.
+
+    nats-py's ``Subscription.drain()`` queues the UNSUB, then flushes once; its PING can
+    overtake the UNSUB (see ``flush_nats``), so the subscription is removed while the server
+    still routes to it, and a request that lands in that window is dropped unanswered
+    (seen here: a queue-group request timed out right after an agent paused). So: UNSUB
+    first, two round trips (the server has stopped routing to us and everything it sent
+    is in), then drain what is pending.
+    """
+    await nc._send_unsubscribe(sub._id)  # nats-py has no public "UNSUB only"
+    await flush_nats(nc)
+    await sub.drain()  # type: ignore[no-untyped-call]

@@ -270,8 +270,8 @@ class Agent:
     async def pause(self) -> None:
         """Take no new work: leave the queue groups; direct calls get ``agent_unavailable``."""
         async with self._control_lock:
-            if self._life.pause():
-                await self._subs.leave_queues()
+            if self._life.pause() and self._nc is not None:
+                await self._subs.leave_queues(self._nc)
 
     async def resume(self) -> None:
         """Back into the queue groups, UP (or DEGRADED while a reason holds); refused while
@@ -321,7 +321,7 @@ class Agent:
             async with self._control_lock:
                 if graceful and self._nc is not None:
                     await self._presence.send_heartbeat()  # routing stops before we do
-                    await self._subs.leave_queues()
+                    await self._subs.leave_queues(self._nc)
             if graceful:
                 if not await self._workers.wait_idle(self.drain_timeout):
                     log.warning(

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .._nats import TRANSIENT, NatsConnection
+from .._nats import TRANSIENT, NatsConnection, leave
 from .._subjects import Subjects
 from . import srv
 from .control import ControlListeners
@@ -76,12 +76,12 @@ class Subscriptions:
                 )
             )
 
-    async def leave_queues(self) -> None:
+    async def leave_queues(self, nc: NatsConnection) -> None:
         """Drain (not unsubscribe) so requests already delivered to us are still served."""
         subs, self._queues = self._queues, []  # a later join appends to a new list
         for sub in subs:
             try:
-                await sub.drain()  # type: ignore[no-untyped-call]
+                await leave(nc, sub)
             except TRANSIENT as exc:
                 log.debug("agent %s: leaving a queue group: %s", self.agent_id, exc)
 

@@ -246,10 +246,6 @@ class Client:
                 log.debug("drain on close failed: %s", exc)
                 await nc.close()
 
-    async def _close_table(self) -> None:
-        """Kept for the Agent's stop path: the same as ``close()``."""
-        await self.close()
-
     async def __aenter__(self) -> Self:
         return await self.connect()
 

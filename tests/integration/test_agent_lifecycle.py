@@ -240,3 +240,33 @@ async def test_an_agent_starts_again_after_a_drain(settings):
             assert await queue_call(client) == {"by": "l-again"}
         finally:
             await agent.stop()
+
+
+async def test_pausing_under_load_loses_no_queue_request(settings):
+    """Leaving a queue group while requests stream in: each is answered by someone.
+    (nats-py's own drain could drop a request routed in its flush window.)"""
+    first, second = gated(settings, "l-busy-1", Gate()), gated(settings, "l-busy-2", Gate())
+    async with first, second, Client(settings=settings, routing="queue") as client:
+        stop = asyncio.Event()
+        failures: list[BaseException] = []
+        served = 0
+
+        async def stream() -> None:
+            nonlocal served
+            while not stop.is_set():
+                try:
+                    await client.request("life.op", {}, max_attempts=1, timeout=2)
+                    served += 1
+                except reach.ReachError as exc:
+                    failures.append(exc)
+
+        streams = [asyncio.create_task(stream()) for _ in range(32)]
+        for _ in range(30):
+            before = served
+            await eventually(lambda before=before: served >= before + 50)
+            await first.pause()
+            await eventually(lambda before=before: served >= before + 100)
+            await first.resume()
+        stop.set()
+        await asyncio.gather(*streams)
+    assert failures == []
