@@ -119,6 +119,11 @@ async def leave(nc: NatsConnection, sub: Subscription) -> None:
     first, two round trips (the server has stopped routing to us and everything it sent
     is in), then drain what is pending.
     """
-    await nc._send_unsubscribe(sub._id)  # nats-py has no public "UNSUB only"
-    await flush_nats(nc)
+    # nats-py has no public "UNSUB only"; if a later release drops these names, its own
+    # drain is still correct apart from that window.
+    unsubscribe = getattr(nc, "_send_unsubscribe", None)
+    sid = getattr(sub, "_id", None)
+    if unsubscribe is not None and isinstance(sid, int):
+        await unsubscribe(sid)
+        await flush_nats(nc)
     await sub.drain()  # type: ignore[no-untyped-call]
