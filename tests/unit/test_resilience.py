@@ -414,3 +414,13 @@ def test_router_inflight_map_holds_only_instances_with_work_in_flight():
         router.started(f"i{i}")
         router.finished(f"i{i}", "work.do", "ok", 1.0, 0.0)
     assert router.inflight == {}
+
+
+def test_a_refusal_is_an_answer_not_a_success_nor_a_failover():
+    router = Router()
+    router.started("a")
+    router.finished("a", "work.do", "refused", 1.0, 0.0, affinity_key="s")
+    assert "a" not in router.ewma  # no latency learnt as if it had served
+    assert ("work.do", "s") not in router.affinity
+    assert "a" not in router.instance_breakers  # the instance answered: it works
+    assert router.hedge_delay("work.do") is None
