@@ -172,3 +172,26 @@ async def test_a_crash_in_the_table_watch_is_counted_and_repaired(settings, monk
         await eventually(repaired)  # the watchdog rebuilt the watch from a fresh snapshot
         assert client.stats.watch_errors == 1
         assert client.stats.table_rebuilds >= 2
+
+
+async def test_a_record_stored_under_another_agents_key_is_ignored(settings):
+    gate = asyncio.Event()
+    gate.set()
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with gated(settings, "w-good", gate):
+            await wait_status(client, "w-good", Status.UP)
+            kv = await agents_bucket(
+                client.nc.jetstream(), client.subjects.bucket("agents"), create=False
+            )
+            await kv.put("w-liar", record("w-other", "work.do"))  # key and agent_id differ
+            await kv.put("w-mark", record("w-mark", "mark.do"))  # the watch is ordered
+
+            async def marked() -> bool:
+                return "w-mark" in {r.info.agent_id for r in await client.agents()}
+
+            await eventually(marked)
+            for routing in ("balanced", "scored", "balanced", "scored"):
+                reply = await client.call("work.do", {}, routing=routing, timeout=5)
+                assert reply.value == {"by": "w-good"}
+            ids = {r.info.agent_id for r in await client.agents()}
+    assert "w-other" not in ids
