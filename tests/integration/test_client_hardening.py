@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from reach import Client, Registry, Status
+from reach.errors import NotStarted, ReachError
 from reach._kv import agents_bucket
 from reach.testing import eventually
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo
@@ -195,3 +196,35 @@ async def test_a_record_stored_under_another_agents_key_is_ignored(settings):
                 assert reply.value == {"by": "w-good"}
             ids = {r.info.agent_id for r in await client.agents()}
     assert "w-other" not in ids
+
+
+async def test_a_close_while_routing_starts_leaves_the_next_connection_a_live_table(
+    settings, monkeypatch
+):
+    from reach._client.watches import Watches
+
+    ensure = Watches.ensure
+    closes: list[bool] = []
+    client = Client(settings=settings)
+
+    async def ensure_then_close(self, nc):
+        await ensure(self, nc)
+        if not closes:  # the first start succeeds, then the client closes before it returns
+            closes.append(True)
+            await client.close()
+
+    monkeypatch.setattr(Watches, "ensure", ensure_then_close)
+    async with Registry(settings=settings):
+        await client.connect()
+        with pytest.raises(NotStarted):
+            await client.agents()
+        assert closes == [True]
+        async with client:
+            kv = await agents_bucket(
+                client.nc.jetstream(), client.subjects.bucket("agents"), create=True
+            )
+            await kv.put("g-1", record("g-1"))
+            with pytest.raises(ReachError, match="ghost"):
+                await client.request("ghost.do", {}, timeout=2, max_attempts=1)
+            await kv.put("g-2", record("g-2"))
+            await eventually(lambda: client.footprint()["table.records"] == 2)
