@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from reach import Client, Registry, Status
-from reach.errors import NotStarted, ReachError
 from reach._kv import agents_bucket
+from reach.errors import NotStarted, ReachError
 from reach.testing import eventually
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo
 from tests.integration.test_registry import fast_settings, wait_status
