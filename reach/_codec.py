@@ -19,6 +19,13 @@ encode_json = _json_encoder.encode
 #: the protocol's own codes -> (Nats-Service-Error-Code, retryable); fixed by the protocol
 _PROTOCOL: dict[str, tuple[int, bool]] = {str(k): v for k, v in ERROR_CODES.items()}
 _APP_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# The client's own outcome names (reach.errors.Attempt.outcome): no application code may be one.
+_RESERVED = frozenset({"ok", "error", "no_responders", "refused"})
+
+
+def _app_code(code: str) -> bool:
+    """A valid application code: snake_case, at most 64 characters, not reserved."""
+    return code not in _RESERVED and _APP_CODE.fullmatch(code) is not None
 
 
 def now_ms() -> int:
@@ -69,17 +76,20 @@ def decoder_for(type_: Any) -> PayloadDecoder:
 
 def wire_error(exc: RemoteError) -> tuple[str, int, bool] | None:
     """The ``(code, status, retryable)`` a handler's refusal is sent with; None when its code
-    is not a valid wire code (``[a-z][a-z0-9_]*``, at most 64 characters).
+    is not a valid wire code (``[a-z][a-z0-9_]*``, at most 64 characters, not one of the
+    client's outcome names).
 
     Protocol codes keep the protocol's status and retryability; an application code takes
     the exception's ``status`` (400..599, else 500) and ``retryable``.
     """
     code = exc.code
-    if not isinstance(code, str) or _APP_CODE.fullmatch(code) is None:
+    if not isinstance(code, str):
         return None
     known = _PROTOCOL.get(code)
     if known is not None:
         return code, known[0], known[1]
+    if not _app_code(code):
+        return None
     status = exc.status
     if type(status) is not int or not 400 <= status <= 599:
         status = 500
@@ -112,7 +122,7 @@ def error_from_reply(
     try:
         body = _error_decoder.decode(data)
         code, message, retryable = body.code, body.message, body.retryable
-        if code not in _PROTOCOL and _APP_CODE.fullmatch(code) is None:
+        if code not in _PROTOCOL and not _app_code(code):
             code = "failed"  # not a code anyone may branch on
     except msgspec.DecodeError:
         # A plain NATS service (or a foreign agent) may send only the headers.

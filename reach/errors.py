@@ -37,6 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .wire import ERROR_CODES
+
+# The protocol's codes (section 3.2); any other code is the handler's own refusal.
+_PROTOCOL_CODES = frozenset(str(code) for code in ERROR_CODES)
+
 __all__ = [
     "AgentUnavailable",
     "Attempt",
@@ -122,8 +127,9 @@ class RemoteError(ReachError):
         self.agent_id = agent_id
         self.request_id = request_id
         self.attempts: list[Attempt] = list(attempts or [])
-        #: what happened, finer than ``code``: e.g. "no_responders" for a NATS 503
-        self.outcome: str = self.code
+        #: what happened, finer than ``code``: e.g. "no_responders" for a NATS 503; an
+        #: application code is always "refused", so it can never pose as a client outcome
+        self.outcome: str = self.code if self.code in _PROTOCOL_CODES else "refused"
         if retryable is not None:
             self.retryable = retryable
         super().__init__(message)

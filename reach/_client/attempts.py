@@ -177,13 +177,14 @@ class Requester:
             started = loop.time()
             try:
                 if hedge and policy is not Policy.DIRECT and target is not None:
-                    reply = await self.hedged(call, target, headers, budget)
+                    reply = await self.hedged(call, target, headers, budget, tried)
                 else:
                     reply = await self.attempt(call, target, headers, budget)
             except RemoteError as exc:
                 outcome = exc.outcome
+                # recorded against the instance that answered (a hedge's, when it did)
                 attempts.append(
-                    Attempt(target or exc.agent_id or "", outcome, (loop.time() - started) * 1000)
+                    Attempt(exc.agent_id or target or "", outcome, (loop.time() - started) * 1000)
                 )
                 if target is not None:
                     tried.append(target)
@@ -253,11 +254,12 @@ class Requester:
             )
 
     async def hedged(
-        self, call: Call, target: str, headers: dict[str, str], budget: float
+        self, call: Call, target: str, headers: dict[str, str], budget: float, tried: list[str]
     ) -> Reply:
-        """Send to ``target``; if no answer by the p95, also to a second instance. The first
-        answer wins; the other attempt is cancelled and awaited before this returns, and
-        both are when this is cancelled itself."""
+        """Send to ``target``; if no answer by the p95, also to a second instance (added to
+        ``tried``: a retry goes elsewhere). The first answer wins; the other attempt is
+        cancelled and awaited before this returns, and both are when this is cancelled
+        itself."""
         delay = self.router.hedge_delay(call.capability)
         if delay is None or delay >= budget:
             return await self.attempt(call, target, headers, budget)
@@ -281,6 +283,7 @@ class Requester:
                 except RemoteError:
                     other = None  # nobody else to ask: wait for the first
                 if other is not None and other != target:
+                    tried.append(other)
                     second = self.attempt(call, other, headers, budget - delay)
                     tasks.append(loop.create_task(second))
             pending = set(tasks)

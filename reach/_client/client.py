@@ -133,7 +133,12 @@ class Client:
 
     async def _start_table(self) -> RoutingTable:
         """Start following the registry's bucket on first use (once; callers share it)."""
-        await self._watches.ensure(self.nc)  # NotStarted before connect
+        nc = self.nc  # NotStarted before connect
+        await self._watches.ensure(nc)
+        if self._nc is not nc:
+            # closed (and maybe reconnected) meanwhile: a table set now would skip the next
+            # connection's start, and its watches would never run
+            raise NotStarted("client closed while it started routing")
         self._requests.table = self._table
         return self._table
 

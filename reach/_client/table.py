@@ -59,7 +59,7 @@ class RoutingTable:
         self._eligible: dict[tuple[Any, ...], tuple[int, list[str]]] = {}
         self.dropped = 0  # changes dropped because a listener fell behind
         self.clamped = 0  # records whose heartbeat numbers were out of range
-        self.undecodable = 0  # records that could not be decoded (ignored)
+        self.undecodable = 0  # records that could not be decoded or name another key (ignored)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -141,6 +141,13 @@ class RoutingTable:
         except msgspec.DecodeError:
             self.undecodable += 1
             log.warning("routing table: undecodable record %s ignored", key)
+            return None
+        if record.info.agent_id != key:
+            # routing looks instances up by id: a record under another key would break it
+            self.undecodable += 1
+            log.warning(
+                "routing table: record %s names agent %s; ignored", key, record.info.agent_id
+            )
             return None
         hb = record.heartbeat
         if hb is not None and not in_range(hb):

@@ -279,7 +279,10 @@ class Router:
         if old is not None and old != agent_id:
             self._unstick(old, key)
         self.affinity[key] = agent_id
-        self._sessions.setdefault(agent_id, set()).add(key)
+        keys = self._sessions.get(agent_id)
+        if keys is None:
+            keys = self._sessions[agent_id] = set()
+        keys.add(key)
         if len(self.affinity) > _MAX_AFFINITY:
             oldest = next(iter(self.affinity))
             self._unstick(self.affinity.pop(oldest), oldest)

@@ -8,6 +8,7 @@ import pytest
 
 from reach import Client, Registry, Status
 from reach._kv import agents_bucket
+from reach.errors import NotStarted, ReachError
 from reach.testing import eventually
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo
 from tests.integration.test_registry import fast_settings, wait_status
@@ -172,3 +173,58 @@ async def test_a_crash_in_the_table_watch_is_counted_and_repaired(settings, monk
         await eventually(repaired)  # the watchdog rebuilt the watch from a fresh snapshot
         assert client.stats.watch_errors == 1
         assert client.stats.table_rebuilds >= 2
+
+
+async def test_a_record_stored_under_another_agents_key_is_ignored(settings):
+    gate = asyncio.Event()
+    gate.set()
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with gated(settings, "w-good", gate):
+            await wait_status(client, "w-good", Status.UP)
+            kv = await agents_bucket(
+                client.nc.jetstream(), client.subjects.bucket("agents"), create=False
+            )
+            await kv.put("w-liar", record("w-other", "work.do"))  # key and agent_id differ
+            await kv.put("w-mark", record("w-mark", "mark.do"))  # the watch is ordered
+
+            async def marked() -> bool:
+                return "w-mark" in {r.info.agent_id for r in await client.agents()}
+
+            await eventually(marked)
+            for routing in ("balanced", "scored", "balanced", "scored"):
+                reply = await client.call("work.do", {}, routing=routing, timeout=5)
+                assert reply.value == {"by": "w-good"}
+            ids = {r.info.agent_id for r in await client.agents()}
+    assert "w-other" not in ids
+
+
+async def test_a_close_while_routing_starts_leaves_the_next_connection_a_live_table(
+    settings, monkeypatch
+):
+    from reach._client.watches import Watches
+
+    ensure = Watches.ensure
+    closes: list[bool] = []
+    client = Client(settings=settings)
+
+    async def ensure_then_close(self, nc):
+        await ensure(self, nc)
+        if not closes:  # the first start succeeds, then the client closes before it returns
+            closes.append(True)
+            await client.close()
+
+    monkeypatch.setattr(Watches, "ensure", ensure_then_close)
+    async with Registry(settings=settings):
+        await client.connect()
+        with pytest.raises(NotStarted):
+            await client.agents()
+        assert closes == [True]
+        async with client:
+            kv = await agents_bucket(
+                client.nc.jetstream(), client.subjects.bucket("agents"), create=True
+            )
+            await kv.put("g-1", record("g-1"))
+            with pytest.raises(ReachError, match="ghost"):
+                await client.request("ghost.do", {}, timeout=2, max_attempts=1)
+            await kv.put("g-2", record("g-2"))
+            await eventually(lambda: client.footprint()["table.records"] == 2)

@@ -310,3 +310,51 @@ async def test_registry_down_requests_still_served_on_last_known_table(settings)
             assert (await client.request("work.do", {}))["by"] == "w-last"
         await wait_status(client, "w-last", None)  # the lease expired by itself
         assert (await client.request("work.do", {}))["by"] == "w-last"  # queue group
+
+
+async def test_a_hedge_that_fails_is_recorded_against_the_instance_that_answered(settings):
+    roles: dict[str, str] = {}
+    hedge_asked, release = asyncio.Event(), asyncio.Event()
+
+    def busy_agent(agent_id: str) -> Agent:
+        agent = Agent("worker", agent_id, settings=settings, drain_timeout=0.2)
+
+        @agent.capability("work.do")
+        async def do(job: dict, ctx: Context) -> dict:
+            role = roles.get(agent_id)
+            if role == "first":  # fails once the hedge has gone out
+                await hedge_asked.wait()
+                raise reach.ResourceExhausted("busy")
+            if role == "hedge":  # fails last, so its error is the one raised
+                hedge_asked.set()
+                await release.wait()
+                raise reach.ResourceExhausted("busy")
+            return {"by": agent_id}
+
+        return agent
+
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with busy_agent("w-x"), busy_agent("w-y"):
+            await wait_status(client, "w-x", Status.UP)
+            await wait_status(client, "w-y", Status.UP)
+            for _ in range(30):  # the session sticks to one; p95 learnt from quick answers
+                first = await client.call("work.do", {}, routing="affinity", affinity_key="s")
+            hedge = "w-y" if first.agent_id == "w-x" else "w-x"
+            roles.update({first.agent_id: "first", hedge: "hedge"})
+            call = asyncio.create_task(
+                client.request(
+                    "work.do",
+                    {},
+                    routing="affinity",
+                    affinity_key="s",
+                    hedge=True,
+                    max_attempts=1,
+                    timeout=10,
+                )
+            )
+            # the hedge was asked and the first instance's refusal is back
+            await eventually(lambda: hedge_asked.is_set() and client.footprint()["pending"] == 1)
+            release.set()
+            with pytest.raises(reach.RemoteError) as info:
+                await call
+    assert [a.agent_id for a in info.value.attempts] == [hedge]

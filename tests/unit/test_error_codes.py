@@ -52,7 +52,8 @@ def test_application_code_round_trip():
     assert headers[Header.SERVICE_ERROR_CODE] == "503"
     err = error_from_reply(body, headers, capability="x.y", request_id="r1")
     assert isinstance(err, errors.HandlerFailed)
-    assert err.code == err.outcome == "busy_now"
+    assert err.code == "busy_now"
+    assert err.outcome == "refused"  # never one of the client's own outcome names
     assert err.retryable
     assert err.agent_id == "a-1"
     assert type(err).code == "failed"  # the class is untouched
@@ -68,3 +69,23 @@ def test_every_protocol_error_class_states_its_protocol_status():
     for code, (status, retryable) in ERROR_CODES.items():
         cls = errors.error_for_code(code)
         assert (cls.status, cls.retryable) == (status, retryable), code
+
+
+@pytest.mark.parametrize("code", ["ok", "error", "no_responders", "refused", "busy_now", "failed"])
+def test_an_application_code_never_takes_a_client_outcome_name(code):
+    body, headers = error_reply(code, "nope", "a-1", status=500)
+    err = error_from_reply(body, headers, capability="c", request_id="r")
+    assert err.outcome in ("refused", "failed")
+    assert errors.RemoteError("x", code=code).outcome in ("refused", "failed")
+
+
+@pytest.mark.parametrize("code", ["ok", "error", "no_responders", "refused"])
+def test_the_client_outcome_names_are_reserved_and_sent_as_failed(code):
+    assert wire_error(errors.RemoteError("x", code=code)) is None
+    body, headers = error_reply(code, "nope", "a-1", status=500)
+    assert error_from_reply(body, headers, capability="c", request_id="r").code == "failed"
+
+
+def test_protocol_codes_keep_their_outcome():
+    for code in ERROR_CODES:
+        assert errors.error_for_code(code)("x").outcome == code

@@ -414,3 +414,40 @@ def test_router_inflight_map_holds_only_instances_with_work_in_flight():
         router.started(f"i{i}")
         router.finished(f"i{i}", "work.do", "ok", 1.0, 0.0)
     assert router.inflight == {}
+
+
+def test_a_refusal_is_an_answer_not_a_success_nor_a_failover():
+    router = Router()
+    router.started("a")
+    router.finished("a", "work.do", "refused", 1.0, 0.0, affinity_key="s")
+    assert "a" not in router.ewma  # no latency learnt as if it had served
+    assert ("work.do", "s") not in router.affinity
+    assert "a" not in router.instance_breakers  # the instance answered: it works
+    assert router.hedge_delay("work.do") is None
+
+
+def test_ten_thousand_instances_leave_no_trace_in_the_router():
+    router = Router()
+    ids = [f"g-{i}" for i in range(10_000)]
+    for n, agent_id in enumerate(ids):
+        router.started(agent_id)
+        router.finished(agent_id, "work.do", "ok", 1.0, 0.0, affinity_key=f"s-{n}")
+        router.started(agent_id)
+        router.finished(agent_id, "work.do", "timeout", 1.0, 0.0)
+        router.started(agent_id)  # still in flight when it leaves
+    grown = router.footprint()
+    for agent_id in ids:
+        router.forget(agent_id)
+    for agent_id in ids:  # the late answers of the attempts in flight
+        router.finished(agent_id, "work.do", "ok", 1.0, 1.0, affinity_key="late")
+    sizes = router.footprint()
+    per_instance = [k for k in sizes if k.startswith("router.")]
+    assert {k: grown[k] for k in per_instance} == {
+        "router.inflight": 10_000,
+        "router.ewma": 10_000,
+        "router.instance_breakers": 10_000,
+        "router.affinity": 10_000,
+        "router.sessions": 10_000,
+        "router.departed": 0,
+    }
+    assert {k: sizes[k] for k in per_instance} == dict.fromkeys(per_instance, 0)
