@@ -172,27 +172,36 @@ class Workers:
                 task.uncancel()  # the deadline watch's cancellation, not a stop
             if task.cancelling():
                 raise  # the agent stops
+            if job.abandoned:
+                return  # answered already
             if job.expired:
                 await self._timed_out(job)
             else:
                 await self._failed(job, "cancelled", "handler was cancelled")
             return
         except RemoteError as exc:
-            await self._refused(job, exc)
+            if job.expired:
+                await self._late(job, task)
+            else:
+                await self._refused(job, exc)
             return
         except (KeyboardInterrupt, SystemExit):
+            # The process is going down: answer first, since nothing will after.
+            if not job.abandoned:
+                await self._failed(job, "failed", "handler stopped the process")
             raise
         except BaseException:
-            await self._failed(job, "failed", "handler failed")
+            if job.expired:
+                await self._late(job, task)
+            else:
+                await self._failed(job, "failed", "handler failed")
             return
         finally:
             if job.deadline_ms is not None:
                 self._deadlines.pop(task, None)
         if job.expired:
             # The handler ignored the cancellation at its deadline and returned late.
-            task.uncancel()
-            if not job.abandoned:
-                await self._timed_out(job)
+            await self._late(job, task)
             return
         if self.timeouts.tripped and self.timeouts.succeeded():
             self._life.recover(Reason.TIMEOUTS)
@@ -260,6 +269,15 @@ class Workers:
         code, status, retryable = wire
         self._count_error(job, exc.message)
         await self.reply_error(job.msg, code, exc.message, status=status, retryable=retryable)
+
+    async def _late(self, job: Job, task: asyncio.Task[Any]) -> None:
+        """The handler ended, however, after the deadline watch cancelled it: that
+        cancellation is consumed here (else the worker would take its next request's
+        CancelledError for a stop), and the caller, unless answered already, told
+        ``timeout``."""
+        task.uncancel()
+        if not job.abandoned:
+            await self._timed_out(job)
 
     async def _timed_out(self, job: Job) -> None:
         if self.timeouts.timed_out(time.monotonic()):

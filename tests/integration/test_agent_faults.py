@@ -88,6 +88,12 @@ def fault_agent(settings: reach.ReachSettings, release: asyncio.Event) -> Agent:
             return b"x" * (2 * 1024 * 1024)  # over the server's max_payload
         if kind == "overrun":
             await asyncio.Event().wait()
+        if kind == "convert":
+            # Turns the deadline's cancellation into another exception.
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise RuntimeError("converted") from None
         if kind == "swallow":
             # Ignores the deadline's cancellation once, then answers late.
             with contextlib.suppress(asyncio.CancelledError):
@@ -172,6 +178,7 @@ FAULTS = {
     "too_large": ("500", "failed", False, None),
     "overrun": ("408", "timeout", True, 200),
     "swallow": ("408", "timeout", True, 200),
+    "convert": ("408", "timeout", True, 200),
     "hang": ("408", "timeout", True, 200),
     "broken_refusal": ("500", "failed", False, None),
 }
@@ -198,6 +205,12 @@ async def test_fault_gets_an_error_reply_and_workers_keep_serving(
                         for _ in range(WORKERS)
                     )
                 )
+            # Then a handler cancelling itself on every worker: no fault may leave a
+            # worker believing it is being stopped.
+            answers_after = await asyncio.gather(
+                *(raw_error(reach_client, "cancel") for _ in range(WORKERS))
+            )
+            assert [(s, b.code) for s, b in answers_after] == [("499", "cancelled")] * WORKERS
             for got_status, body in answers:
                 assert (got_status, body.code, body.retryable) == (status, code, retryable)
             await good_requests_still_served(reach_client)
@@ -265,3 +278,55 @@ async def test_stop_does_not_hang_on_a_handler_that_ignores_cancellation(
         assert agent.status == reach.Status.DOWN
     finally:
         release.set()
+
+
+async def test_an_abandoned_request_is_answered_once(reach_settings, reach_client):
+    agent = Agent("late", settings=reach_settings, max_concurrency=1, max_queue=8)
+    raised = asyncio.Event()
+
+    @agent.capability("late.op")
+    async def op(req: dict[str, Any]) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        await reach.testing.eventually(lambda: agent.stats.abandoned == 1)
+        raised.set()
+        raise RuntimeError("late failure")
+
+    @agent.capability("late.ok")
+    async def ok(req: dict[str, Any]) -> dict[str, Any]:
+        return req
+
+    async with agent:
+        nc = reach_client.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.flush()
+        deadline = {Header.DEADLINE: str(int(time.time() * 1000) + 150)}
+        await nc.publish(reach_client.subjects.cap("late.op"), b"{}", reply=inbox, headers=deadline)
+        first = await sub.next_msg(timeout=10)
+        assert first.headers is not None
+        assert first.headers[Header.SERVICE_ERROR_CODE] == "408"
+        await raised.wait()
+        # A request served after the late failure: a second reply would have come before it.
+        assert await reach_client.request("late.ok", {"n": 1}, timeout=10) == {"n": 1}
+        assert sub.pending_msgs == 0
+        assert agent.stats.failed == 1
+
+
+async def test_a_topic_handler_cancelling_itself_keeps_its_topic(reach_settings, reach_client):
+    agent = Agent("topical", settings=reach_settings)
+    got: list[int] = []
+
+    @agent.on_topic("fault.news")
+    async def news(msg: dict[str, Any]) -> None:
+        got.append(msg["n"])
+        if msg["n"] == 1:
+            raise asyncio.CancelledError
+
+    async with agent:
+        for n in range(1, 4):
+            await reach_client.publish("fault.news", {"n": n})
+        await reach_client.flush()
+        await reach.testing.eventually(lambda: len(got) == 3, timeout=10)
+    assert got == [1, 2, 3]
+    assert agent.stats.topic_errors == 1
