@@ -66,3 +66,5 @@ class AgentStats:
     internal_errors: int = 0
     #: handlers that ignored their deadline's cancellation; their workers were replaced
     abandoned: int = 0
+    #: topic handlers that raised (logged; the topic keeps being delivered)
+    topic_errors: int = 0
