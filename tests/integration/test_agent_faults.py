@@ -58,8 +58,10 @@ class BrokenRefusal(reach.RemoteError):
         raise RuntimeError("no status for you")
 
 
-def fault_agent(settings: reach.ReachSettings, release: asyncio.Event) -> Agent:
-    agent = Agent("faulty", settings=settings, max_concurrency=WORKERS, max_queue=64)
+def fault_agent(
+    settings: reach.ReachSettings, release: asyncio.Event, workers: int = WORKERS
+) -> Agent:
+    agent = Agent("faulty", settings=settings, max_concurrency=workers, max_queue=64)
 
     @agent.capability("fault.op")
     async def op(req: dict[str, Any]) -> Any:
@@ -205,6 +207,11 @@ async def test_fault_gets_an_error_reply_and_workers_keep_serving(
                         for _ in range(WORKERS)
                     )
                 )
+                if kind == "hang":
+                    # Let them end: past max_concurrency stuck ones are not replaced.
+                    release.set()
+                    await reach.testing.eventually(lambda: agent.stats.stuck == 0)
+                    release.clear()
             # Then a handler cancelling itself on every worker: no fault may leave a
             # worker believing it is being stopped.
             answers_after = await asyncio.gather(
@@ -330,3 +337,22 @@ async def test_a_topic_handler_cancelling_itself_keeps_its_topic(reach_settings,
         await reach.testing.eventually(lambda: len(got) == 3, timeout=10)
     assert got == [1, 2, 3]
     assert agent.stats.topic_errors == 1
+
+
+async def test_stuck_handlers_are_capped_at_max_concurrency(reach_settings, reach_client):
+    """Past the cap an abandoned handler's worker is not replaced (the agent degrades);
+    once the stuck handlers end, they serve again and the agent recovers."""
+    release = asyncio.Event()
+    agent = fault_agent(reach_settings, release, workers=1)
+    try:
+        async with agent:
+            for stuck in (1, 2):
+                status, body = await raw_error(reach_client, "hang", deadline_in_ms=100)
+                assert (status, body.code) == ("408", "timeout")
+                assert agent.stats.stuck == stuck
+            assert agent.status is reach.Status.DEGRADED
+            release.set()
+            await reach.testing.eventually(lambda: agent.stats.stuck == 0)
+            await good_requests_still_served(reach_client)
+    finally:
+        release.set()
