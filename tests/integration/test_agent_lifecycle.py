@@ -270,3 +270,21 @@ async def test_pausing_under_load_loses_no_queue_request(settings):
         stop.set()
         await asyncio.gather(*streams)
     assert failures == []
+
+
+async def test_a_failure_while_closing_still_stops_the_agent(settings, monkeypatch):
+    agent = gated(settings, "l-close-fails", Gate())
+    await agent.start()
+    nc = agent.client.nc
+
+    async def broken_close() -> None:
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(agent.client, "close", broken_close)
+    with pytest.raises(RuntimeError, match="close failed"):
+        await agent.stop()
+    assert agent.status == Status.DOWN
+    monkeypatch.undo()
+    await nc.close()
+    await agent.start()  # not stuck in DRAINING: it starts again
+    await agent.stop()
