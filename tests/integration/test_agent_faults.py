@@ -8,11 +8,13 @@ leave none), then good requests must still be served; under ``start()`` and unde
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 
 import reach
@@ -356,3 +358,48 @@ async def test_stuck_handlers_are_capped_at_max_concurrency(reach_settings, reac
             await good_requests_still_served(reach_client)
     finally:
         release.set()
+
+
+EXITING_AGENT = """
+import asyncio, sys
+import reach
+
+settings = reach.ReachSettings(nats_url=sys.argv[1], subject_prefix=sys.argv[2])
+agent = reach.Agent("exiting", settings=settings)
+
+@agent.capability("exit.op")
+async def op(req: dict) -> dict:
+    raise SystemExit(3)
+
+asyncio.run(agent.serve_forever())
+"""
+
+
+async def test_a_handler_exiting_the_process_answers_first(reach_settings, reach_client, tmp_path):
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_AGENT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), reach_settings.nats_url, reach_settings.subject_prefix
+    )
+    try:
+        replies: list[Any] = []
+
+        async def answered() -> bool:
+            try:
+                replies.append(
+                    await reach_client.nc.request(
+                        reach_client.subjects.cap("exit.op"), b"{}", timeout=5
+                    )
+                )
+            except nats.errors.NoRespondersError:
+                return False
+            return True
+
+        await reach.testing.eventually(answered, timeout=20)
+        assert replies[0].headers[Header.SERVICE_ERROR_CODE] == "500"
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 3
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
