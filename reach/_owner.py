@@ -71,15 +71,24 @@ class TaskOwner:
                 await factory()
                 return  # a loop that ends by itself is done
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # a stop: closing the owner, or whoever awaits this loop
+                # Raised by the loop itself (a handler's own CancelledError): a crash.
+                delay = self._crashed(name, started, delay)
             except Exception:
-                if self.clock() - started > self.backoff_max:
-                    delay = self.backoff  # it ran well for a while: a new fault, not a crash loop
-                self.failures += 1
-                self.restarts += 1
-                log.exception("%s: %s crashed; restarting in %.2fs", self.owner, name, delay)
+                delay = self._crashed(name, started, delay)
             await asyncio.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 2, self.backoff_max)
+
+    def _crashed(self, name: str, started: float, delay: float) -> float:
+        """Log and count a crash; the delay before the restart."""
+        if self.clock() - started > self.backoff_max:
+            delay = self.backoff  # it ran well for a while: a new fault, not a crash loop
+        self.failures += 1
+        self.restarts += 1
+        log.exception("%s: %s crashed; restarting in %.2fs", self.owner, name, delay)
+        return delay
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -338,22 +338,25 @@ class Agent:
         if self._life.state is State.STOPPED:
             return  # a failed start closed it already
         self._intake.accepting = False
-        await self._presence.stop()
-        await self._workers.close(self._work)
-        if deregister and self._presence.registered:
-            await self._presence.deregister()
-        self._presence.attach(None)
-        await self._client.close()
-        nc, self._nc = self._nc, None
-        self._subs.forget()
-        if nc is not None and not nc.is_closed:
-            try:
-                await nc.close()
-            except TRANSIENT as exc:
-                log.debug("agent %s: close: %s", self.agent_id, exc)
-        self._life.stopped()
-        self._drain_requested.set()
-        log.info("agent %s stopped", self.agent_id)
+        try:
+            await self._presence.stop()
+            await self._workers.close(self._work)
+            if deregister and self._presence.registered:
+                await self._presence.deregister()
+            self._presence.attach(None)
+            await self._client.close()
+        finally:
+            # Whatever failed above, the agent is stopped, not stuck in DRAINING.
+            nc, self._nc = self._nc, None
+            self._subs.forget()
+            if nc is not None and not nc.is_closed:
+                try:
+                    await nc.close()
+                except TRANSIENT as exc:
+                    log.debug("agent %s: close: %s", self.agent_id, exc)
+            self._life.stopped()
+            self._drain_requested.set()
+            log.info("agent %s stopped", self.agent_id)
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -3,6 +3,7 @@ cheaply, then queue it or refuse it at once (full, stopping, paused, degraded)."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -144,7 +145,19 @@ def topic_handler(
                 await topic.spec.fn(payload, subjects.topic_of(msg.subject))
             else:
                 await topic.spec.fn(payload)
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the subscription is being closed
+            # Its own CancelledError would end nats-py's delivery loop: the topic stays.
+            stats.topic_errors += 1
+            log.exception(
+                "agent %s: topic handler for %s cancelled itself", agent_id, topic.pattern
+            )
+        except BaseException:
+            stats.topic_errors += 1
             log.exception("agent %s: topic handler for %s failed", agent_id, topic.pattern)
 
     return on_message

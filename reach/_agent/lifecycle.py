@@ -38,10 +38,11 @@ class State(enum.StrEnum):
 
 
 class Reason(enum.StrEnum):
-    """Why an agent is DEGRADED (both may hold at once)."""
+    """Why an agent is DEGRADED (several may hold at once)."""
 
     OVERLOAD = "queue overload"
     TIMEOUTS = "handler timeouts"
+    STUCK = "handlers stuck past their deadline"
 
 
 _WIRE = {

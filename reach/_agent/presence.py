@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -33,9 +34,22 @@ from ..wire import (
     Status,
 )
 
-__all__ = ["Presence"]
+__all__ = ["Presence", "accept_interval"]
 
 log = logging.getLogger("reach.agent")
+
+_MIN_INTERVAL = 0.05  # seconds; a registry asking for less would have us flood it
+
+
+def accept_interval(offered: float, setting: float) -> float:
+    """The heartbeat interval to use: the registry's, if finite and within
+    [50 ms, our setting]; else our setting (0 or less floods, NaN stops heartbeats)."""
+    if math.isfinite(offered) and _MIN_INTERVAL <= offered <= setting:
+        return offered
+    if not (math.isfinite(offered) and offered >= _MIN_INTERVAL):
+        log.warning("registry offers heartbeat interval %r s; keeping our %r s", offered, setting)
+    return setting
+
 
 _register_reply = msgspec.json.Decoder(RegisterReply)
 _event = msgspec.json.Decoder(AgentEvent)
@@ -160,7 +174,7 @@ class Presence:
         except _REGISTER_ERRORS as exc:
             log.debug("agent %s: registration failed: %s", self.agent_id, exc)
             return False
-        self.interval = min(reply.heartbeat_interval, self._settings.heartbeat_interval)
+        self.interval = accept_interval(reply.heartbeat_interval, self._settings.heartbeat_interval)
         self._need_register = False
         self.registered = True
         log.info("agent %s registered with %s", self.agent_id, reply.registry or "a registry")

@@ -75,6 +75,7 @@ class Workers:
         self._owner: TaskOwner | None = None
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
         self._armed = asyncio.Event()
+        self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
 
     def start(self, nc: NatsConnection, owner: TaskOwner) -> None:
         self._nc = nc
@@ -137,11 +138,17 @@ class Workers:
                 if not job.abandoned:
                     stats.inflight -= 1
                     self._done()
+                else:
+                    stats.stuck -= 1
                 if self.overloaded and len(queue) <= self.recover_at:
                     self.overloaded = False
                     self._life.recover(Reason.OVERLOAD)
             if job.abandoned:
-                return  # a replacement worker took this one's place
+                if not self._unreplaced:
+                    return  # a replacement worker took this one's place
+                self._unreplaced -= 1  # none did (too many stuck): serve again
+                if not self._unreplaced:
+                    self._life.recover(Reason.STUCK)
 
     async def _run(self, job: Job, task: asyncio.Task[Any]) -> None:
         cap, msg = job.cap, job.msg
@@ -172,27 +179,36 @@ class Workers:
                 task.uncancel()  # the deadline watch's cancellation, not a stop
             if task.cancelling():
                 raise  # the agent stops
+            if job.abandoned:
+                return  # answered already
             if job.expired:
                 await self._timed_out(job)
             else:
                 await self._failed(job, "cancelled", "handler was cancelled")
             return
         except RemoteError as exc:
-            await self._refused(job, exc)
+            if job.expired:
+                await self._late(job, task)
+            else:
+                await self._refused(job, exc)
             return
         except (KeyboardInterrupt, SystemExit):
+            # The process is going down: answer first, since nothing will after.
+            if not job.abandoned:
+                await self._failed(job, "failed", "handler stopped the process")
             raise
         except BaseException:
-            await self._failed(job, "failed", "handler failed")
+            if job.expired:
+                await self._late(job, task)
+            else:
+                await self._failed(job, "failed", "handler failed")
             return
         finally:
             if job.deadline_ms is not None:
                 self._deadlines.pop(task, None)
         if job.expired:
             # The handler ignored the cancellation at its deadline and returned late.
-            task.uncancel()
-            if not job.abandoned:
-                await self._timed_out(job)
+            await self._late(job, task)
             return
         if self.timeouts.tripped and self.timeouts.succeeded():
             self._life.recover(Reason.TIMEOUTS)
@@ -261,6 +277,15 @@ class Workers:
         self._count_error(job, exc.message)
         await self.reply_error(job.msg, code, exc.message, status=status, retryable=retryable)
 
+    async def _late(self, job: Job, task: asyncio.Task[Any]) -> None:
+        """The handler ended, however, after the deadline watch cancelled it: that
+        cancellation is consumed here (else the worker would take its next request's
+        CancelledError for a stop), and the caller, unless answered already, told
+        ``timeout``."""
+        task.uncancel()
+        if not job.abandoned:
+            await self._timed_out(job)
+
     async def _timed_out(self, job: Job) -> None:
         if self.timeouts.timed_out(time.monotonic()):
             self._life.degrade(Reason.TIMEOUTS)
@@ -313,10 +338,17 @@ class Workers:
                 await self._armed.wait()
             await asyncio.sleep(_SWEEP)
             now = now_ms()
-            for task, job in list(deadlines.items()):
-                deadline = job.deadline_ms
-                if deadline is None or deadline > now:
+            due = [
+                (task, job)
+                for task, job in deadlines.items()
+                if job.deadline_ms is not None and job.deadline_ms <= now
+            ]
+            for task, job in due:
+                # _abandon awaits: a task seen before may have moved on to another job.
+                if deadlines.get(task) is not job:
                     continue
+                deadline = job.deadline_ms
+                assert deadline is not None
                 if not job.expired:
                     job.expired = True
                     task.cancel()
@@ -326,17 +358,34 @@ class Workers:
     async def _abandon(self, task: asyncio.Task[Any], job: Job) -> None:
         job.abandoned = True
         self._deadlines.pop(task, None)
-        self.stats.abandoned += 1
-        self.stats.inflight -= 1
+        stats = self.stats
+        stats.abandoned += 1
+        stats.stuck += 1
+        stats.inflight -= 1
         self._done()
-        log.error(
-            "agent %s: handler for %s (request id %s) ignores cancellation past its deadline;"
-            " its worker is replaced",
-            self.agent_id,
-            job.cap.info.name,
-            job.request_id or "-",
-        )
-        owner = self._owner
-        if owner is not None and not owner.closed:
-            owner.keep(self._worker, "worker")
+        if stats.stuck > self.max_concurrency:
+            # Replacing without limit would pile up stuck tasks: serve with fewer workers.
+            self._unreplaced += 1
+            self._life.degrade(Reason.STUCK)
+            log.critical(
+                "agent %s: handler for %s (request id %s) ignores cancellation past its"
+                " deadline; %d handlers are stuck, over max_concurrency: its worker is NOT"
+                " replaced (%d workers lost until they end)",
+                self.agent_id,
+                job.cap.info.name,
+                job.request_id or "-",
+                stats.stuck,
+                self._unreplaced,
+            )
+        else:
+            log.error(
+                "agent %s: handler for %s (request id %s) ignores cancellation past its"
+                " deadline; its worker is replaced",
+                self.agent_id,
+                job.cap.info.name,
+                job.request_id or "-",
+            )
+            owner = self._owner
+            if owner is not None and not owner.closed:
+                owner.keep(self._worker, "worker")
         await self._timed_out(job)

@@ -8,11 +8,13 @@ leave none), then good requests must still be served; under ``start()`` and unde
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 
 import reach
@@ -58,8 +60,10 @@ class BrokenRefusal(reach.RemoteError):
         raise RuntimeError("no status for you")
 
 
-def fault_agent(settings: reach.ReachSettings, release: asyncio.Event) -> Agent:
-    agent = Agent("faulty", settings=settings, max_concurrency=WORKERS, max_queue=64)
+def fault_agent(
+    settings: reach.ReachSettings, release: asyncio.Event, workers: int = WORKERS
+) -> Agent:
+    agent = Agent("faulty", settings=settings, max_concurrency=workers, max_queue=64)
 
     @agent.capability("fault.op")
     async def op(req: dict[str, Any]) -> Any:
@@ -88,6 +92,12 @@ def fault_agent(settings: reach.ReachSettings, release: asyncio.Event) -> Agent:
             return b"x" * (2 * 1024 * 1024)  # over the server's max_payload
         if kind == "overrun":
             await asyncio.Event().wait()
+        if kind == "convert":
+            # Turns the deadline's cancellation into another exception.
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise RuntimeError("converted") from None
         if kind == "swallow":
             # Ignores the deadline's cancellation once, then answers late.
             with contextlib.suppress(asyncio.CancelledError):
@@ -172,6 +182,7 @@ FAULTS = {
     "too_large": ("500", "failed", False, None),
     "overrun": ("408", "timeout", True, 200),
     "swallow": ("408", "timeout", True, 200),
+    "convert": ("408", "timeout", True, 200),
     "hang": ("408", "timeout", True, 200),
     "broken_refusal": ("500", "failed", False, None),
 }
@@ -198,6 +209,17 @@ async def test_fault_gets_an_error_reply_and_workers_keep_serving(
                         for _ in range(WORKERS)
                     )
                 )
+                if kind == "hang":
+                    # Let them end: past max_concurrency stuck ones are not replaced.
+                    release.set()
+                    await reach.testing.eventually(lambda: agent.stats.stuck == 0)
+                    release.clear()
+            # Then a handler cancelling itself on every worker: no fault may leave a
+            # worker believing it is being stopped.
+            answers_after = await asyncio.gather(
+                *(raw_error(reach_client, "cancel") for _ in range(WORKERS))
+            )
+            assert [(s, b.code) for s, b in answers_after] == [("499", "cancelled")] * WORKERS
             for got_status, body in answers:
                 assert (got_status, body.code, body.retryable) == (status, code, retryable)
             await good_requests_still_served(reach_client)
@@ -265,3 +287,119 @@ async def test_stop_does_not_hang_on_a_handler_that_ignores_cancellation(
         assert agent.status == reach.Status.DOWN
     finally:
         release.set()
+
+
+async def test_an_abandoned_request_is_answered_once(reach_settings, reach_client):
+    agent = Agent("late", settings=reach_settings, max_concurrency=1, max_queue=8)
+    raised = asyncio.Event()
+
+    @agent.capability("late.op")
+    async def op(req: dict[str, Any]) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        await reach.testing.eventually(lambda: agent.stats.abandoned == 1)
+        raised.set()
+        raise RuntimeError("late failure")
+
+    @agent.capability("late.ok")
+    async def ok(req: dict[str, Any]) -> dict[str, Any]:
+        return req
+
+    async with agent:
+        nc = reach_client.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.flush()
+        deadline = {Header.DEADLINE: str(int(time.time() * 1000) + 150)}
+        await nc.publish(reach_client.subjects.cap("late.op"), b"{}", reply=inbox, headers=deadline)
+        first = await sub.next_msg(timeout=10)
+        assert first.headers is not None
+        assert first.headers[Header.SERVICE_ERROR_CODE] == "408"
+        await raised.wait()
+        # A request served after the late failure: a second reply would have come before it.
+        assert await reach_client.request("late.ok", {"n": 1}, timeout=10) == {"n": 1}
+        assert sub.pending_msgs == 0
+        assert agent.stats.failed == 1
+
+
+async def test_a_topic_handler_cancelling_itself_keeps_its_topic(reach_settings, reach_client):
+    agent = Agent("topical", settings=reach_settings)
+    got: list[int] = []
+
+    @agent.on_topic("fault.news")
+    async def news(msg: dict[str, Any]) -> None:
+        got.append(msg["n"])
+        if msg["n"] == 1:
+            raise asyncio.CancelledError
+
+    async with agent:
+        for n in range(1, 4):
+            await reach_client.publish("fault.news", {"n": n})
+        await reach_client.flush()
+        await reach.testing.eventually(lambda: len(got) == 3, timeout=10)
+    assert got == [1, 2, 3]
+    assert agent.stats.topic_errors == 1
+
+
+async def test_stuck_handlers_are_capped_at_max_concurrency(reach_settings, reach_client):
+    """Past the cap an abandoned handler's worker is not replaced (the agent degrades);
+    once the stuck handlers end, they serve again and the agent recovers."""
+    release = asyncio.Event()
+    agent = fault_agent(reach_settings, release, workers=1)
+    try:
+        async with agent:
+            for stuck in (1, 2):
+                status, body = await raw_error(reach_client, "hang", deadline_in_ms=100)
+                assert (status, body.code) == ("408", "timeout")
+                assert agent.stats.stuck == stuck
+            assert agent.status is reach.Status.DEGRADED
+            release.set()
+            await reach.testing.eventually(lambda: agent.stats.stuck == 0)
+            await good_requests_still_served(reach_client)
+    finally:
+        release.set()
+
+
+EXITING_AGENT = """
+import asyncio, sys
+import reach
+
+settings = reach.ReachSettings(nats_url=sys.argv[1], subject_prefix=sys.argv[2])
+agent = reach.Agent("exiting", settings=settings)
+
+@agent.capability("exit.op")
+async def op(req: dict) -> dict:
+    raise SystemExit(3)
+
+asyncio.run(agent.serve_forever())
+"""
+
+
+async def test_a_handler_exiting_the_process_answers_first(reach_settings, reach_client, tmp_path):
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_AGENT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), reach_settings.nats_url, reach_settings.subject_prefix
+    )
+    try:
+        replies: list[Any] = []
+
+        async def answered() -> bool:
+            try:
+                replies.append(
+                    await reach_client.nc.request(
+                        reach_client.subjects.cap("exit.op"), b"{}", timeout=5
+                    )
+                )
+            except nats.errors.NoRespondersError:
+                return False
+            return True
+
+        await reach.testing.eventually(answered, timeout=20)
+        assert replies[0].headers[Header.SERVICE_ERROR_CODE] == "500"
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 3
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -122,17 +122,6 @@ async def test_pause_leaves_the_queue_group_and_resume_reenters_it(settings):
         assert await queue_call(client) == {"by": "l-pause"}
 
 
-async def test_pause_and_resume_at_once_are_serialised(settings):
-    agent = gated(settings, "l-race", Gate())
-    async with agent, Client(settings=settings, routing="queue") as client:
-        await asyncio.gather(agent.pause(), agent.resume())
-        assert agent.status == Status.UP
-        assert await queue_call(client) == {"by": "l-race"}
-        await agent.pause()
-        assert agent.status == Status.PAUSED
-        assert not await takes_queue_work(client)
-
-
 @pytest.mark.parametrize("mode", ["start", "async_with", "serve_forever"])
 async def test_ctl_drain_finishes_in_flight_work_deregisters_and_stops(settings, mode):
     gate = Gate()
@@ -270,3 +259,56 @@ async def test_pausing_under_load_loses_no_queue_request(settings):
         stop.set()
         await asyncio.gather(*streams)
     assert failures == []
+
+
+async def test_a_failure_while_closing_still_stops_the_agent(settings, monkeypatch):
+    agent = gated(settings, "l-close-fails", Gate())
+    await agent.start()
+    nc = agent.client.nc
+
+    async def broken_close() -> None:
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(agent.client, "close", broken_close)
+    with pytest.raises(RuntimeError, match="close failed"):
+        await agent.stop()
+    assert agent.status == Status.DOWN
+    monkeypatch.undo()
+    await nc.close()
+    await agent.start()  # not stuck in DRAINING: it starts again
+    await agent.stop()
+
+
+async def test_stop_during_starting_stops_the_agent(settings):
+    agent = gated(settings, "l-stop-starting", Gate())
+    starting = asyncio.create_task(agent.start())
+    await eventually(lambda: agent.status == Status.PAUSED)  # STARTING shows as PAUSED
+    await agent.stop()
+    await starting
+    assert agent.status == Status.DOWN
+    async with Client(settings=settings, routing="queue") as client:
+        assert not await takes_queue_work(client)
+
+
+async def test_concurrent_starts_after_a_failed_one_do_not_claim_success(nats_server):
+    settings = reach.ReachSettings(
+        nats_url="nats://127.0.0.1:1", subject_prefix=unique_prefix(), connect_timeout=0.5
+    )
+    agent = gated(settings, "l-start-fails", Gate())
+    results = await asyncio.gather(agent.start(), agent.start(), return_exceptions=True)
+    assert all(isinstance(r, reach.ReachError) for r in results), results
+    assert agent.status == Status.DOWN
+
+
+async def test_a_resume_in_flight_when_a_drain_starts_does_not_bring_the_agent_back(settings):
+    agent = gated(settings, "l-resume-drain", Gate())
+    await agent.start()
+    await agent.pause()
+    resuming = asyncio.create_task(agent.resume())
+    drained = asyncio.create_task(agent.wait_drain_requested())
+    agent.request_drain()  # before the resume finishes joining the queue groups
+    await resuming
+    assert agent.status != Status.UP
+    await drained
+    await agent.stop()
+    assert agent.status == Status.DOWN

@@ -54,3 +54,24 @@ async def test_close_without_timeout_waits_for_cleanup():
     await running.wait()
     assert await owner.close() == 0
     assert finished.is_set()
+
+
+async def test_a_loop_raising_cancelled_error_itself_is_restarted():
+    """A CancelledError nobody asked for (cancelling() == 0) is a crash, not a stop."""
+    owner = TaskOwner("t", backoff=0.001)
+    ran = 0
+    finished = asyncio.Event()
+
+    async def loop() -> None:
+        nonlocal ran
+        ran += 1
+        if ran == 1:
+            raise asyncio.CancelledError
+        finished.set()
+
+    task = owner.keep(loop, "loop")
+    async with asyncio.timeout(10):  # before the fix, the loop was never restarted
+        await finished.wait()
+    await task
+    assert (ran, owner.restarts, owner.failures) == (2, 1, 1)
+    await owner.close()
