@@ -236,12 +236,13 @@ async def test_application_code_reaches_the_caller_as_remote_error(reach_setting
             await reach_client.request("fault.op", {"kind": "busy"}, max_attempts=1)
         with pytest.raises(reach.RemoteError, match="stale") as conflict:
             await reach_client.request("fault.op", {"kind": "conflict"})
-    assert info.value.code == info.value.outcome == "busy_now"
+    assert info.value.code == "busy_now"
+    assert info.value.outcome == "refused"  # never a client outcome name (PROTOCOL.md 3.2)
     assert info.value.retryable
     assert info.value.agent_id == agent.agent_id
     # An unknown code is not failed over: one attempt, on the instance that refused.
     assert conflict.value.code == "version_conflict"
-    assert [a.outcome for a in conflict.value.attempts] == ["version_conflict"]
+    assert [a.outcome for a in conflict.value.attempts] == ["refused"]
 
 
 async def test_invalid_application_code_is_logged_and_sent_as_failed(
