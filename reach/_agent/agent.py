@@ -348,6 +348,8 @@ class Agent:
         finally:
             # Whatever failed above, the agent is stopped, not stuck in DRAINING.
             nc, self._nc = self._nc, None
+            if nc is not None and nc.is_connected:
+                await self._subs.withdraw(nc)
             self._subs.forget()
             if nc is not None and not nc.is_closed:
                 try:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .._nats import TRANSIENT, NatsConnection, leave
+from .._nats import TRANSIENT, NatsConnection, flush_nats, leave
 from .._subjects import Subjects
 from . import srv
 from .control import ControlListeners
@@ -84,6 +84,19 @@ class Subscriptions:
                 await leave(nc, sub)
             except TRANSIENT as exc:
                 log.debug("agent %s: leaving a queue group: %s", self.agent_id, exc)
+
+    async def withdraw(self, nc: NatsConnection) -> None:
+        """Before the connection closes: unsubscribe everything and wait two round trips,
+        so the server has dropped our interest when ``stop()`` returns. A closed socket is
+        noticed by the server a moment later; a request sent in that moment would reach a
+        dead subscription and time out instead of getting no-responders at once."""
+        subs, self._queues, self._others = [*self._queues, *self._others], [], []
+        try:
+            for sub in subs:
+                await sub.unsubscribe()
+            await flush_nats(nc)
+        except TRANSIENT as exc:
+            log.debug("agent %s: withdrawing subscriptions: %s", self.agent_id, exc)
 
     def forget(self) -> None:
         """The connection is closing: every subscription goes with it."""

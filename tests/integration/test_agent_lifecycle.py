@@ -312,3 +312,18 @@ async def test_a_resume_in_flight_when_a_drain_starts_does_not_bring_the_agent_b
     await drained
     await agent.stop()
     assert agent.status == Status.DOWN
+
+
+async def test_a_stopped_agent_is_gone_at_once_for_direct_callers(settings):
+    """Once stop() returns the server has dropped the agent's interest: a direct caller
+    gets no-responders at once, never a timeout against a dead subscription."""
+    for i in range(20):
+        # a client each time: its capability breaker would open after a few refusals
+        async with Client(settings=settings) as client:
+            agent = gated(settings, f"l-gone-{i}", Gate())
+            async with agent:
+                assert await client.request("life.op", {}, agent_id=agent.agent_id) == {
+                    "by": agent.agent_id
+                }
+            with pytest.raises(reach.AgentUnavailable):
+                await client.request("life.op", {}, agent_id=agent.agent_id, timeout=2)
