@@ -32,13 +32,11 @@ import asyncio
 import json
 import statistics
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import nats
-from _fleet import Children, defaults, pct, shown
+from _fleet import Call, Children, closed_loop, defaults, pct, shown
 
 import reach
 from reach.testing import NatsServer, eventually
@@ -157,24 +155,6 @@ def expire(fut: asyncio.Future[Any]) -> None:
         fut.set_exception(TimeoutError())
 
 
-Call = Callable[[], Awaitable[None]]
-
-
-async def closed_loop(fn: Call, seconds: float, inflight: int) -> tuple[float, list[float]]:
-    """Requests per second and per-request latencies (s) with ``inflight`` callers."""
-    lat: list[float] = []
-    end = time.perf_counter() + seconds
-
-    async def worker() -> None:
-        while (t := time.perf_counter()) < end:
-            await fn()
-            lat.append(time.perf_counter() - t)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(inflight)))
-    return len(lat) / (time.perf_counter() - t0), lat
-
-
 async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     body = payload()
     settings = defaults(url)
@@ -253,8 +233,8 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             for mode in ("seq", "conc")
             for what, value in (
                 ("rate", statistics.median(r[name][mode] for r in per_round)),
-                ("p50_us", pct(lat[name][mode], 0.5) * 1e6),
-                ("p99_us", pct(lat[name][mode], 0.99) * 1e6),
+                ("p50_us", pct(lat[name][mode], 0.5) * 1e3),
+                ("p99_us", pct(lat[name][mode], 0.99) * 1e3),
             )
         }
     for raw in ("raw nc.request", "raw mux"):

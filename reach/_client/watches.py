@@ -74,6 +74,9 @@ class Watches:
             self._config,
             self.owner,
             name=f"config {config}",
+            # Config is silent by nature; the watchdog rebuilds only when the watch is
+            # stale or the bucket moved while it stayed silent, so silence costs nothing.
+            silence_limit=max(3 * self._settings.heartbeat_interval, 1.0),
             rebuild_timeout=timeout,
             connected=lambda: nc.is_connected,
         )
@@ -88,16 +91,6 @@ class Watches:
             for mirror in (table, watch):
                 await mirror.stop()
             raise
-        self.owner.keep(lambda: self._retry_config(watch, nc), "config retry")
-
-    async def _retry_config(self, watch: _kv.BucketMirror, nc: NatsConnection) -> None:
-        """The config bucket is silent by nature, so silence proves nothing: only retry
-        while it is missing or its watch ended."""
-        interval = max(self._settings.heartbeat_interval, 1.0)
-        while True:
-            await asyncio.sleep(interval)
-            if watch.stale and nc.is_connected:
-                await watch.rebuild(self._settings.connect_timeout)
 
     def rebuild_soon(self) -> None:
         """After a reconnect: fresh watchers, reconciled against fresh snapshots."""

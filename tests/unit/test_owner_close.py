@@ -46,8 +46,11 @@ async def test_close_without_timeout_waits_for_cleanup():
         try:
             await asyncio.Event().wait()
         finally:
+            # cleanup that itself awaits (a flush, a reply): close() must wait for it
+            flushed = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(flushed.set_result, None)
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(0)
+                await flushed
             finished.set()
 
     owner.spawn(cleans_up(), "cleans-up")
