@@ -100,13 +100,17 @@ class BucketMirror:
         self.stale = True
 
     def rebuild_soon(self) -> None:
-        """After a reconnect: a fresh watcher, reconciled against a fresh snapshot."""
+        """After a reconnect: a fresh watcher, reconciled against a fresh snapshot. A
+        reconnect while a background rebuild runs gets one more after it."""
         if self._stopped or self._owner.closed:
             return
-        if self._soon is not None and not self._soon.done():
-            self._asked += 1  # the running one may predate the reconnect: it will go again
-            return
-        self._soon = self._owner.spawn(self.rebuild(self.rebuild_timeout), f"{self.name} rebuild")
+        self._asked += 1
+        if self._soon is None or self._soon.done():
+            self._soon = self._owner.spawn(self._catch_up(), f"{self.name} rebuild")
+
+    async def _catch_up(self) -> None:
+        while not self._stopped and self._covered < self._asked:
+            await self.rebuild(self.rebuild_timeout)
 
     async def rebuild(self, timeout: float) -> bool:
         """Replace the watcher. One rebuild at a time; a caller whose request came before a

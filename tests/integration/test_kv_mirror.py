@@ -142,3 +142,17 @@ async def test_a_rebuild_asked_for_during_another_gets_its_own(bucket):
     assert m.rebuilds == 2  # the second and third share one, begun after they asked
     await m.stop()
     await owner.close()
+
+
+async def test_a_reconnect_during_a_background_rebuild_gets_one_more(bucket):
+    _, spy = bucket
+    owner = TaskOwner("test")
+    m = mirror(spy, Sink(), owner)
+    spy.hold = asyncio.Event()
+    m.rebuild_soon()  # a first reconnect
+    await eventually(lambda: m.rebuilds == 1)
+    m.rebuild_soon()  # a second one, while the first rebuild is under way
+    spy.hold.set()
+    await eventually(lambda: m.rebuilds == 2 and not m.stale)
+    await m.stop()
+    await owner.close()
