@@ -43,6 +43,7 @@ class Job:
     request_id: str
     expired: bool = False  # the deadline watch cancelled its handler
     abandoned: bool = False  # ...which ignored that; answered, and its worker replaced
+    answered: bool = False  # a reply went out (a stop arriving during it adds none)
 
 
 @dataclass(slots=True)

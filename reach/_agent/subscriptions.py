@@ -34,10 +34,6 @@ class Subscriptions:
         self._queues: list[Subscription] = []
         self._others: list[Subscription] = []
 
-    @property
-    def in_queue_groups(self) -> bool:
-        return bool(self._queues)
-
     async def subscribe(
         self,
         nc: NatsConnection,

@@ -127,7 +127,7 @@ class Workers:
                 await self._run(job, task)
             except asyncio.CancelledError:
                 # Stopped past drain_timeout: tell the caller instead of leaving it waiting.
-                if not job.abandoned:
+                if not job.answered:
                     await self.reply_error(
                         job.msg, "agent_unavailable", "agent stopped while running the request"
                     )
@@ -162,7 +162,7 @@ class Workers:
         except msgspec.DecodeError as exc:
             self._count_error(job, str(exc))
             self.stats.invalid += 1
-            await self.reply_error(msg, "bad_request", f"invalid payload: {exc}")
+            await self._answer(job, "bad_request", f"invalid payload: {exc}")
             return
         args: tuple[Any, ...] = (payload,)
         if cap.spec.wants_context:
@@ -218,6 +218,7 @@ class Workers:
         if self.reply_headers:
             headers = {Header.AGENT: self.agent_id, Header.DURATION_MS: f"{ms:.3f}"}
         nc = self._nc
+        job.answered = True
         try:
             await nc.publish(msg.reply, body, reply=cap.direct, headers=headers)
         except TRANSIENT as exc:
@@ -265,7 +266,7 @@ class Workers:
             rid,
             exc_info=sys.exc_info()[0] is not None,
         )
-        await self.reply_error(job.msg, code, f"{what} (request id {rid})")
+        await self._answer(job, code, f"{what} (request id {rid})")
 
     async def _refused(self, job: Job, exc: RemoteError) -> None:
         """A deliberate refusal: its code and message are meant for the caller."""
@@ -275,7 +276,7 @@ class Workers:
             return
         code, status, retryable = wire
         self._count_error(job, exc.message)
-        await self.reply_error(job.msg, code, exc.message, status=status, retryable=retryable)
+        await self._answer(job, code, exc.message, status=status, retryable=retryable)
 
     async def _late(self, job: Job, task: asyncio.Task[Any]) -> None:
         """The handler ended, however, after the deadline watch cancelled it: that
@@ -290,7 +291,7 @@ class Workers:
         if self.timeouts.timed_out(time.monotonic()):
             self._life.degrade(Reason.TIMEOUTS)
         self._count_error(job, "deadline passed while running")
-        await self.reply_error(job.msg, "timeout", "deadline passed while running")
+        await self._answer(job, "timeout", "deadline passed while running")
 
     async def _internal_error(self, job: Job) -> None:
         """A bug of ours around this request: counted and answered; the worker goes on."""
@@ -299,13 +300,19 @@ class Workers:
         rid = job.request_id or "-"
         log.exception("agent %s: internal error serving request %s", self.agent_id, rid)
         try:
-            await self.reply_error(job.msg, "failed", f"agent failed (request id {rid})")
+            await self._answer(job, "failed", f"agent failed (request id {rid})")
         except Exception:
             log.exception("agent %s: could not answer request %s", self.agent_id, rid)
 
     def _count_error(self, job: Job, reason: str) -> None:
         job.cap.failed(reason)
         self.stats.failed += 1
+
+    async def _answer(
+        self, job: Job, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        job.answered = True
+        await self.reply_error(job.msg, code, message, status=status, retryable=retryable)
 
     async def reply_error(
         self, msg: Any, code: str, message: str, *, status: int = 500, retryable: bool = False

@@ -45,6 +45,8 @@ class ClientStats:
     table_rebuilds: int = 0  # routing-table watches (re)built
     attempts_cancelled: int = 0  # attempts cut short: hedge losers, caller timeouts
     heartbeats_clamped: int = 0  # records whose heartbeat numbers were out of range
+    records_ignored: int = 0  # agent records that did not decode or named another key
+    config_ignored: int = 0  # config keys whose value could not be used
 
 
 class Client:
@@ -72,12 +74,9 @@ class Client:
             task_types=self.settings.task_types,
         )
         self._table = RoutingTable(on_leave=self._router.forget)
+        self._config = ConfigSink(self._router)
         self._watches = Watches(
-            name or "reach-client",
-            self.settings,
-            self.subjects,
-            self._table,
-            ConfigSink(self._router),
+            name or "reach-client", self.settings, self.subjects, self._table, self._config
         )
         self._inbox = Inbox(self.url, f"{self.subjects.prefix}.agent.")
         self._requests = Requester(
@@ -233,6 +232,8 @@ class Client:
             table_rebuilds=self._watches.rebuilds,
             attempts_cancelled=self._requests.cancelled,
             heartbeats_clamped=self._table.clamped,
+            records_ignored=self._table.undecodable,
+            config_ignored=self._config.ignored,
         )
 
     # -- closing -----------------------------------------------------------------------

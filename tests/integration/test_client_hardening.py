@@ -195,7 +195,9 @@ async def test_a_record_stored_under_another_agents_key_is_ignored(settings):
                 reply = await client.call("work.do", {}, routing=routing, timeout=5)
                 assert reply.value == {"by": "w-good"}
             ids = {r.info.agent_id for r in await client.agents()}
+            ignored = client.stats.records_ignored
     assert "w-other" not in ids
+    assert ignored == 1
 
 
 async def test_a_close_while_routing_starts_leaves_the_next_connection_a_live_table(
