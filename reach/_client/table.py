@@ -120,6 +120,8 @@ class RoutingTable:
         decoded: dict[str, AgentRecord] = {}
         for key, entry in snapshot.items():
             record = self._decode(key, entry)
+            if record is None and entry.value is not None:
+                record = self.records.get(key)  # undecodable: keep what we had, as update does
             if record is not None:
                 decoded[key] = record
         for key in [k for k in self.records if k not in decoded]:
