@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 
-from ..wire import CapabilityInfo, Priority
-from .handlers import HandlerSpec
+from ..wire import CapabilityInfo, Header, Priority
+from .handlers import Context, HandlerSpec
+
+if TYPE_CHECKING:
+    from .._client import Client
 
 __all__ = ["AgentStats", "Job", "Served", "TopicSpec"]
 
@@ -44,6 +47,25 @@ class Job:
     expired: bool = False  # the deadline watch cancelled its handler
     abandoned: bool = False  # ...which ignored that; answered, and its worker replaced
     answered: bool = False  # a reply went out (a stop arriving during it adds none)
+
+    def context(self, agent_id: str, client: Client) -> Context:
+        """What the handler sees of this request (built only for handlers that ask)."""
+        hdrs = self.msg.headers or {}
+        try:
+            attempt = int(hdrs.get(Header.ATTEMPT, "1"))
+        except ValueError:
+            attempt = 1
+        return Context(
+            agent_id=agent_id,
+            client=client,
+            capability=self.cap.info.name,
+            request_id=self.request_id,
+            priority=self.priority,
+            deadline_ms=self.deadline_ms,
+            caller=hdrs.get(Header.CALLER, ""),
+            attempt=attempt,
+            headers=dict(hdrs),
+        )
 
 
 @dataclass(slots=True)

@@ -22,7 +22,6 @@ from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
 from ..errors import RemoteError
 from ..wire import Header
-from .handlers import Context
 from .lifecycle import Lifecycle, Reason, TimeoutWatch
 from .model import AgentStats, Job
 from .scheduler import WorkQueue
@@ -166,7 +165,7 @@ class Workers:
             return
         args: tuple[Any, ...] = (payload,)
         if cap.spec.wants_context:
-            args = (payload, self._context(job))
+            args = (payload, job.context(self.agent_id, self._client))
         if job.deadline_ms is not None:
             self._deadlines[task] = job
             if not self._armed.is_set():
@@ -193,9 +192,14 @@ class Workers:
                 await self._refused(job, exc)
             return
         except (KeyboardInterrupt, SystemExit):
-            # The process is going down: answer first, since nothing will after.
+            # The process is going down: answer first, and see it leave, since nothing
+            # will after (a buffered reply dies with the process).
             if not job.abandoned:
                 await self._failed(job, "failed", "handler stopped the process")
+                try:
+                    await self._nc.flush(timeout=1)
+                except TRANSIENT as exc:
+                    log.warning("agent %s: last reply not flushed: %s", self.agent_id, exc)
             raise
         except BaseException:
             if job.expired:
@@ -231,24 +235,6 @@ class Workers:
         s.served += 1
         s.latency_ewma_ms = (
             ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
-        )
-
-    def _context(self, job: Job) -> Context:
-        hdrs = job.msg.headers or {}
-        try:
-            attempt = int(hdrs.get(Header.ATTEMPT, "1"))
-        except ValueError:
-            attempt = 1
-        return Context(
-            agent_id=self.agent_id,
-            client=self._client,
-            capability=job.cap.info.name,
-            request_id=job.request_id,
-            priority=job.priority,
-            deadline_ms=job.deadline_ms,
-            caller=hdrs.get(Header.CALLER, ""),
-            attempt=attempt,
-            headers=dict(hdrs),
         )
 
     # -- the ways a request can fail -----------------------------------------------------
