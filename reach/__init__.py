@@ -8,8 +8,16 @@ from ._client import ClientStats as ClientStats
 from ._client import Reply as Reply
 from ._client import TopicMessage as TopicMessage
 from ._client import TopicSubscription as TopicSubscription
+from ._handlers import TaskContext as TaskContext
 from ._registry import Registry as Registry
 from ._registry import RegistryStats as RegistryStats
+from ._tasks import Batch as Batch
+from ._tasks import BatchProgress as BatchProgress
+from ._tasks import TaskAttempt as TaskAttempt
+from ._tasks import TaskRecord as TaskRecord
+from ._tasks import TaskRef as TaskRef
+from ._tasks import TaskState as TaskState
+from ._tasks import TaskStats as TaskStats
 from .errors import (
     AgentUnavailable,
     BadRequest,
@@ -25,6 +33,7 @@ from .errors import (
     RemoteError,
     RequestTimeout,
     ResourceExhausted,
+    TaskNotFound,
     Unauthorized,
 )
 from .settings import ReachSettings as ReachSettings
@@ -42,6 +51,8 @@ __all__ = [
     "AgentStats",
     "AgentUnavailable",
     "BadRequest",
+    "Batch",
+    "BatchProgress",
     "Cancelled",
     "CapabilityNotFound",
     "CircuitOpen",
@@ -63,6 +74,13 @@ __all__ = [
     "RequestTimeout",
     "ResourceExhausted",
     "Status",
+    "TaskAttempt",
+    "TaskContext",
+    "TaskNotFound",
+    "TaskRecord",
+    "TaskRef",
+    "TaskState",
+    "TaskStats",
     "TopicMessage",
     "TopicSubscription",
     "Unauthorized",

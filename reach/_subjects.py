@@ -106,6 +106,21 @@ class Subjects:
     def event(self, agent_id: str) -> str:
         return f"{self.prefix}.evt.agent.{agent_id}"
 
+    def task(self, capability: str, priority: str) -> str:
+        """Where durable tasks wait: stream ``REACH_TASKS``, one consumer per subject."""
+        return f"{self.prefix}.task.{capability}.{priority}"
+
+    def dlq(self, capability: str) -> str:
+        return f"{self.prefix}.dlq.{capability}"
+
+    def task_cancel(self) -> str:
+        """Core NATS: "stop running this task now" (the record says it for good)."""
+        return f"{self.prefix}.taskctl.cancel"
+
+    def task_done(self, client: str) -> str:
+        """Core NATS: a submitter's own subject for the final records of its tasks."""
+        return f"{self.prefix}.taskdone.{client}"
+
     def bucket(self, name: str) -> str:
         """KV bucket for this prefix: ``reach_agents`` by default, one per tenant prefix."""
         return f"{self.prefix.replace('.', '_')}_{name}"

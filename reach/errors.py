@@ -4,6 +4,7 @@
     ├── ConfigurationError         bad settings or arguments found before anything is sent
     ├── ConnectionFailed           the NATS server cannot be reached
     ├── NotStarted                 an agent or client used before start / after close
+    ├── TaskNotFound               no task has this id (never had, or its record expired)
     └── RemoteError                an answer (or lack of one) from the other side, by wire code
         ├── BadRequest             bad_request: the payload or headers were invalid
         ├── Unauthorized           unauthorized
@@ -58,6 +59,7 @@ __all__ = [
     "RemoteError",
     "RequestTimeout",
     "ResourceExhausted",
+    "TaskNotFound",
     "Unauthorized",
     "error_for_code",
 ]
@@ -102,6 +104,17 @@ class ConnectionFailed(ReachError, ConnectionError):
 
 class NotStarted(ReachError, RuntimeError):
     """An Agent or Client was used while not running."""
+
+
+class TaskNotFound(ReachError, LookupError):
+    """No record for this task id: it never existed, or its retention ran out. Never
+    reported as PENDING."""
+
+    code = "not_found"
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"no task {task_id!r} (unknown id, or its record expired)")
 
 
 class RemoteError(ReachError):

@@ -54,6 +54,30 @@ class ReachSettings(BaseSettings):
     #: task type -> capability, so callers can ask by task type
     task_types: dict[str, str] = Field(default_factory=dict)
     nats_server_bin: str = ""
+    # -- durable tasks ---------------------------------------------------------------------
+    #: seconds before JetStream redelivers a task whose agent went silent; a running task is
+    #: kept with in_progress() every third of it
+    task_ack_wait: float = Field(default=30.0, ge=1)
+    #: how long a task record is kept after its last change (per-key TTL in reach_tasks)
+    task_retention: float = Field(default=86400.0, gt=0)
+    #: how long an idempotency key maps to its task
+    task_idempotency_ttl: float = Field(default=86400.0, gt=0)
+    task_timeout: float = Field(default=300.0, gt=0)
+    task_max_attempts: int = Field(default=3, ge=1, le=100)
+    task_retry_base: float = Field(default=1.0, ge=0)
+    task_retry_cap: float = Field(default=60.0, ge=0)
+    #: JetStream's own delivery ceiling, a safety net above max_attempts (the MAX_DELIVERIES
+    #: advisory sends what reaches it to the DLQ)
+    task_max_deliver: int = Field(default=20, ge=2)
+    #: tasks one agent runs at once (per agent, across its task capabilities); 0: max_concurrency
+    task_concurrency: int = Field(default=0, ge=0)
+    callback_attempts: int = Field(default=3, ge=1)
+    callback_timeout: float = Field(default=5.0, gt=0)
+    dlq_retention: float = Field(default=14 * 86400.0, gt=0)
+    #: seconds between recovery sweeps (run by the registry); 0 turns them off
+    task_sweep_interval: float = Field(default=15.0, ge=0)
+    #: replicas of task streams and buckets (3 in a 3-node cluster)
+    task_replicas: int = Field(default=1, ge=1, le=5)
 
     @field_validator("routing")
     @classmethod

@@ -141,6 +141,8 @@ class AgentInfo(_Wire, tag="reach.agent.info", frozen=True, kw_only=True):
     name: str
     version: str = "1.0.0"
     capabilities: list[CapabilityInfo] = msgspec.field(default_factory=list)
+    #: durable capabilities (``@agent.task``), served from the task stream, not by request
+    tasks: list[CapabilityInfo] = msgspec.field(default_factory=list)
     tags: list[str] = msgspec.field(default_factory=list)
     max_concurrency: int = 8
     max_queue: int = 64

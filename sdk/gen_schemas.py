@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 
 from reach import wire
+from reach._tasks import records
 
 SCHEMAS = Path(__file__).parent / "schemas"
 TYPES = {
@@ -26,6 +27,8 @@ TYPES = {
     "list-reply": wire.ListReply,
     "route-query": wire.RouteQuery,
     "route-reply": wire.RouteReply,
+    "task-submit": records.TaskSubmit,
+    "task-record": records.TaskRecord,
 }
 
 

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -25,13 +24,14 @@ from .._codec import now_ms
 from .._nats import TRANSIENT, NatsConnection, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._runtime import run_async
-from .._subjects import validate_agent_id, validate_capability, validate_topic
+from .._subjects import validate_agent_id
+from .._tasks import TaskRunner, TaskStats
 from ..errors import ConfigurationError
 from ..settings import ReachSettings
 from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Status
 from . import srv
 from .control import ControlListeners
-from .handlers import Handler, inspect_handler
+from .declare import Declarations
 from .intake import Intake, topic_handler
 from .lifecycle import Lifecycle, State
 from .model import AgentStats, Served, TopicSpec
@@ -44,7 +44,7 @@ __all__ = ["Agent"]
 log = logging.getLogger("reach.agent")
 
 
-class Agent:
+class Agent(Declarations):
     """One running instance of a named agent that serves capabilities.
 
     Capabilities are served on ``reach.cap.<cap>`` (queue group ``cap.<cap>``: one instance
@@ -93,6 +93,14 @@ class Agent:
         self.subjects = self._client.subjects
         self._caps: dict[str, Served] = {}
         self._topics: list[TopicSpec] = []
+        self.task_stats = TaskStats()
+        self._tasks = TaskRunner(
+            self.agent_id,
+            self.settings,
+            self.subjects,
+            self.task_stats,
+            self.settings.task_concurrency or self.max_concurrency,
+        )
         self._nc: NatsConnection | None = None
         self._life = Lifecycle(self._status_changed)
         self._work = TaskOwner(f"agent {self.agent_id}")
@@ -124,38 +132,6 @@ class Agent:
             reply_headers=self.reply_headers,
         )
         self._intake = Intake(self.agent_id, self._workers, self._life, self.stats)
-
-    # -- declaration -------------------------------------------------------------------
-
-    def capability(
-        self, name: str, *, version: str = "1.0", description: str = ""
-    ) -> Callable[[Handler], Handler]:
-        """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``."""
-        validate_capability(name)
-        if self._life.running:
-            raise ConfigurationError("add capabilities before the agent starts")
-
-        def register(fn: Handler) -> Handler:
-            if name in self._caps:
-                raise ConfigurationError(f"capability {name!r} is already served by this agent")
-            spec = inspect_handler(fn, f"capability {name!r}")
-            info = CapabilityInfo(name=name, version=version, description=description)
-            self._caps[name] = Served(info, spec)
-            return fn
-
-        return register
-
-    def on_topic(self, topic: str) -> Callable[[Handler], Handler]:
-        """Receive every broadcast on ``topic`` (wildcards allowed), on every instance."""
-        validate_topic(topic, wildcards=True)
-        if self._life.running:
-            raise ConfigurationError("add topic handlers before the agent starts")
-
-        def register(fn: Handler) -> Handler:
-            self._topics.append(TopicSpec(topic, inspect_handler(fn, f"topic {topic!r}")))
-            return fn
-
-        return register
 
     # -- introspection -----------------------------------------------------------------
 
@@ -193,6 +169,7 @@ class Agent:
             name=self.name,
             version=self.version,
             capabilities=self.capabilities,
+            tasks=[t.info for t in self._tasks.decls.values()],
             tags=self.tags,
             max_concurrency=self.max_concurrency,
             max_queue=self.max_queue,
@@ -256,6 +233,7 @@ class Agent:
                         for t in self._topics
                     ],
                 )
+                await self._tasks.start(nc, self._work, self._client, self.tags)
                 await flush_nats(nc)
                 self._life.started()
                 # One registration attempt now (no-responders answers at once when no
@@ -323,7 +301,11 @@ class Agent:
                     await self._presence.send_heartbeat()  # routing stops before we do
                     await self._subs.leave_queues(self._nc)
             if graceful:
-                if not await self._workers.wait_idle(self.drain_timeout):
+                idle, tasks_done = await asyncio.gather(
+                    self._workers.wait_idle(self.drain_timeout),
+                    self._tasks.drain(self.drain_timeout),
+                )
+                if not (idle and tasks_done):
                     log.warning(
                         "agent %s: in-flight work outlived drain_timeout (%ss)",
                         self.agent_id,
@@ -341,6 +323,7 @@ class Agent:
         try:
             await self._presence.stop()
             await self._workers.close(self._work)
+            await self._tasks.close()
             if deregister and self._presence.registered:
                 await self._presence.deregister()
             self._presence.attach(None)

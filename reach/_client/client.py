@@ -20,11 +20,13 @@ from nats.aio.client import Client as NatsConnection
 from .._nats import TRANSIENT, connect_nats, flush_nats
 from .._routing import Policy, Router, Weights
 from .._subjects import Subjects, validate_capability
+from .._tasks import Tasks
 from ..errors import NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
 from .config import ConfigSink, config_bucket
+from .durable import DurableTasks
 from .inbox import Inbox, Reply
 from .table import RoutingTable
 from .topics import TopicSubscription, publish, subscribe
@@ -49,7 +51,7 @@ class ClientStats:
     config_ignored: int = 0  # config keys whose value could not be used
 
 
-class Client:
+class Client(DurableTasks):
     """Calls capabilities and broadcasts; one NATS connection, opened by ``async with``."""
 
     def __init__(
@@ -79,6 +81,7 @@ class Client:
             name or "reach-client", self.settings, self.subjects, self._table, self._config
         )
         self._inbox = Inbox(self.url, f"{self.subjects.prefix}.agent.")
+        self._tasks = Tasks(self.settings, self.subjects, name or "reach-client")
         self._requests = Requester(
             self.settings,
             self.subjects,
@@ -242,6 +245,7 @@ class Client:
         """Stop background work and fail pending requests; close the connection if it is
         ours (an adopted one stays open for its owner)."""
         await self._watches.close()
+        await self._tasks.close()
         self._requests.table = None
         nc, self._nc = self._nc, None
         await self._inbox.close(unsubscribe=not self._owns_nc)

@@ -1,0 +1,32 @@
+"""Durable tasks on JetStream.
+
+``records`` (the wire: TaskSubmit, TaskRecord) and ``states`` (the pure state machine,
+fencing, backoff, priority aging) are pure. ``store`` names and reads/writes the streams and
+buckets. The agent side is ``runner`` (pulling by priority, leases, cancel, drain) over
+``execute`` (one delivery: claim, RUNNING, result, retry, dead letter, callback). The client
+side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch). ``dlq`` writes dead letters.
+Nothing here imports the agent or the client packages.
+"""
+
+from .execute import Executor
+from .model import TaskStats
+from .records import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
+from .refs import Batch, BatchProgress, TaskRef
+from .runner import TaskDecl, TaskRunner
+from .submit import Tasks
+
+__all__ = [
+    "Batch",
+    "BatchProgress",
+    "Executor",
+    "TaskAttempt",
+    "TaskDecl",
+    "TaskRecord",
+    "TaskRef",
+    "TaskRunner",
+    "TaskState",
+    "TaskStats",
+    "TaskStep",
+    "TaskSubmit",
+    "Tasks",
+]

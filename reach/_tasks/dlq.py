@@ -1,0 +1,60 @@
+"""Dead letters: a task that failed for good is copied to stream ``REACH_DLQ`` before its
+message leaves the task stream, so it is never lost; it stays for ``dlq_retention``.
+
+A dead letter is the original message body and headers, plus ``Reach-Dlq-*`` headers
+saying why (reason, error, attempts). Its ``Nats-Msg-Id`` names the task and attempt, so a
+copy resent after a crash is deduplicated by the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from .records import TaskAttempt
+from .store import TaskStore
+
+__all__ = ["DLQ_ATTEMPTS", "DLQ_ERROR", "DLQ_KIND", "DLQ_REASON", "TASK_ID", "dead_letter"]
+
+TASK_ID = "Reach-Task-Id"
+DLQ_REASON = "Reach-Dlq-Reason"
+DLQ_ERROR = "Reach-Dlq-Error"
+DLQ_ATTEMPTS = "Reach-Dlq-Attempts"
+DLQ_KIND = "Reach-Dlq-Kind"
+_MAX_HEADER = 2000
+_attempts_encoder = msgspec.json.Encoder()
+
+
+def _one_line(text: str) -> str:
+    """A header value: no line breaks, bounded."""
+    return " ".join(text.split())[:_MAX_HEADER]
+
+
+async def dead_letter(
+    store: TaskStore,
+    *,
+    capability: str,
+    task_id: str,
+    data: bytes,
+    headers: Mapping[str, str] | None,
+    reason: str,
+    error: str,
+    attempts: Sequence[TaskAttempt] = (),
+    kind: str = "task",
+    seq: int = 0,
+) -> int:
+    """Publish one dead letter and wait for the stream's ack; its DLQ sequence."""
+    hdrs = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-")}
+    hdrs.update(
+        {
+            "Nats-Msg-Id": f"dlq.{kind}.{task_id or 'unknown'}.{len(attempts)}.{seq}",
+            TASK_ID: task_id,
+            DLQ_KIND: kind,
+            DLQ_REASON: _one_line(reason),
+            DLQ_ERROR: _one_line(error) or "-",
+            DLQ_ATTEMPTS: _attempts_encoder.encode(list(attempts)).decode()[:_MAX_HEADER],
+        }
+    )
+    ack = await store.js.publish(store.subjects.dlq(capability or "unknown"), data, headers=hdrs)
+    return int(ack.seq)

@@ -1,0 +1,343 @@
+"""One delivery of a task message, from the claim to the ack: the state machine's I/O.
+
+Order matters for "nothing is lost": the record is written before the message is acked,
+naked or terminated; a dead letter is published before ``term()``. A worker whose attempt
+is no longer the newest (it was stopped, its claim expired, another attempt started) writes
+nothing and does not ack: the newer attempt owns the message now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from .._codec import encode_payload, now_ms
+from .._nats import TRANSIENT, NatsConnection
+from ..errors import RemoteError
+from ..wire import ErrorBody, Header
+from .dlq import dead_letter
+from .model import Delivery, TaskStats, new_record
+from .records import TaskAttempt, TaskRecord, TaskState
+from .states import advance, can_write, end_attempt, retry_delay
+from .store import Conflict, Stored, TaskStore
+
+__all__ = ["Executor"]
+
+log = logging.getLogger("reach.tasks")
+S = TaskState
+_encode = msgspec.json.Encoder().encode
+
+
+class Executor:
+    """Runs deliveries for one agent; shared by all its task capabilities."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        nc: NatsConnection,
+        store: TaskStore,
+        stats: TaskStats,
+    ) -> None:
+        self.agent_id = agent_id
+        self.nc = nc
+        self.store = store
+        self.settings = store.settings
+        self.stats = stats
+
+    def claim_key(self, d: Delivery) -> str:
+        return f"run.{d.task_id}"
+
+    # -- before the handler ------------------------------------------------------------
+
+    async def begin(self, d: Delivery) -> bool:
+        """Claim the task and write RUNNING; False when there is nothing to run (final,
+        cancelled, claimed by a live agent, out of attempts): the message is handled."""
+        at = now_ms()
+        stored = await self.store.get(d.task_id)
+        for _ in range(8):
+            rec, rev = (
+                (stored.record, stored.revision)
+                if stored
+                else (new_record(d.sub, d.msg.metadata.sequence.stream, at), 0)
+            )
+            if rec.final:
+                d.stored = Stored(rec, rev)
+                await self.after_final(d, rec)
+                self.stats.duplicates += 1
+                return False
+            if not d.claim_rev and not await self._claim(d):
+                return False
+            at = now_ms()
+            steps: list[TaskState] = []
+            attempts = list(rec.attempts)
+            if rec.state in (S.RUNNING, S.TIMEOUT):
+                # a previous attempt whose agent stopped renewing its claim: lost
+                attempts = end_attempt(attempts, rec.attempt, at, "lost", "its agent went away")
+                steps.append(S.RETRYING)
+            # the agent's defaults, for a submit that named none
+            max_attempts = rec.max_attempts or d.sub.max_attempts
+            if rec.cancel_requested:
+                new = advance(rec, [*steps, S.CANCELLED], at, "cancelled", attempts=attempts)
+            elif rec.attempt >= max_attempts:
+                code = "timeout" if attempts and attempts[-1].outcome == "timeout" else "failed"
+                err = ErrorBody(code=code, message=f"no attempts left ({rec.attempt} used)")
+                new = advance(rec, [*steps, S.FAILED], at, "attempts exhausted", attempts=attempts)
+                new = msgspec.structs.replace(new, error=err)
+            else:
+                d.n = rec.attempt + 1
+                attempts.append(TaskAttempt(n=d.n, agent_id=self.agent_id, started_ms=at))
+                new = advance(
+                    rec,
+                    [*steps, S.RUNNING],
+                    at,
+                    attempt=d.n,
+                    agent_id=self.agent_id,
+                    attempts=attempts,
+                    progress=0.0,
+                    progress_note="",
+                    max_attempts=max_attempts,
+                    timeout=rec.timeout or d.sub.timeout,
+                )
+            try:
+                d.stored = Stored(new, await self.store.write(new, rev))
+            except Conflict:
+                stored = await self.store.get(d.task_id)
+                d.n = 0
+                continue
+            if new.final:
+                await self.finished(d, new, reason="attempts exhausted")
+                return False
+            return True
+        log.warning("task %s: record kept changing; trying again later", d.task_id)
+        await self.release(d)
+        await self._put_back(d, 1.0)
+        return False
+
+    async def _claim(self, d: Delivery) -> bool:
+        value = f"{self.agent_id} {d.msg.metadata.num_delivered}".encode()
+        try:
+            d.claim_rev = await self.store.idem_claim(
+                self.claim_key(d), value, self.settings.task_ack_wait
+            )
+        except Conflict:
+            self.stats.claim_busy += 1
+            await self._put_back(d, self.settings.task_ack_wait / 3)
+            return False
+        return True
+
+    async def renew(self, d: Delivery) -> bool:
+        """Extend our claim and the message's ack timer; False when we lost the claim."""
+        try:
+            await d.msg.in_progress()
+        except TRANSIENT as exc:
+            log.debug("task %s: in_progress: %s", d.task_id, exc)
+        if not d.claim_rev:
+            return True
+        value = f"{self.agent_id} {d.n}".encode()
+        try:
+            d.claim_rev = await self.store.idem_renew(
+                self.claim_key(d), value, self.settings.task_ack_wait, d.claim_rev
+            )
+        except Conflict:
+            return False
+        except TRANSIENT as exc:
+            log.debug("task %s: claim renewal: %s", d.task_id, exc)
+        return True
+
+    # -- writes while and after running ------------------------------------------------
+
+    async def commit(
+        self, d: Delivery, states: list[TaskState], note: str = "", **changes: Any
+    ) -> TaskRecord | None:
+        """Write the next record of our attempt; None when fenced (a newer attempt owns
+        the task, or it is final): then we write nothing and must not ack."""
+        for _ in range(8):
+            st = d.stored
+            if st is None or not can_write(st.record, d.n):
+                self.stats.fenced += 1
+                log.info("task %s: attempt %s is no longer current; dropped", d.task_id, d.n)
+                return None
+            new = advance(st.record, states, now_ms(), note, **changes)
+            try:
+                d.stored = Stored(new, await self.store.write(new, st.revision))
+                return new
+            except Conflict:
+                d.stored = await self.store.get(d.task_id)
+        return None
+
+    async def progress(self, d: Delivery, fraction: float, note: str) -> None:
+        await self.commit(d, [], progress=fraction, progress_note=note)
+
+    async def settle(self, d: Delivery, outcome: str, value: Any = None, exc: Any = None) -> None:
+        """Record how our attempt ended, then ack, retry or dead-letter the message."""
+        st = d.stored
+        if st is None:
+            return
+        at = now_ms()
+        if outcome == "succeeded":
+            try:
+                result = encode_payload(value)
+            except TypeError as e:
+                return await self.settle(d, "failed", exc=e)
+            attempts = end_attempt(st.record.attempts, d.n, at, "succeeded")
+            rec = await self.commit(
+                d,
+                [S.SUCCEEDED],
+                attempts=attempts,
+                result=result,
+                progress=1.0,
+                callback_state="pending" if st.record.callback else "",
+            )
+            if rec is not None:
+                self.stats.succeeded += 1
+                await self.finished(d, rec)
+            return
+        error = _error_body(exc, outcome)
+        attempts = end_attempt(st.record.attempts, d.n, at, outcome, error.message)
+        if outcome == "cancelled":
+            rec = await self.commit(d, [S.CANCELLED], attempts=attempts, error=error)
+            if rec is not None:
+                self.stats.cancelled += 1
+                await self.finished(d, rec)
+            return
+        if outcome == "drained":
+            rec = await self.commit(d, [S.RETRYING], "drained", attempts=attempts)
+            if rec is not None:
+                self.stats.drained += 1
+                await self.release(d)
+                await self._put_back(d, 0)
+            return
+        retry = outcome == "timeout" or (error.retryable and outcome == "failed")
+        first = [S.TIMEOUT] if outcome == "timeout" else []
+        if retry and d.n < st.record.max_attempts:
+            rec = await self.commit(d, [*first, S.RETRYING], attempts=attempts, error=error)
+            if rec is not None:
+                self.stats.retried += 1
+                s = self.settings
+                await self.release(d)
+                await self._put_back(d, retry_delay(d.n, s.task_retry_base, s.task_retry_cap))
+            return
+        rec = await self.commit(
+            d,
+            [*first, S.FAILED],
+            attempts=attempts,
+            error=error,
+            callback_state="pending" if st.record.callback else "",
+        )
+        if rec is not None:
+            await self.finished(d, rec, reason=error.code)
+
+    async def finished(self, d: Delivery, rec: TaskRecord, reason: str = "") -> None:
+        """A final record is written: dead-letter a failure, tell the submitter, deliver
+        the callback, then remove the message and release our claim."""
+        if rec.state is S.FAILED:
+            self.stats.failed += 1
+            await dead_letter(
+                self.store,
+                capability=rec.capability,
+                task_id=rec.task_id,
+                data=d.msg.data,
+                headers=d.msg.headers,
+                reason=reason or "failed",
+                error=rec.error.message if rec.error else "",
+                attempts=rec.attempts,
+            )
+            self.stats.dead_lettered += 1
+        await self.after_final(d, rec)
+        await self.release(d)
+
+    async def release(self, d: Delivery) -> None:
+        """Give our claim up (compare-and-set: a newer holder's claim stays)."""
+        if d.claim_rev:
+            rev, d.claim_rev = d.claim_rev, 0
+            try:
+                await self.store.idem_delete(self.claim_key(d), rev)
+            except Conflict:
+                pass  # a newer holder's claim: theirs to release
+            except TRANSIENT as exc:
+                log.debug("task %s: claim release: %s", d.task_id, exc)
+
+    async def after_final(self, d: Delivery, rec: TaskRecord) -> None:
+        """Tell the submitter, deliver the callback, then ack (or term a failure, whose
+        dead letter is stored)."""
+        if rec.notify:
+            try:
+                await self.nc.publish(rec.notify, _encode(rec))
+            except TRANSIENT as exc:
+                log.debug("task %s: notify: %s", d.task_id, exc)
+        if rec.callback and rec.callback_state == "pending":
+            await self._callback(d, rec)
+        if rec.state is S.FAILED:
+            await d.msg.term()  # the dead letter is stored
+        else:
+            await d.msg.ack()
+
+    async def _put_back(self, d: Delivery, delay: float) -> None:
+        try:
+            await d.msg.nak(delay=delay if delay > 0 else None)
+        except TRANSIENT as exc:
+            log.debug("task %s: nak: %s", d.task_id, exc)
+
+    async def _callback(self, d: Delivery, rec: TaskRecord) -> None:
+        """Deliver the final record as a request its receiver must answer, with retries;
+        an undelivered callback becomes a dead letter. The record says which."""
+        s = self.settings
+        body = _encode(rec)
+        error = ""
+        for i in range(1, s.callback_attempts + 1):
+            try:
+                reply = await self.nc.request(rec.callback, body, timeout=s.callback_timeout)
+                status = (reply.headers or {}).get(Header.SERVICE_ERROR_CODE)
+                if not status:
+                    state = "delivered"
+                    break
+                error = f"the receiver answered {status}"
+            except TRANSIENT as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            if i < s.callback_attempts:
+                await asyncio.sleep(retry_delay(i, 0.2, 2.0))
+        else:
+            state = "dead"
+            await dead_letter(
+                self.store,
+                capability=rec.capability,
+                task_id=rec.task_id,
+                data=body,
+                headers={"Reach-Callback": rec.callback},
+                reason="callback_undelivered",
+                error=error,
+                attempts=rec.attempts,
+                kind="callback",
+            )
+        if state == "delivered":
+            self.stats.callbacks_delivered += 1
+        else:
+            self.stats.callbacks_failed += 1
+        await self._set_callback_state(d, state)
+
+    async def _set_callback_state(self, d: Delivery, state: str) -> None:
+        st = d.stored
+        for _ in range(8):
+            if st is None or not st.record.final or st.record.callback_state != "pending":
+                return
+            new = msgspec.structs.replace(st.record, callback_state=state)
+            try:
+                d.stored = Stored(new, await self.store.write(new, st.revision))
+                return
+            except Conflict:
+                st = await self.store.get(d.task_id)
+
+
+def _error_body(exc: Any, outcome: str) -> ErrorBody:
+    if outcome == "timeout":
+        return ErrorBody(code="timeout", message="the task overran its timeout", retryable=True)
+    if outcome == "cancelled":
+        return ErrorBody(code="cancelled", message="cancelled")
+    if isinstance(exc, RemoteError):
+        return ErrorBody(code=exc.code, message=exc.message[:500], retryable=exc.retryable)
+    if isinstance(exc, BaseException):
+        return ErrorBody(code="failed", message=f"{type(exc).__name__}: {exc}"[:500])
+    return ErrorBody(code="failed", message=str(exc or outcome)[:500])

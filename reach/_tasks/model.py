@@ -1,0 +1,79 @@
+"""The task runner's records: one delivery in progress, and the counters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from .records import TaskRecord, TaskState, TaskStep, TaskSubmit
+from .store import Stored
+
+__all__ = ["Delivery", "TaskStats", "new_record"]
+
+
+@dataclass(slots=True)
+class TaskStats:
+    """What an agent's task runner did (read-only to users: ``Agent.task_stats``)."""
+
+    started: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retried: int = 0
+    timed_out: int = 0
+    cancelled: int = 0
+    dead_lettered: int = 0
+    #: deliveries of tasks already final: answered from the record, handler not run
+    duplicates: int = 0
+    #: deliveries put back because another live agent held the task's claim
+    claim_busy: int = 0
+    #: writes refused because a newer attempt owns the task (a stale worker)
+    fenced: int = 0
+    #: messages that did not decode (sent to the DLQ)
+    invalid: int = 0
+    #: tasks handed back at a drain
+    drained: int = 0
+    callbacks_delivered: int = 0
+    callbacks_failed: int = 0
+    running: int = 0
+
+
+def new_record(sub: TaskSubmit, seq: int, at_ms: int) -> TaskRecord:
+    return TaskRecord(
+        task_id=sub.task_id,
+        capability=sub.capability,
+        priority=sub.priority,
+        max_attempts=sub.max_attempts,
+        timeout=sub.timeout,
+        payload=sub.payload,
+        idempotency_key=sub.idempotency_key,
+        callback=sub.callback,
+        notify=sub.notify,
+        seq=seq,
+        caller=sub.caller,
+        version=sub.version,
+        required_tags=list(sub.required_tags),
+        submitted_ms=sub.submitted_ms or at_ms,
+        updated_ms=at_ms,
+        replay_of=sub.replay_of,
+        history=[TaskStep(state=TaskState.PENDING, at_ms=at_ms)],
+    )
+
+
+@dataclass(slots=True)
+class Delivery:
+    """A task message being worked on by this agent."""
+
+    msg: Msg
+    sub: TaskSubmit
+    n: int = 0  # our attempt number once RUNNING is written
+    stored: Stored | None = None  # the record as of our last read or write
+    claim_rev: int = 0
+    runner: asyncio.Task[Any] | None = None
+    stop_reason: str = ""  # why the handler was cancelled: cancelled, fenced, drained
+
+    @property
+    def task_id(self) -> str:
+        return self.sub.task_id

@@ -1,0 +1,134 @@
+"""The durable-task wire: the submitted message and the record kept in ``reach_tasks``.
+
+Payloads and results are arbitrary bytes (JSON or not), so they travel base64-encoded
+inside the JSON of these structs. Like every wire struct, unknown fields are ignored and new
+fields get defaults, so old and new agents share a stream.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from ..wire import ErrorBody, Priority
+
+__all__ = [
+    "FINAL",
+    "TaskAttempt",
+    "TaskRecord",
+    "TaskState",
+    "TaskStep",
+    "TaskSubmit",
+]
+
+
+class TaskState(enum.StrEnum):
+    """Where a task is. SUCCEEDED, FAILED and CANCELLED are final."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+    RETRYING = "RETRYING"
+    CANCELLED = "CANCELLED"
+
+
+FINAL = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED})
+
+
+class _TaskWire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+class TaskSubmit(_TaskWire, tag="reach.task.submit", frozen=True, kw_only=True):
+    """The body of a task message on ``reach.task.<cap>.<prio>``: everything needed to run
+    it, so an agent can start a task whose record the submitter never got to write."""
+
+    task_id: str
+    capability: str
+    priority: Priority = Priority.NORMAL
+    payload: bytes = b""
+    #: seconds per attempt and attempts in all; 0: the serving agent's defaults
+    timeout: float = 0.0
+    max_attempts: int = 0
+    idempotency_key: str = ""
+    callback: str = ""
+    #: a core NATS subject the submitter listens on for the final record (best effort)
+    notify: str = ""
+    version: str = ""
+    required_tags: list[str] = msgspec.field(default_factory=list)
+    caller: str = ""
+    submitted_ms: int = 0
+    #: set on a replay from the dead-letter stream: the task it replays
+    replay_of: str = ""
+
+
+class TaskAttempt(_TaskWire, tag="reach.task.attempt", frozen=True, kw_only=True):
+    """One run of a task. ``outcome``: running, succeeded, failed, timeout, cancelled,
+    lost (its agent died or stopped answering), drained (handed back at a drain)."""
+
+    n: int
+    agent_id: str
+    started_ms: int
+    ended_ms: int = 0
+    outcome: str = "running"
+    error: str = ""
+
+
+class TaskStep(_TaskWire, tag="reach.task.step", frozen=True, kw_only=True):
+    """One state the task entered, and when."""
+
+    state: TaskState
+    at_ms: int
+    note: str = ""
+
+
+class TaskRecord(_TaskWire, tag="reach.task.record", frozen=True, kw_only=True):
+    """The value of key ``<task_id>`` in bucket ``reach_tasks``.
+
+    ``attempt`` is the fencing token: the number of the newest attempt. Every write is a
+    compare-and-set on the key's revision, and an agent writes only while ``attempt`` is
+    still its own, so a stale worker can never overwrite a newer attempt.
+    """
+
+    task_id: str
+    capability: str
+    priority: Priority = Priority.NORMAL
+    state: TaskState = TaskState.PENDING
+    attempt: int = 0
+    #: 0 until an agent applies its defaults (the submitter named none)
+    max_attempts: int = 0
+    timeout: float = 0.0
+    payload: bytes = b""
+    result: bytes | None = None
+    error: ErrorBody | None = None
+    agent_id: str = ""
+    progress: float = 0.0
+    progress_note: str = ""
+    attempts: list[TaskAttempt] = msgspec.field(default_factory=list)
+    history: list[TaskStep] = msgspec.field(default_factory=list)
+    idempotency_key: str = ""
+    callback: str = ""
+    #: "" (none), "pending", "delivered", or "dead" (sent to the DLQ after its retries)
+    callback_state: str = ""
+    notify: str = ""
+    cancel_requested: bool = False
+    #: the stream sequence of the task's message (for recovery sweeps)
+    seq: int = 0
+    caller: str = ""
+    version: str = ""
+    required_tags: list[str] = msgspec.field(default_factory=list)
+    submitted_ms: int = 0
+    updated_ms: int = 0
+    replay_of: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+    @property
+    def duration_ms(self) -> int:
+        """From submit to the last write (the end, for a final record)."""
+        return max(0, self.updated_ms - self.submitted_ms)

@@ -1,0 +1,244 @@
+"""Handles on submitted tasks: ``TaskRef`` (one task) and ``Batch`` (many)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .._codec import decoder_for, now_ms
+from ..errors import Attempt, InvalidReply, ReachError, RemoteError, RequestTimeout, TaskNotFound
+from ..errors import error_for_code as _error_for_code
+from ..wire import ErrorBody
+from .records import TaskRecord, TaskState
+from .states import advance
+from .store import Conflict, TaskStore, decode_record
+
+if TYPE_CHECKING:
+    from .submit import Tasks
+
+__all__ = ["Batch", "BatchProgress", "TaskRef", "cancel_record", "task_error", "value_of"]
+
+S = TaskState
+_MAX_POLL = 5.0
+
+
+def task_error(rec: TaskRecord) -> RemoteError:
+    """The error a FAILED or CANCELLED task raises, with its attempts."""
+    default = "cancelled" if rec.state is S.CANCELLED else "failed"
+    err = rec.error or ErrorBody(code=default, message=str(rec.state).lower())
+    attempts = [
+        Attempt(a.agent_id, a.outcome, float(max(0, a.ended_ms - a.started_ms)))
+        for a in rec.attempts
+    ]
+    return _error_for_code(err.code)(
+        f"task {rec.task_id} {str(rec.state).lower()}: {err.message}",
+        capability=rec.capability,
+        agent_id=rec.agent_id,
+        request_id=rec.task_id,
+        attempts=attempts,
+        code=err.code,
+        retryable=False,
+    )
+
+
+def value_of(rec: TaskRecord, response_type: Any = Any) -> Any:
+    """A final record's result decoded as ``response_type``, or its error raised."""
+    if rec.state is not S.SUCCEEDED:
+        raise task_error(rec)
+    try:
+        return decoder_for(response_type)(rec.result or b"")
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise InvalidReply(
+            f"task {rec.task_id}: result does not decode: {exc}",
+            capability=rec.capability,
+            agent_id=rec.agent_id,
+            request_id=rec.task_id,
+        ) from None
+
+
+async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
+    for _ in range(16):
+        st = await store.get(task_id)
+        if st is None:
+            raise TaskNotFound(task_id)
+        rec = st.record
+        if rec.final or rec.cancel_requested:
+            return rec
+        if rec.state in (S.PENDING, S.RETRYING):
+            new = advance(
+                rec,
+                [S.CANCELLED],
+                now_ms(),
+                "cancelled",
+                error=ErrorBody(code="cancelled", message="cancelled before it ran"),
+                callback_state="pending" if rec.callback else "",
+            )
+        else:
+            new = msgspec.structs.replace(rec, cancel_requested=True, updated_ms=now_ms())
+        try:
+            await store.write(new, st.revision)
+            return new
+        except Conflict:
+            continue
+    raise ReachError(f"task {task_id}: could not cancel, its record kept changing")
+
+
+class TaskRef:
+    """A submitted task, from any process: its status, result, cancel and changes."""
+
+    __slots__ = ("_tasks", "capability", "task_id")
+
+    def __init__(self, tasks: Tasks, task_id: str, capability: str = "") -> None:
+        self._tasks = tasks
+        self.task_id = task_id
+        self.capability = capability
+
+    def __repr__(self) -> str:
+        return f"TaskRef({self.task_id!r}, {self.capability!r})"
+
+    async def status(self) -> TaskRecord:
+        """The task's record now; ``TaskNotFound`` if there is none."""
+        st = await self._tasks.store.get(self.task_id)
+        if st is None:
+            raise TaskNotFound(self.task_id)
+        return st.record
+
+    async def result(self, timeout: float | None = None, response_type: Any = Any) -> Any:
+        """Wait for the end; the result, or the task's error raised (with its attempts)."""
+        return value_of(await self.wait(timeout), response_type)
+
+    async def wait(self, timeout: float | None = None) -> TaskRecord:
+        """Wait for the final record (a failure is returned, not raised)."""
+        tasks = self._tasks
+        fut = tasks.waiter(self.task_id)
+        try:
+            async with asyncio.timeout(timeout):
+                delay = 0.2
+                while True:
+                    rec = await self.status()
+                    if rec.final:
+                        return rec
+                    if not tasks.notify or rec.notify != tasks.notify:
+                        return await self._watch_final()
+                    done, _ = await asyncio.wait({fut}, timeout=delay)
+                    if done:
+                        return fut.result()
+                    delay = min(delay * 2, _MAX_POLL)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"task {self.task_id} did not finish within {timeout}s (it goes on)",
+                capability=self.capability,
+                request_id=self.task_id,
+            ) from None
+        finally:
+            tasks.unwait(self.task_id, fut)
+
+    async def _watch_final(self) -> TaskRecord:
+        async for rec in self.watch():
+            if rec.final:
+                return rec
+        raise TaskNotFound(self.task_id)  # the record went away while we watched
+
+    async def cancel(self) -> TaskRecord:
+        """Cancel the task (harmless when it already ended); the record as written."""
+        return await self._tasks.cancel(self.task_id)
+
+    async def watch(self) -> AsyncIterator[TaskRecord]:
+        """Every change of the record as it is written (a KV watch), until it is final."""
+        store = self._tasks.store
+        if await store.get(self.task_id) is None:
+            raise TaskNotFound(self.task_id)
+        kv = await store.js.key_value(store.bucket)
+        watcher = await kv.watch(self.task_id)
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    continue  # the end of the initial values
+                if entry.operation is not None or not entry.value:
+                    return  # deleted or expired
+                rec = decode_record(entry.value)
+                yield rec
+                if rec.final:
+                    return
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchProgress:
+    done: int
+    failed: int
+    total: int
+
+    @property
+    def pending(self) -> int:
+        return self.total - self.done - self.failed
+
+
+class Batch:
+    """Tasks submitted together. An item that could not be submitted holds its error."""
+
+    def __init__(self, items: list[TaskRef | BaseException]) -> None:
+        self.items = items
+        self.refs = [i for i in items if isinstance(i, TaskRef)]
+        self._ended: dict[int, bool] = {
+            i: False for i, item in enumerate(items) if not isinstance(item, TaskRef)
+        }
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def progress(self) -> BatchProgress:
+        """Finished (succeeded), failed (any other end, or not submitted), and total, as
+        far as this batch has seen (``results()`` or ``as_completed()`` look)."""
+        ok = sum(1 for v in self._ended.values() if v)
+        return BatchProgress(done=ok, failed=len(self._ended) - ok, total=len(self.items))
+
+    async def _one(self, i: int, timeout: float | None) -> TaskRecord | BaseException:
+        item = self.items[i]
+        if not isinstance(item, TaskRef):
+            return item
+        try:
+            rec = await item.wait(timeout)
+        except ReachError as exc:
+            return exc
+        self._ended[i] = rec.state is S.SUCCEEDED
+        return rec
+
+    async def results(self, timeout: float | None = None, response_type: Any = Any) -> list[Any]:
+        """One entry per item, in order: its result, or its error (a ``ReachError``
+        instance, not raised)."""
+        outs = await asyncio.gather(*(self._one(i, timeout) for i in range(len(self.items))))
+        values: list[Any] = []
+        for out in outs:
+            if isinstance(out, BaseException):
+                values.append(out)
+                continue
+            try:
+                values.append(value_of(out, response_type))
+            except ReachError as exc:
+                values.append(exc)
+        return values
+
+    async def as_completed(self, timeout: float | None = None) -> AsyncIterator[TaskRef]:
+        """Each submitted task as it ends (any final state)."""
+        waits = {
+            asyncio.ensure_future(self._one(i, timeout)): item
+            for i, item in enumerate(self.items)
+            if isinstance(item, TaskRef)
+        }
+        try:
+            pending = set(waits)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    yield waits[fut]
+        finally:
+            for fut in waits:
+                fut.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)

@@ -1,0 +1,398 @@
+"""The agent's task runner: pulls only what it has slots for, in priority order, and keeps
+every running task's lease (claim and ack timer) alive until its result is recorded.
+
+Priority is ours: one durable consumer per capability and priority, probed high before
+normal before low (with aging, ``states.PriorityOrder``), asking for no more messages than
+there are free slots. An idle runner leaves one lingering pull request per consumer, so it
+may hold one waiting message per (capability, priority) beyond its free slots; held
+messages are kept alive like running ones and start in priority order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from .._codec import now_ms
+from .._handlers import HandlerSpec, TaskContext
+from .._nats import TRANSIENT, NatsConnection
+from .._owner import TaskOwner
+from .._subjects import Subjects
+from ..errors import BadRequest
+from ..settings import ReachSettings
+from ..wire import CapabilityInfo, Priority
+from .dlq import dead_letter
+from .execute import Executor
+from .model import Delivery, TaskStats
+from .pull import Puller
+from .records import TaskSubmit
+from .states import PriorityOrder
+from .store import TaskStore
+
+if TYPE_CHECKING:
+    from .._client import Client
+
+__all__ = ["TaskDecl", "TaskRunner"]
+
+log = logging.getLogger("reach.tasks")
+
+_LINGER = 5.0  # seconds an idle pull request waits on the server
+_GRACE = 1.0  # seconds a cancelled handler gets to end before it is left behind
+_submit_decoder = msgspec.json.Decoder(TaskSubmit)
+
+
+@dataclass(slots=True)
+class TaskDecl:
+    """A durable capability an agent serves (``@agent.task``)."""
+
+    info: CapabilityInfo
+    spec: HandlerSpec
+    timeout: float | None
+    max_attempts: int | None
+
+
+class TaskRunner:
+    """Every durable capability of one agent, sharing ``concurrency`` slots."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        settings: ReachSettings,
+        subjects: Subjects,
+        stats: TaskStats,
+        concurrency: int,
+    ) -> None:
+        self.agent_id = agent_id
+        self.settings = settings
+        self.subjects = subjects
+        self.stats = stats
+        self.concurrency = concurrency
+        self.decls: dict[str, TaskDecl] = {}
+        self.running: dict[str, Delivery] = {}
+        self.fetching = False
+        self.tags: frozenset[str] = frozenset()
+        self._order = PriorityOrder()
+        self._pullers: dict[tuple[str, Priority], Puller] = {}
+        self._rotate = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._cancel_sub: Subscription | None = None
+        self._owner: TaskOwner | None = None
+        self._exec: Executor | None = None
+        self._client: Client | None = None
+
+    @property
+    def store(self) -> TaskStore | None:
+        return self._exec.store if self._exec else None
+
+    # -- start and stop ----------------------------------------------------------------
+
+    async def start(
+        self, nc: NatsConnection, owner: TaskOwner, client: Client, tags: list[str]
+    ) -> None:
+        """Create the streams and consumers if missing, and start pulling."""
+        if not self.decls:
+            return
+        store = TaskStore(nc.jetstream(), self.subjects, self.settings)
+        await store.ensure()
+        self._exec = Executor(self.agent_id, nc, store, self.stats)
+        self._owner, self._client, self.tags = owner, client, frozenset(tags)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        for cap in self.decls:
+            for level in (Priority.HIGH, Priority.NORMAL, Priority.LOW):
+                name = await store.ensure_consumer(cap, level)
+                puller = Puller(nc, store.stream, name, nc.new_inbox(), self._wake.set)
+                await puller.open()
+                self._pullers[(cap, level)] = puller
+        self._cancel_sub = await nc.subscribe(self.subjects.task_cancel(), cb=self._on_cancel)
+        self.fetching = True
+        owner.keep(self._dispatch, "tasks: dispatch")
+        owner.keep(self._keep_leases, "tasks: leases")
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop fetching; let running tasks finish within ``timeout``; hand the rest (and
+        anything held, not started) back for immediate redelivery elsewhere."""
+        self.fetching = False
+        self._wake.set()
+        for puller in self._pullers.values():
+            for msg in puller.take(len(puller.buffer)):
+                await _nak_now(msg)
+        if not self.running:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            pass
+        left = [d for d in self.running.values() if d.runner is not None]
+        for d in left:
+            d.stop_reason = "drained"
+            assert d.runner is not None
+            d.runner.cancel()
+        with_timeout = [d.runner for d in left if d.runner is not None]
+        if with_timeout:
+            await asyncio.wait(with_timeout, timeout=_GRACE)
+        return False
+
+    async def close(self) -> None:
+        """After the owner's tasks are cancelled: drop the subscriptions."""
+        self.fetching = False
+        sub, self._cancel_sub = self._cancel_sub, None
+        pullers = list(self._pullers.values())
+        self._pullers.clear()
+        try:
+            if sub is not None:
+                await sub.unsubscribe()
+            for puller in pullers:
+                await puller.close()
+        except TRANSIENT as exc:
+            log.debug("agent %s: task subscriptions: %s", self.agent_id, exc)
+
+    # -- pulling -----------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        while self.fetching:
+            free = self.concurrency - len(self.running)
+            self._wake.clear()
+            if free <= 0:
+                await self._wake.wait()
+                continue
+            if await self._fill(free):
+                continue
+            if any(p.buffer for p in self._pullers.values()):
+                continue  # arrived while we looked elsewhere
+            for puller in self._pullers.values():
+                await puller.linger(_LINGER)
+            await self._wake.wait()
+
+    async def _fill(self, free: int) -> int:
+        started = 0
+        caps = list(self.decls)
+        self._rotate = (self._rotate + 1) % len(caps)
+        caps = caps[self._rotate :] + caps[: self._rotate]
+        for level in self._order.order():
+            found, all_probed = False, True
+            for cap in caps:
+                if started >= free or not self.fetching:
+                    return started
+                puller = self._pullers[(cap, level)]
+                msgs = puller.take(free - started)
+                if not msgs:
+                    if not puller.idle:
+                        all_probed = False
+                        continue
+                    msgs = await puller.probe(free - started)
+                for msg in msgs:
+                    found = True
+                    started += 1
+                    self._order.served(level)
+                    self._start(msg, cap)
+            if not found and all_probed:
+                self._order.empty(level)
+        return started
+
+    def _start(self, msg: Msg, cap: str) -> None:
+        assert self._owner is not None
+        if not self.fetching:
+            self._owner.spawn(_nak_now(msg), "tasks: hand back")
+            return
+        try:
+            sub = _submit_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self._owner.spawn(self._invalid(msg, cap, str(exc)), "tasks: invalid")
+            return
+        decl = self.decls.get(sub.capability)
+        if decl is None or sub.capability != cap:
+            reason = f"capability {sub.capability!r} arrived on the {cap!r} consumer"
+            self._owner.spawn(self._invalid(msg, cap, reason), "tasks: invalid")
+            return
+        if sub.task_id in self.running or not self._fits(sub, decl):
+            self._owner.spawn(_nak_later(msg, 1.0), "tasks: not here")
+            return
+        s = self.settings
+        sub = msgspec.structs.replace(
+            sub,
+            timeout=sub.timeout or decl.timeout or s.task_timeout,
+            max_attempts=sub.max_attempts or decl.max_attempts or s.task_max_attempts,
+        )
+        d = Delivery(msg, sub)
+        self.running[sub.task_id] = d
+        self._idle.clear()
+        self.stats.running = len(self.running)
+        self._owner.spawn(self._run(d, decl), f"task {sub.task_id}")
+
+    def _fits(self, sub: TaskSubmit, decl: TaskDecl) -> bool:
+        """Tags and major version, as request routing checks them."""
+        major = decl.info.version.split(".")[0]
+        return self.tags.issuperset(sub.required_tags) and (
+            not sub.version or sub.version.split(".")[0] == major
+        )
+
+    async def _invalid(self, msg: Msg, cap: str, reason: str) -> None:
+        """A message no agent can run: to the DLQ with the reason, then out of the stream."""
+        assert self._exec is not None
+        self.stats.invalid += 1
+        log.warning("agent %s: undecodable task message on %s: %s", self.agent_id, cap, reason)
+        await dead_letter(
+            self._exec.store,
+            capability=cap,
+            task_id=(msg.headers or {}).get("Reach-Task-Id", ""),
+            data=msg.data,
+            headers=msg.headers,
+            reason="bad_request",
+            error=reason,
+            seq=msg.metadata.sequence.stream,
+        )
+        self.stats.dead_lettered += 1
+        await msg.term()
+
+    # -- running -----------------------------------------------------------------------
+
+    async def _run(self, d: Delivery, decl: TaskDecl) -> None:
+        ex = self._exec
+        assert ex is not None
+        assert self._owner is not None
+        try:
+            if not await ex.begin(d):
+                return
+            self.stats.started += 1
+            rec = d.stored.record if d.stored else None
+            timeout = rec.timeout if rec else d.sub.timeout
+            try:
+                payload = decl.spec.decode(d.sub.payload)
+            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
+                return
+            call = self._call(decl, payload, self._context(d, timeout))
+            inner = self._owner.spawn(call, f"task {d.task_id} handler")
+            d.runner = inner
+            done, _ = await asyncio.wait({inner}, timeout=timeout)
+            if not done:
+                d.stop_reason = d.stop_reason or "timeout"
+                inner.cancel()
+                done, _ = await asyncio.wait({inner}, timeout=_GRACE)
+            await self._settle(ex, d, inner, bool(done))
+        finally:
+            self.running.pop(d.task_id, None)
+            self.stats.running = len(self.running)
+            if not self.running:
+                self._idle.set()
+            self._wake.set()
+
+    async def _settle(
+        self, ex: Executor, d: Delivery, inner: asyncio.Task[Any], done: bool
+    ) -> None:
+        reason = d.stop_reason
+        if reason == "fenced":
+            return  # a newer attempt owns the task: write nothing, ack nothing
+        if reason == "timeout":
+            self.stats.timed_out += 1
+        if not done or inner.cancelled():
+            await ex.settle(d, reason or "failed", exc="the handler was cancelled")
+            return
+        ok, value = inner.result()
+        if ok:
+            await ex.settle(d, "succeeded", value=value)
+        else:
+            await ex.settle(d, "failed", exc=value)
+
+    @staticmethod
+    async def _call(decl: TaskDecl, payload: Any, ctx: TaskContext) -> tuple[bool, Any]:
+        """(True, result) or (False, the exception): a handler's failure is the task's
+        outcome, not a crash of ours."""
+        try:
+            if decl.spec.wants_context:
+                return True, await decl.spec.fn(payload, ctx)
+            return True, await decl.spec.fn(payload)
+        except Exception as exc:
+            return False, exc
+
+    def _context(self, d: Delivery, timeout: float) -> TaskContext:
+        assert self._client is not None
+        assert self._exec is not None
+        ex = self._exec
+
+        async def report(fraction: float, note: str) -> None:
+            await ex.progress(d, fraction, note)
+
+        return TaskContext(
+            agent_id=self.agent_id,
+            client=self._client,
+            capability=d.sub.capability,
+            request_id=d.task_id,
+            priority=d.sub.priority,
+            deadline_ms=now_ms() + int(timeout * 1000),
+            caller=d.sub.caller,
+            attempt=d.n,
+            headers=dict(d.msg.headers or {}),
+            task_id=d.task_id,
+            report=report,
+        )
+
+    # -- leases and cancel -------------------------------------------------------------
+
+    async def _keep_leases(self) -> None:
+        """Every ack_wait/3: renew each running task's claim and ack timer, and look for a
+        cancel its agent missed; keep held messages alive too."""
+        while True:
+            await asyncio.sleep(self.settings.task_ack_wait / 3)
+            ex = self._exec
+            assert ex is not None
+            for puller in list(self._pullers.values()):
+                for msg in list(puller.buffer):
+                    await _in_progress(msg)
+            for d in list(self.running.values()):
+                if d.runner is None or d.runner.done():
+                    continue
+                if not await ex.renew(d):
+                    self._stop(d, "fenced")
+                    continue
+                try:
+                    st = await ex.store.get(d.task_id)
+                except TRANSIENT as exc:
+                    log.debug("task %s: check: %s", d.task_id, exc)
+                    continue
+                if st is None or st.record.attempt != d.n:
+                    self._stop(d, "fenced")
+                elif st.record.cancel_requested:
+                    self._stop(d, "cancelled")
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        task_id = msg.data.decode(errors="replace")
+        d = self.running.get(task_id)
+        if d is not None:
+            self._stop(d, "cancelled")
+
+    def _stop(self, d: Delivery, reason: str) -> None:
+        if d.runner is not None and not d.runner.done():
+            d.stop_reason = d.stop_reason or reason
+            d.runner.cancel()
+
+
+async def _nak_now(msg: Msg) -> None:
+    try:
+        await msg.nak()
+    except TRANSIENT as exc:
+        log.debug("nak: %s", exc)
+
+
+async def _nak_later(msg: Msg, delay: float) -> None:
+    try:
+        await msg.nak(delay=delay)
+    except TRANSIENT as exc:
+        log.debug("nak: %s", exc)
+
+
+async def _in_progress(msg: Msg) -> None:
+    try:
+        await msg.in_progress()
+    except TRANSIENT as exc:
+        log.debug("in_progress: %s", exc)

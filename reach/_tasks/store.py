@@ -1,0 +1,252 @@
+"""Where tasks live in JetStream: the work-queue stream, the DLQ stream, the record bucket
+``reach_tasks`` and the claim/idempotency bucket ``reach_idem``.
+
+Every record write is a raw publish to ``$KV.<bucket>.<task_id>`` with
+``Nats-Expected-Last-Subject-Sequence`` (compare-and-set on the key's revision) and
+``Nats-TTL`` (the retention, counted from the last change), because ``kv.put``/``update``
+cannot carry a TTL and would make the key permanent (NATS-FACTS). The state and agent also
+travel as headers, so a sweep can scan records with a headers-only consumer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+import msgspec
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, ttl_header
+from .._subjects import Subjects
+from ..settings import ReachSettings
+from ..wire import Priority
+from .records import TaskRecord
+
+__all__ = ["Conflict", "TaskStore", "consumer_name", "idem_key"]
+
+STATE_HEADER = "Reach-Task-State"
+AGENT_HEADER = "Reach-Task-Agent"
+_EXPECTED = "Nats-Expected-Last-Subject-Sequence"
+_CONFLICT_CODES = (10071, 10164)
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_record_decoder = msgspec.json.Decoder(TaskRecord)
+_encode = msgspec.json.Encoder().encode
+
+
+class Conflict(Exception):
+    """The key changed since the revision we read (or exists, for a create)."""
+
+
+def consumer_name(capability: str, priority: Priority) -> str:
+    """The durable consumer shared by every instance serving ``capability`` at ``priority``."""
+    return f"{capability.replace('.', '_')}__{priority}"
+
+
+def idem_key(kind: str, key: str) -> str:
+    """A KV key for a user's idempotency key (any text; hashed to a valid key)."""
+    return f"{kind}.{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
+
+
+def decode_record(data: bytes) -> TaskRecord:
+    return _record_decoder.decode(data)
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    record: TaskRecord
+    revision: int
+
+
+class TaskStore:
+    """Names and I/O for one subject prefix; created per connection, cheap."""
+
+    def __init__(self, js: JetStreamContext, subjects: Subjects, settings: ReachSettings) -> None:
+        self.js = js
+        self.subjects = subjects
+        self.settings = settings
+        upper = subjects.prefix.replace(".", "_").upper()
+        self.stream = f"{upper}_TASKS"
+        self.dlq_stream = f"{upper}_DLQ"
+        self.bucket = subjects.bucket("tasks")
+        self.idem_bucket = subjects.bucket("idem")
+        self._kv_stream = f"KV_{self.bucket}"
+        self._idem_stream = f"KV_{self.idem_bucket}"
+        self._ready = False
+
+    # -- setup -----------------------------------------------------------------------
+
+    async def ensure(self) -> None:
+        """Create the streams and buckets when missing (idempotent; once per store)."""
+        if self._ready:
+            return
+        js, s, replicas = self.js, self.settings, self.settings.task_replicas
+        await _add_stream(
+            js,
+            StreamConfig(
+                name=self.stream,
+                subjects=[f"{self.subjects.prefix}.task.*.>"],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                num_replicas=replicas,
+                description="Agent-Reach durable tasks: reach.task.<cap>.<priority>",
+            ),
+        )
+        await _add_stream(
+            js,
+            StreamConfig(
+                name=self.dlq_stream,
+                subjects=[f"{self.subjects.prefix}.dlq.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                num_replicas=replicas,
+                max_age=s.dlq_retention,
+                description="Agent-Reach dead letters: tasks that failed for good",
+            ),
+        )
+        for bucket, what in (
+            (self.bucket, "Agent-Reach task records, one per task id"),
+            (self.idem_bucket, "Agent-Reach idempotency keys and running-task claims"),
+        ):
+            await bind_bucket(
+                js,
+                KeyValueConfig(
+                    bucket=bucket,
+                    history=1,
+                    storage=StorageType.FILE,
+                    replicas=replicas,
+                    direct=True,
+                    description=what,
+                ),
+                create=True,
+            )
+        self._ready = True
+
+    async def ensure_consumer(self, capability: str, priority: Priority) -> str:
+        name = consumer_name(capability, priority)
+        config = ConsumerConfig(
+            durable_name=name,
+            filter_subject=self.subjects.task(capability, priority),
+            ack_wait=self.settings.task_ack_wait,
+            max_deliver=self.settings.task_max_deliver,
+            max_ack_pending=-1,
+            description=f"Agent-Reach tasks for {capability} at {priority} priority",
+        )
+        await self.js.add_consumer(self.stream, config)
+        return name
+
+    # -- records ---------------------------------------------------------------------
+
+    async def get(self, task_id: str) -> Stored | None:
+        """The record and its revision; None when there is none (never was, or expired)."""
+        if not _TASK_ID.fullmatch(task_id):
+            return None  # not an id we could have made (and never a subject wildcard)
+        try:
+            msg = await self.js.get_msg(
+                self._kv_stream, subject=f"$KV.{self.bucket}.{task_id}", direct=True
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        headers = msg.headers or {}
+        if not msg.data or KV_OP in headers or MARKER_REASON in headers:
+            return None
+        return Stored(decode_record(bytes(msg.data)), int(msg.seq or 0))
+
+    async def write(self, record: TaskRecord, last: int) -> int:
+        """Write ``record`` iff the key's revision is still ``last`` (0: absent); its new
+        revision. Raises Conflict when someone wrote in between."""
+        headers = {
+            _EXPECTED: str(last),
+            "Nats-TTL": ttl_header(self.settings.task_retention),
+            STATE_HEADER: str(record.state),
+            AGENT_HEADER: record.agent_id or "-",
+        }
+        return await self._publish(f"$KV.{self.bucket}.{record.task_id}", _encode(record), headers)
+
+    # -- idempotency keys and claims -------------------------------------------------
+
+    async def idem_create(self, key: str, value: bytes, ttl: float) -> int:
+        """Atomically create ``key`` in ``reach_idem`` with a TTL; Conflict if it exists."""
+        headers = {_EXPECTED: "0", "Nats-TTL": ttl_header(ttl)}
+        return await self._publish(f"$KV.{self.idem_bucket}.{key}", value, headers)
+
+    async def idem_renew(self, key: str, value: bytes, ttl: float, last: int) -> int:
+        headers = {_EXPECTED: str(last), "Nats-TTL": ttl_header(ttl)}
+        return await self._publish(f"$KV.{self.idem_bucket}.{key}", value, headers)
+
+    async def idem_put(self, key: str, value: bytes, ttl: float) -> int:
+        """Overwrite ``key`` (a replay points the idempotency key at its new task)."""
+        return await self._publish(
+            f"$KV.{self.idem_bucket}.{key}", value, {"Nats-TTL": ttl_header(ttl)}
+        )
+
+    async def idem_get(self, key: str) -> tuple[bytes, int] | None:
+        """The value and revision of ``key``; None when absent or deleted."""
+        value, rev = await self.idem_latest(key)
+        return None if value is None else (value, rev)
+
+    async def idem_latest(self, key: str) -> tuple[bytes | None, int]:
+        """The newest message of ``key``: its value (None for none or a delete marker)
+        and revision (0 for none)."""
+        try:
+            msg = await self.js.get_msg(
+                self._idem_stream, subject=f"$KV.{self.idem_bucket}.{key}", direct=True
+            )
+        except nats.js.errors.NotFoundError:
+            return None, 0
+        headers = msg.headers or {}
+        if msg.data is None or KV_OP in headers or MARKER_REASON in headers:
+            return None, int(msg.seq or 0)
+        return bytes(msg.data), int(msg.seq or 0)
+
+    async def idem_claim(self, key: str, value: bytes, ttl: float) -> int:
+        """Create ``key`` unless it holds a value: atomic, and it also takes over a key
+        whose newest message is a delete marker (a released claim). Conflict if held."""
+        try:
+            return await self.idem_create(key, value, ttl)
+        except Conflict:
+            held, rev = await self.idem_latest(key)
+            if held is not None or not rev:
+                raise
+            return await self.idem_renew(key, value, ttl, rev)
+
+    async def idem_delete(self, key: str, last: int) -> None:
+        """Release a claim we hold (compare-and-set, so a newer holder's stays)."""
+        headers = {KV_OP: "DEL", _EXPECTED: str(last), "Nats-TTL": ttl_header(60.0)}
+        await self._publish(f"$KV.{self.idem_bucket}.{key}", b"", headers)
+
+    # -- stream messages -------------------------------------------------------------
+
+    async def message_exists(self, seq: int) -> bool:
+        """Whether the task stream still holds message ``seq`` (not yet acked or removed)."""
+        try:
+            await self.js.get_msg(self.stream, seq=seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        try:
+            ack = await self.js.publish(subject, data, headers=headers)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in _CONFLICT_CODES:
+                raise Conflict(subject) from exc
+            raise
+        return int(ack.seq)
+
+
+async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create a stream, or leave an existing one as it is (another process made it)."""
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != 10058:  # stream name already in use with another config
+            raise
