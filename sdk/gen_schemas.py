@@ -8,7 +8,6 @@ from pathlib import Path
 import msgspec
 
 from reach import wire
-from reach._tasks import records
 
 SCHEMAS = Path(__file__).parent / "schemas"
 TYPES = {
@@ -27,8 +26,8 @@ TYPES = {
     "list-reply": wire.ListReply,
     "route-query": wire.RouteQuery,
     "route-reply": wire.RouteReply,
-    "task-submit": records.TaskSubmit,
-    "task-record": records.TaskRecord,
+    "task-submit": wire.TaskSubmit,
+    "task-record": wire.TaskRecord,
 }
 
 

@@ -8,9 +8,9 @@ side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch). ``dlq`` writes dead le
 Nothing here imports the agent or the client packages.
 """
 
+from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
 from .execute import Executor
 from .model import TaskStats
-from .records import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
 from .refs import Batch, BatchProgress, TaskRef
 from .runner import TaskDecl, TaskRunner
 from .submit import Tasks

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from .records import TaskAttempt
+from ..wire.tasks import TaskAttempt
 from .store import TaskStore
 
 __all__ = ["DLQ_ATTEMPTS", "DLQ_ERROR", "DLQ_KIND", "DLQ_REASON", "TASK_ID", "dead_letter"]

@@ -18,9 +18,9 @@ from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
 from ..errors import RemoteError
 from ..wire import ErrorBody, Header
+from ..wire.tasks import TaskAttempt, TaskRecord, TaskState
 from .dlq import dead_letter
 from .model import Delivery, TaskStats, new_record
-from .records import TaskAttempt, TaskRecord, TaskState
 from .states import advance, can_write, end_attempt, retry_delay
 from .store import Conflict, Stored, TaskStore
 

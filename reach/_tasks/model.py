@@ -8,7 +8,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from .records import TaskRecord, TaskState, TaskStep, TaskSubmit
+from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
 from .store import Stored
 
 __all__ = ["Delivery", "TaskStats", "new_record"]

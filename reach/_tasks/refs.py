@@ -13,7 +13,7 @@ from .._codec import decoder_for, now_ms
 from ..errors import Attempt, InvalidReply, ReachError, RemoteError, RequestTimeout, TaskNotFound
 from ..errors import error_for_code as _error_for_code
 from ..wire import ErrorBody
-from .records import TaskRecord, TaskState
+from ..wire.tasks import TaskRecord, TaskState
 from .states import advance
 from .store import Conflict, TaskStore, decode_record
 

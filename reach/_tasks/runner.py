@@ -27,11 +27,11 @@ from .._subjects import Subjects
 from ..errors import BadRequest
 from ..settings import ReachSettings
 from ..wire import CapabilityInfo, Priority
+from ..wire.tasks import TaskSubmit
 from .dlq import dead_letter
 from .execute import Executor
 from .model import Delivery, TaskStats
 from .pull import Puller
-from .records import TaskSubmit
 from .states import PriorityOrder
 from .store import TaskStore
 

@@ -18,7 +18,7 @@ import msgspec
 
 from ..errors import ReachError
 from ..wire import Priority
-from .records import FINAL, TaskAttempt, TaskRecord, TaskState, TaskStep
+from ..wire.tasks import FINAL, TaskAttempt, TaskRecord, TaskState, TaskStep
 
 __all__ = [
     "LEGAL",

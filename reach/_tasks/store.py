@@ -29,7 +29,7 @@ from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, ttl_header
 from .._subjects import Subjects
 from ..settings import ReachSettings
 from ..wire import Priority
-from .records import TaskRecord
+from ..wire.tasks import TaskRecord
 
 __all__ = ["Conflict", "TaskStore", "consumer_name", "idem_key"]
 

@@ -29,8 +29,8 @@ from .._subjects import Subjects, validate_capability, validate_topic
 from ..errors import ConfigurationError, ConnectionFailed, NotStarted
 from ..settings import ReachSettings
 from ..wire import Header, Priority
+from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
 from .model import new_record
-from .records import TaskRecord, TaskState, TaskSubmit
 from .refs import Batch, TaskRef, cancel_record
 from .store import Conflict, TaskStore, idem_key
 

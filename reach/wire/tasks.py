@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-from ..wire import ErrorBody, Priority
+from . import ErrorBody, Priority
 
 __all__ = [
     "FINAL",

@@ -36,6 +36,11 @@ __all__ = [
     "RouteQuery",
     "RouteReply",
     "Status",
+    "TaskAttempt",
+    "TaskRecord",
+    "TaskState",
+    "TaskStep",
+    "TaskSubmit",
     "Transition",
 ]
 
@@ -268,3 +273,7 @@ class Candidate(_Wire, tag="reach.registry.candidate", frozen=True, kw_only=True
 class RouteReply(_Wire, tag="reach.registry.route.reply", frozen=True, kw_only=True):
     candidates: list[Candidate] = msgspec.field(default_factory=list)
     reason: str = ""
+
+
+# The durable-task wire lives beside this module and builds on the structs above.
+from .tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit  # noqa: E402
