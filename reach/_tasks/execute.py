@@ -22,7 +22,7 @@ from ..wire.tasks import TaskAttempt, TaskRecord, TaskState
 from .dlq import dead_letter
 from .model import Delivery, TaskStats, new_record
 from .states import advance, can_write, end_attempt, retry_delay
-from .store import Conflict, Stored, TaskStore
+from .store import Conflict, Stored, TaskStore, idem_key
 
 __all__ = ["Executor"]
 
@@ -48,7 +48,9 @@ class Executor:
         self.stats = stats
 
     def claim_key(self, d: Delivery) -> str:
-        return f"run.{d.task_id}"
+        """One claim per idempotency key: two tasks with the same key (a replay, a submit
+        after the key's TTL) never run at once."""
+        return idem_key("run", d.sub.idempotency_key)
 
     # -- before the handler ------------------------------------------------------------
 
@@ -67,6 +69,12 @@ class Executor:
                 d.stored = Stored(rec, rev)
                 await self.after_final(d, rec)
                 self.stats.duplicates += 1
+                return False
+            if rec.seq and rec.seq != d.msg.metadata.sequence.stream:
+                # a second message of a task whose own message is still in the stream
+                # (that one comes back if its agent dies): drop this one
+                self.stats.duplicates += 1
+                await d.msg.ack()
                 return False
             if not d.claim_rev and not await self._claim(d):
                 return False
@@ -117,6 +125,12 @@ class Executor:
         return False
 
     async def _claim(self, d: Delivery) -> bool:
+        """Tasks with an idempotency key are claimed in ``reach_idem`` (create with TTL,
+        renewed while running). Without a key, JetStream's ack timer is the lease: a
+        message comes back only after its holder sent no ``in_progress`` for ack_wait,
+        and the attempt number fences the holder if it wakes up."""
+        if not d.sub.idempotency_key:
+            return True
         value = f"{self.agent_id} {d.msg.metadata.num_delivered}".encode()
         try:
             d.claim_rev = await self.store.idem_claim(
@@ -247,7 +261,8 @@ class Executor:
             )
             self.stats.dead_lettered += 1
         await self.after_final(d, rec)
-        await self.release(d)
+        if rec.state is not S.SUCCEEDED:
+            await self.release(d)  # a success's claim just expires: one write less
 
     async def release(self, d: Delivery) -> None:
         """Give our claim up (compare-and-set: a newer holder's claim stays)."""

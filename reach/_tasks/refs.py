@@ -90,12 +90,15 @@ async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
 class TaskRef:
     """A submitted task, from any process: its status, result, cancel and changes."""
 
-    __slots__ = ("_tasks", "capability", "task_id")
+    __slots__ = ("_own", "_tasks", "capability", "task_id")
 
-    def __init__(self, tasks: Tasks, task_id: str, capability: str = "") -> None:
+    def __init__(
+        self, tasks: Tasks, task_id: str, capability: str = "", *, own: bool = False
+    ) -> None:
         self._tasks = tasks
         self.task_id = task_id
         self.capability = capability
+        self._own = own  # submitted by this client: its final record is sent to us
 
     def __repr__(self) -> str:
         return f"TaskRef({self.task_id!r}, {self.capability!r})"
@@ -118,12 +121,15 @@ class TaskRef:
         try:
             async with asyncio.timeout(timeout):
                 delay = 0.2
+                look = not self._own  # ours: the notice usually comes before a look
                 while True:
-                    rec = await self.status()
-                    if rec.final:
-                        return rec
-                    if not tasks.notify or rec.notify != tasks.notify:
-                        return await self._watch_final()
+                    if look:
+                        rec = await self.status()
+                        if rec.final:
+                            return rec
+                        if not tasks.notify or rec.notify != tasks.notify:
+                            return await self._watch_final()
+                    look = True
                     done, _ = await asyncio.wait({fut}, timeout=delay)
                     if done:
                         return fut.result()

@@ -195,7 +195,7 @@ class Tasks:
                         continue  # it expired just now: claim it again
                     winner = got[0].decode()
                     if await store.get(winner) is not None:
-                        return TaskRef(self, winner, sub.capability)
+                        return TaskRef(self, winner, sub.capability)  # not ours to hear
                     # the first submitter has not written the record (yet, or ever):
                     # publish ours under its id; the server drops a duplicate message
                     sub = msgspec.structs.replace(sub, task_id=winner)
@@ -204,7 +204,7 @@ class Tasks:
         record = new_record(sub, seq, now_ms())
         with contextlib.suppress(Conflict):  # an agent took the task first and wrote it
             await store.write(record, 0)
-        return TaskRef(self, sub.task_id, sub.capability)
+        return TaskRef(self, sub.task_id, sub.capability, own=True)
 
     async def publish(self, store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:
         headers = {
