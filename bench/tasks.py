@@ -54,7 +54,7 @@ from _tasks_baselines import (
 from request_reply import SIZE, payload, run_registry
 
 import reach
-from reach._server import NatsServer, config_with_store
+from reach.testing import NatsServer, config_with_store
 
 VARIANTS = ("bare", "taskiq", "reach", "reach+key")
 REQUEST = "request"  # reach request/reply to bench.echo, for the latency comparison only
