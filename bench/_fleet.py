@@ -134,7 +134,11 @@ async def whole_fleet(client: reach.Client, n: int, capability: str = "bench.wor
 
 
 async def closed_loop(fn: Call, seconds: float, inflight: int) -> tuple[float, list[float]]:
-    """Requests per second and per-request latencies (ms) with ``inflight`` callers."""
+    """Requests per second and per-request latencies (ms) with ``inflight`` callers.
+
+    The first failure cancels every caller and comes out in an ExceptionGroup: no caller
+    goes on loading the server behind a failed run.
+    """
     lat: list[float] = []
     end = time.perf_counter() + seconds
 
@@ -144,7 +148,9 @@ async def closed_loop(fn: Call, seconds: float, inflight: int) -> tuple[float, l
             lat.append((time.perf_counter() - t) * 1000)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(inflight)))
+    async with asyncio.TaskGroup() as group:
+        for _ in range(inflight):
+            group.create_task(worker())
     return len(lat) / (time.perf_counter() - t0), lat
 
 

@@ -14,6 +14,10 @@ A test that needs a server of its own (to kill or restart it) uses the async sid
         ...
         await server.akill()
         await server.astart()  # same port and store
+
+``config_with_store(path, data_dir)`` gives a copy of a config (the shipped
+``nats-server.conf``, say) whose JetStream store is in ``data_dir``, for
+``NatsServer(config_file=...)``: tests and benches on the real durability settings.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import pytest
 from nats.nuid import NUID
 
 from ._client import Client
-from ._server import NatsServer, nats_server_binary
+from ._server import NatsServer, config_with_store, nats_server_binary
 from ._wait import eventually
 from .settings import ReachSettings
 
 __all__ = [
     "NatsServer",
+    "config_with_store",
     "eventually",
     "nats_server_binary",
     "reach_client",
