@@ -106,9 +106,18 @@ class Subjects:
     def event(self, agent_id: str) -> str:
         return f"{self.prefix}.evt.agent.{agent_id}"
 
-    def task(self, capability: str, priority: str) -> str:
-        """Where durable tasks wait: stream ``REACH_TASKS``, one consumer per subject."""
-        return f"{self.prefix}.task.{capability}.{priority}"
+    def task(self, task_id: str, capability: str, priority: str) -> str:
+        """Where a durable task waits (stream ``REACH_TASKS``). The id comes first, so one
+        task's message is found by ``reach.task.<id>.>``."""
+        return f"{self.prefix}.task.{task_id}.{capability}.{priority}"
+
+    def task_queue(self, capability: str, priority: str) -> str:
+        """The filter of the one consumer per capability and priority (disjoint: the
+        priority is always the last token)."""
+        return f"{self.prefix}.task.*.{capability}.{priority}"
+
+    def task_lookup(self, task_id: str) -> str:
+        return f"{self.prefix}.task.{task_id}.>"
 
     def dlq(self, capability: str) -> str:
         return f"{self.prefix}.dlq.{capability}"

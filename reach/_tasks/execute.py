@@ -58,7 +58,10 @@ class Executor:
         """Claim the task and write RUNNING; False when there is nothing to run (final,
         cancelled, claimed by a live agent, out of attempts): the message is handled."""
         at = now_ms()
-        stored = await self.store.get(d.task_id)
+        # A first delivery usually finds no record (the message is the PENDING state):
+        # try to create RUNNING straight away, and read only when that conflicts.
+        first = d.msg.metadata.num_delivered == 1
+        stored = None if first else await self.store.get(d.task_id)
         for _ in range(8):
             rec, rev = (
                 (stored.record, stored.revision)

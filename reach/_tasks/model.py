@@ -8,8 +8,8 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
-from .store import Stored
+from ..wire.tasks import TaskRecord, TaskSubmit
+from .store import Stored, pending_record
 
 __all__ = ["Delivery", "TaskStats", "new_record"]
 
@@ -41,25 +41,7 @@ class TaskStats:
 
 
 def new_record(sub: TaskSubmit, seq: int, at_ms: int) -> TaskRecord:
-    return TaskRecord(
-        task_id=sub.task_id,
-        capability=sub.capability,
-        priority=sub.priority,
-        max_attempts=sub.max_attempts,
-        timeout=sub.timeout,
-        payload=sub.payload,
-        idempotency_key=sub.idempotency_key,
-        callback=sub.callback,
-        notify=sub.notify,
-        seq=seq,
-        caller=sub.caller,
-        version=sub.version,
-        required_tags=list(sub.required_tags),
-        submitted_ms=sub.submitted_ms or at_ms,
-        updated_ms=at_ms,
-        replay_of=sub.replay_of,
-        history=[TaskStep(state=TaskState.PENDING, at_ms=at_ms)],
-    )
+    return pending_record(sub, seq, at_ms)
 
 
 @dataclass(slots=True)

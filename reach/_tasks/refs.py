@@ -62,7 +62,7 @@ def value_of(rec: TaskRecord, response_type: Any = Any) -> Any:
 
 async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
     for _ in range(16):
-        st = await store.get(task_id)
+        st = await store.lookup(task_id)
         if st is None:
             raise TaskNotFound(task_id)
         rec = st.record
@@ -105,7 +105,7 @@ class TaskRef:
 
     async def status(self) -> TaskRecord:
         """The task's record now; ``TaskNotFound`` if there is none."""
-        st = await self._tasks.store.get(self.task_id)
+        st = await self._tasks.store.lookup(self.task_id)
         if st is None:
             raise TaskNotFound(self.task_id)
         return st.record
@@ -156,11 +156,14 @@ class TaskRef:
     async def watch(self) -> AsyncIterator[TaskRecord]:
         """Every change of the record as it is written (a KV watch), until it is final."""
         store = self._tasks.store
-        if await store.get(self.task_id) is None:
+        first = await store.lookup(self.task_id)
+        if first is None:
             raise TaskNotFound(self.task_id)
         kv = await store.js.key_value(store.bucket)
         watcher = await kv.watch(self.task_id)
         try:
+            if first.revision == 0:
+                yield first.record  # PENDING: still a message no agent has taken
             async for entry in watcher:
                 if entry is None:
                     continue  # the end of the initial values

@@ -29,7 +29,7 @@ from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, ttl_header
 from .._subjects import Subjects
 from ..settings import ReachSettings
 from ..wire import Priority
-from ..wire.tasks import TaskRecord
+from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
 
 __all__ = ["Conflict", "TaskStore", "consumer_name", "idem_key"]
 
@@ -39,6 +39,7 @@ _EXPECTED = "Nats-Expected-Last-Subject-Sequence"
 _CONFLICT_CODES = (10071, 10164)
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _record_decoder = msgspec.json.Decoder(TaskRecord)
+_submit_decoder = msgspec.json.Decoder(TaskSubmit)
 _encode = msgspec.json.Encoder().encode
 
 
@@ -54,6 +55,30 @@ def consumer_name(capability: str, priority: Priority) -> str:
 def idem_key(kind: str, key: str) -> str:
     """A KV key for a user's idempotency key (any text; hashed to a valid key)."""
     return f"{kind}.{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
+
+
+def pending_record(sub: TaskSubmit, seq: int, at_ms: int = 0) -> TaskRecord:
+    """The record of a task as submitted: PENDING, everything from its message."""
+    at = sub.submitted_ms or at_ms
+    return TaskRecord(
+        task_id=sub.task_id,
+        capability=sub.capability,
+        priority=sub.priority,
+        max_attempts=sub.max_attempts,
+        timeout=sub.timeout,
+        payload=sub.payload,
+        idempotency_key=sub.idempotency_key,
+        callback=sub.callback,
+        notify=sub.notify,
+        seq=seq,
+        caller=sub.caller,
+        version=sub.version,
+        required_tags=list(sub.required_tags),
+        submitted_ms=at,
+        updated_ms=at,
+        replay_of=sub.replay_of,
+        history=[TaskStep(state=TaskState.PENDING, at_ms=at)],
+    )
 
 
 def decode_record(data: bytes) -> TaskRecord:
@@ -93,11 +118,12 @@ class TaskStore:
             js,
             StreamConfig(
                 name=self.stream,
-                subjects=[f"{self.subjects.prefix}.task.*.>"],
+                subjects=[f"{self.subjects.prefix}.task.*.*.>"],
                 retention=RetentionPolicy.WORK_QUEUE,
                 storage=StorageType.FILE,
+                allow_direct=True,
                 num_replicas=replicas,
-                description="Agent-Reach durable tasks: reach.task.<cap>.<priority>",
+                description="Agent-Reach durable tasks: reach.task.<id>.<cap>.<priority>",
             ),
         )
         await _add_stream(
@@ -134,7 +160,7 @@ class TaskStore:
         name = consumer_name(capability, priority)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=self.subjects.task(capability, priority),
+            filter_subject=self.subjects.task_queue(capability, priority),
             ack_wait=self.settings.task_ack_wait,
             max_deliver=self.settings.task_max_deliver,
             max_ack_pending=-1,
@@ -170,6 +196,27 @@ class TaskStore:
             AGENT_HEADER: record.agent_id or "-",
         }
         return await self._publish(f"$KV.{self.bucket}.{record.task_id}", _encode(record), headers)
+
+    async def lookup(self, task_id: str) -> Stored | None:
+        """The task as anyone sees it: its record, or, for a task no agent has taken yet,
+        a PENDING record made from its message (revision 0: the first write creates)."""
+        stored = await self.get(task_id)
+        if stored is not None or not _TASK_ID.fullmatch(task_id):
+            return stored
+        try:
+            msg = await self.js.get_msg(
+                self.stream, subject=self.subjects.task_lookup(task_id), direct=True
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        try:
+            sub = _submit_decoder.decode(msg.data or b"")
+        except msgspec.DecodeError:
+            return None  # a message no agent can run either; it goes to the DLQ
+        if sub.task_id != task_id:
+            return None
+        # one more look: an agent may have taken it between the two reads
+        return await self.get(task_id) or Stored(pending_record(sub, int(msg.seq or 0)), 0)
 
     # -- idempotency keys and claims -------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Submitting tasks and following them: ``Tasks`` (one per client), ``TaskRef``, ``Batch``.
 
-A submit publishes the task message first (its id is the ``Nats-Msg-Id``, so a resent
-publish is deduplicated) and then creates the PENDING record; an agent that gets the message
-before the record exists creates the record itself from the message. So a crash between the
-two loses nothing, and once ``submit`` returns the id is known to every process.
+A submit is one JetStream publish on ``reach.task.<id>.<cap>.<prio>`` (the id is also the
+``Nats-Msg-Id``, so a resent publish is deduplicated). The message is the task's PENDING
+state: anyone finds it by id (``TaskStore.lookup``) until an agent takes it and creates the
+record in ``reach_tasks`` (RUNNING). One durable write per submit, not two, and no orphan
+record can exist without its message.
 
 The submitter hears of its tasks' final records on a subject of its own (core NATS, best
 effort) and re-reads the record with backoff in case it missed one; another process follows
@@ -13,7 +14,6 @@ a task by watching its key.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +30,6 @@ from ..errors import ConfigurationError, ConnectionFailed, NotStarted
 from ..settings import ReachSettings
 from ..wire import Header, Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
-from .model import new_record
 from .refs import Batch, TaskRef, cancel_record
 from .store import Conflict, TaskStore, idem_key
 
@@ -194,16 +193,13 @@ class Tasks:
                     if got is None:
                         continue  # it expired just now: claim it again
                     winner = got[0].decode()
-                    if await store.get(winner) is not None:
+                    if await store.lookup(winner) is not None:
                         return TaskRef(self, winner, sub.capability)  # not ours to hear
                     # the first submitter has not written the record (yet, or ever):
                     # publish ours under its id; the server drops a duplicate message
                     sub = msgspec.structs.replace(sub, task_id=winner)
                     break
-        seq = await self.publish(store, sub)
-        record = new_record(sub, seq, now_ms())
-        with contextlib.suppress(Conflict):  # an agent took the task first and wrote it
-            await store.write(record, 0)
+        await self.publish(store, sub)
         return TaskRef(self, sub.task_id, sub.capability, own=True)
 
     async def publish(self, store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:
@@ -214,7 +210,7 @@ class Tasks:
         }
         if sub.idempotency_key:
             headers[Header.IDEMPOTENCY_KEY] = sub.idempotency_key
-        subject = self.subjects.task(sub.capability, sub.priority)
+        subject = self.subjects.task(sub.task_id, sub.capability, sub.priority)
         ack = await store.js.publish(subject, _encode(sub), headers=headers)
         return int(ack.seq)
 
@@ -231,7 +227,7 @@ class Tasks:
 
     async def get(self, nc: NatsConnection, task_id: str) -> TaskRecord | None:
         store = await self.ready(nc)
-        st = await store.get(task_id)
+        st = await store.lookup(task_id)
         return st.record if st else None
 
     async def cancel(self, task_id: str) -> TaskRecord:
