@@ -16,6 +16,7 @@ import msgspec
 
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
+from .._owner import TaskOwner
 from ..errors import RemoteError
 from ..wire import ErrorBody, Header
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState
@@ -46,6 +47,7 @@ class Executor:
         self.store = store
         self.settings = store.settings
         self.stats = stats
+        self.owner: TaskOwner | None = None  # owns early RUNNING writes
 
     def claim_key(self, d: Delivery) -> str:
         """One claim per idempotency key: two tasks with the same key (a replay, a submit
@@ -54,14 +56,17 @@ class Executor:
 
     # -- before the handler ------------------------------------------------------------
 
-    async def begin(self, d: Delivery) -> bool:
+    async def begin(self, d: Delivery, *, early: bool = False) -> bool:
         """Claim the task and write RUNNING; False when there is nothing to run (final,
-        cancelled, claimed by a live agent, out of attempts): the message is handled."""
+        cancelled, claimed by a live agent, out of attempts): the message is handled.
+
+        ``early``: for a task no agent has taken yet (no record), the RUNNING write is
+        only started, so the handler can start beside it; ``confirm`` waits for it, and
+        every later write does. A cancel racing that write wins: the write fails, the
+        handler is cancelled at once, and nothing it did is recorded.
+        """
         at = now_ms()
-        # A first delivery usually finds no record (the message is the PENDING state):
-        # try to create RUNNING straight away, and read only when that conflicts.
-        first = d.msg.metadata.num_delivered == 1
-        stored = None if first else await self.store.get(d.task_id)
+        stored = await self.store.get(d.task_id)
         for _ in range(8):
             rec, rev = (
                 (stored.record, stored.revision)
@@ -112,6 +117,10 @@ class Executor:
                     max_attempts=max_attempts,
                     timeout=rec.timeout or d.sub.timeout,
                 )
+            if early and rev == 0 and new.state is S.RUNNING and self.owner is not None:
+                d.stored = Stored(new, 0)
+                d.confirm = self.owner.spawn(self._create(new), f"task {d.task_id} start")
+                return True
             try:
                 d.stored = Stored(new, await self.store.write(new, rev))
             except Conflict:
@@ -126,6 +135,26 @@ class Executor:
         await self.release(d)
         await self._put_back(d, 1.0)
         return False
+
+    async def _create(self, record: TaskRecord) -> int:
+        """Create the record; 0 when it exists already (a write we lost to)."""
+        try:
+            return await self.store.write(record, 0)
+        except Conflict:
+            return 0
+
+    async def confirm(self, d: Delivery) -> bool:
+        """Wait for an early RUNNING write; False when it lost to another write."""
+        fut, d.confirm = d.confirm, None
+        if fut is None:
+            return d.stored is not None
+        rev = await fut
+        if not rev:
+            d.stored, d.n = None, 0
+            return False
+        assert d.stored is not None
+        d.stored = Stored(d.stored.record, rev)
+        return True
 
     async def _claim(self, d: Delivery) -> bool:
         """Tasks with an idempotency key are claimed in ``reach_idem`` (create with TTL,
@@ -171,6 +200,8 @@ class Executor:
     ) -> TaskRecord | None:
         """Write the next record of our attempt; None when fenced (a newer attempt owns
         the task, or it is final): then we write nothing and must not ack."""
+        if d.confirm is not None and not await self.confirm(d):
+            return None
         for _ in range(8):
             st = d.stored
             if st is None or not can_write(st.record, d.n):

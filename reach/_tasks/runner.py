@@ -102,6 +102,7 @@ class TaskRunner:
         store = TaskStore(nc.jetstream(), self.subjects, self.settings)
         await store.ensure()
         self._exec = Executor(self.agent_id, nc, store, self.stats)
+        self._exec.owner = owner
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -261,25 +262,33 @@ class TaskRunner:
         assert ex is not None
         assert self._owner is not None
         try:
-            if not await ex.begin(d):
+            for early in (True, False):
+                if not await ex.begin(d, early=early):
+                    return
+                rec = d.stored.record if d.stored else None
+                timeout = rec.timeout if rec else d.sub.timeout
+                try:
+                    payload = decl.spec.decode(d.sub.payload)
+                except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                    await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
+                    return
+                call = self._call(decl, payload, self._context(d, timeout))
+                inner = self._owner.spawn(call, f"task {d.task_id} handler")
+                d.runner = inner
+                if not await ex.confirm(d):
+                    # our RUNNING lost to another write (a cancel): stop, and look again
+                    inner.cancel()
+                    await asyncio.wait({inner}, timeout=_GRACE)
+                    d.runner = None
+                    continue
+                self.stats.started += 1
+                done, _ = await asyncio.wait({inner}, timeout=timeout)
+                if not done:
+                    d.stop_reason = d.stop_reason or "timeout"
+                    inner.cancel()
+                    done, _ = await asyncio.wait({inner}, timeout=_GRACE)
+                await self._settle(ex, d, inner, bool(done))
                 return
-            self.stats.started += 1
-            rec = d.stored.record if d.stored else None
-            timeout = rec.timeout if rec else d.sub.timeout
-            try:
-                payload = decl.spec.decode(d.sub.payload)
-            except (msgspec.DecodeError, ValueError, TypeError) as exc:
-                await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
-                return
-            call = self._call(decl, payload, self._context(d, timeout))
-            inner = self._owner.spawn(call, f"task {d.task_id} handler")
-            d.runner = inner
-            done, _ = await asyncio.wait({inner}, timeout=timeout)
-            if not done:
-                d.stop_reason = d.stop_reason or "timeout"
-                inner.cancel()
-                done, _ = await asyncio.wait({inner}, timeout=_GRACE)
-            await self._settle(ex, d, inner, bool(done))
         finally:
             self.running.pop(d.task_id, None)
             self.stats.running = len(self.running)
@@ -350,7 +359,7 @@ class TaskRunner:
                 for msg in list(puller.buffer):
                     await _in_progress(msg)
             for d in list(self.running.values()):
-                if d.runner is None or d.runner.done():
+                if d.runner is None or d.runner.done() or d.confirm is not None:
                     continue
                 if not await ex.renew(d):
                     self._stop(d, "fenced")
