@@ -16,7 +16,6 @@ import msgspec
 
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
-from .._owner import TaskOwner
 from ..errors import RemoteError
 from ..wire import ErrorBody, Header
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState
@@ -47,7 +46,6 @@ class Executor:
         self.store = store
         self.settings = store.settings
         self.stats = stats
-        self.owner: TaskOwner | None = None  # owns early RUNNING writes
 
     def claim_key(self, d: Delivery) -> str:
         """One claim per idempotency key: two tasks with the same key (a replay, a submit
@@ -60,10 +58,12 @@ class Executor:
         """Claim the task and write RUNNING; False when there is nothing to run (final,
         cancelled, claimed by a live agent, out of attempts): the message is handled.
 
-        ``early``: for a task no agent has taken yet (no record), the RUNNING write is
-        only started, so the handler can start beside it; ``confirm`` waits for it, and
-        every later write does. A cancel racing that write wins: the write fails, the
-        handler is cancelled at once, and nothing it did is recorded.
+        ``early``: for a task no agent has taken yet (no record, no idempotency claim),
+        RUNNING is not written yet: the handler starts at once and ``confirm`` writes
+        RUNNING if it is still running after a moment; a task done by then is recorded
+        in one write (its history still says PENDING, RUNNING, SUCCEEDED). Any write of
+        this attempt creates the record, so if another wrote first (a cancel, a newer
+        attempt) ours fails and the attempt is fenced.
         """
         at = now_ms()
         stored = await self.store.get(d.task_id)
@@ -103,7 +103,9 @@ class Executor:
                 new = advance(rec, [*steps, S.FAILED], at, "attempts exhausted", attempts=attempts)
                 new = msgspec.structs.replace(new, error=err)
             else:
-                d.n = rec.attempt + 1
+                # the delivery count too: two deliveries of a task without a record
+                # (one stalled, one redelivered) never hold the same number
+                d.n = max(rec.attempt + 1, d.msg.metadata.num_delivered)
                 attempts.append(TaskAttempt(n=d.n, agent_id=self.agent_id, started_ms=at))
                 new = advance(
                     rec,
@@ -117,9 +119,8 @@ class Executor:
                     max_attempts=max_attempts,
                     timeout=rec.timeout or d.sub.timeout,
                 )
-            if early and rev == 0 and new.state is S.RUNNING and self.owner is not None:
-                d.stored = Stored(new, 0)
-                d.confirm = self.owner.spawn(self._create(new), f"task {d.task_id} start")
+            if early and rev == 0 and new.state is S.RUNNING and not d.claim_rev:
+                d.stored = Stored(new, 0)  # not written: the first write creates it
                 return True
             try:
                 d.stored = Stored(new, await self.store.write(new, rev))
@@ -136,24 +137,19 @@ class Executor:
         await self._put_back(d, 1.0)
         return False
 
-    async def _create(self, record: TaskRecord) -> int:
-        """Create the record; 0 when it exists already (a write we lost to)."""
-        try:
-            return await self.store.write(record, 0)
-        except Conflict:
-            return 0
-
     async def confirm(self, d: Delivery) -> bool:
-        """Wait for an early RUNNING write; False when it lost to another write."""
-        fut, d.confirm = d.confirm, None
-        if fut is None:
-            return d.stored is not None
-        rev = await fut
-        if not rev:
-            d.stored, d.n = None, 0
+        """Write RUNNING if it is not written yet; False when another write came first."""
+        st = d.stored
+        if st is None:
             return False
-        assert d.stored is not None
-        d.stored = Stored(d.stored.record, rev)
+        if st.revision:
+            return True
+        try:
+            d.stored = Stored(st.record, await self.store.write(st.record, 0))
+        except Conflict:
+            d.stored = await self.store.get(d.task_id)
+            self.stats.fenced += 1
+            return False
         return True
 
     async def _claim(self, d: Delivery) -> bool:
@@ -195,25 +191,40 @@ class Executor:
 
     # -- writes while and after running ------------------------------------------------
 
+    async def fenced(self, d: Delivery) -> None:
+        """Our attempt lost the record. If the task has ended (a cancel, another agent
+        finished it), clear its message; if a newer attempt runs it, leave the message to
+        that attempt."""
+        st = d.stored if d.stored and d.stored.revision else await self.store.get(d.task_id)
+        if st is not None and st.record.final:
+            await self.after_final(d, st.record)
+
     async def commit(
-        self, d: Delivery, states: list[TaskState], note: str = "", **changes: Any
+        self,
+        d: Delivery,
+        states: list[TaskState],
+        note: str = "",
+        *,
+        finishing: bool = False,
+        **changes: Any,
     ) -> TaskRecord | None:
         """Write the next record of our attempt; None when fenced (a newer attempt owns
-        the task, or it is final): then we write nothing and must not ack."""
-        if d.confirm is not None and not await self.confirm(d):
-            return None
+        the task, or it is final): then we write nothing and must not ack (``finishing``:
+        clear the message if the task has ended anyway)."""
         for _ in range(8):
             st = d.stored
             if st is None or not can_write(st.record, d.n):
                 self.stats.fenced += 1
                 log.info("task %s: attempt %s is no longer current; dropped", d.task_id, d.n)
-                return None
+                break
             new = advance(st.record, states, now_ms(), note, **changes)
             try:
                 d.stored = Stored(new, await self.store.write(new, st.revision))
                 return new
             except Conflict:
                 d.stored = await self.store.get(d.task_id)
+        if finishing:
+            await self.fenced(d)
         return None
 
     async def progress(self, d: Delivery, fraction: float, note: str) -> None:
@@ -234,6 +245,7 @@ class Executor:
             rec = await self.commit(
                 d,
                 [S.SUCCEEDED],
+                finishing=True,
                 attempts=attempts,
                 result=result,
                 progress=1.0,
@@ -246,13 +258,15 @@ class Executor:
         error = _error_body(exc, outcome)
         attempts = end_attempt(st.record.attempts, d.n, at, outcome, error.message)
         if outcome == "cancelled":
-            rec = await self.commit(d, [S.CANCELLED], attempts=attempts, error=error)
+            rec = await self.commit(
+                d, [S.CANCELLED], finishing=True, attempts=attempts, error=error
+            )
             if rec is not None:
                 self.stats.cancelled += 1
                 await self.finished(d, rec)
             return
         if outcome == "drained":
-            rec = await self.commit(d, [S.RETRYING], "drained", attempts=attempts)
+            rec = await self.commit(d, [S.RETRYING], "drained", finishing=True, attempts=attempts)
             if rec is not None:
                 self.stats.drained += 1
                 await self.release(d)
@@ -261,7 +275,9 @@ class Executor:
         retry = outcome == "timeout" or (error.retryable and outcome == "failed")
         first = [S.TIMEOUT] if outcome == "timeout" else []
         if retry and d.n < st.record.max_attempts:
-            rec = await self.commit(d, [*first, S.RETRYING], attempts=attempts, error=error)
+            rec = await self.commit(
+                d, [*first, S.RETRYING], finishing=True, attempts=attempts, error=error
+            )
             if rec is not None:
                 self.stats.retried += 1
                 s = self.settings
@@ -271,6 +287,7 @@ class Executor:
         rec = await self.commit(
             d,
             [*first, S.FAILED],
+            finishing=True,
             attempts=attempts,
             error=error,
             callback_state="pending" if st.record.callback else "",

@@ -54,7 +54,6 @@ class Delivery:
     stored: Stored | None = None  # the record as of our last read or write
     claim_rev: int = 0
     runner: asyncio.Task[Any] | None = None
-    confirm: asyncio.Task[Any] | None = None  # an early RUNNING write under way
     stop_reason: str = ""  # why the handler was cancelled: cancelled, fenced, drained
 
     @property

@@ -44,6 +44,9 @@ log = logging.getLogger("reach.tasks")
 
 _LINGER = 5.0  # seconds an idle pull request waits on the server
 _GRACE = 1.0  # seconds a cancelled handler gets to end before it is left behind
+#: a task still running after this long gets its RUNNING record; a quicker one is recorded
+#: in one write (PENDING, RUNNING, SUCCEEDED in its history)
+_RECORD_RUNNING_AFTER = 0.05
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 
 
@@ -102,7 +105,6 @@ class TaskRunner:
         store = TaskStore(nc.jetstream(), self.subjects, self.settings)
         await store.ensure()
         self._exec = Executor(self.agent_id, nc, store, self.stats)
-        self._exec.owner = owner
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -262,33 +264,35 @@ class TaskRunner:
         assert ex is not None
         assert self._owner is not None
         try:
-            for early in (True, False):
-                if not await ex.begin(d, early=early):
-                    return
-                rec = d.stored.record if d.stored else None
-                timeout = rec.timeout if rec else d.sub.timeout
-                try:
-                    payload = decl.spec.decode(d.sub.payload)
-                except (msgspec.DecodeError, ValueError, TypeError) as exc:
-                    await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
-                    return
-                call = self._call(decl, payload, self._context(d, timeout))
-                inner = self._owner.spawn(call, f"task {d.task_id} handler")
-                d.runner = inner
-                if not await ex.confirm(d):
-                    # our RUNNING lost to another write (a cancel): stop, and look again
-                    inner.cancel()
-                    await asyncio.wait({inner}, timeout=_GRACE)
-                    d.runner = None
-                    continue
-                self.stats.started += 1
-                done, _ = await asyncio.wait({inner}, timeout=timeout)
-                if not done:
-                    d.stop_reason = d.stop_reason or "timeout"
-                    inner.cancel()
-                    done, _ = await asyncio.wait({inner}, timeout=_GRACE)
-                await self._settle(ex, d, inner, bool(done))
+            if not await ex.begin(d, early=True):
                 return
+            rec = d.stored.record if d.stored else None
+            timeout = rec.timeout if rec else d.sub.timeout
+            try:
+                payload = decl.spec.decode(d.sub.payload)
+            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
+                return
+            call = self._call(decl, payload, self._context(d, timeout))
+            inner = self._owner.spawn(call, f"task {d.task_id} handler")
+            d.runner = inner
+            self.stats.started += 1
+            quick = min(_RECORD_RUNNING_AFTER, timeout)
+            done, _ = await asyncio.wait({inner}, timeout=quick)
+            if not done and not await ex.confirm(d):
+                # another write came first (a cancel, a newer attempt): stop it
+                d.stop_reason = "fenced"
+                inner.cancel()
+                await asyncio.wait({inner}, timeout=_GRACE)
+                await ex.fenced(d)
+                return
+            done, _ = await asyncio.wait({inner}, timeout=max(0.0, timeout - quick))
+            if not done:
+                d.stop_reason = d.stop_reason or "timeout"
+                inner.cancel()
+                done, _ = await asyncio.wait({inner}, timeout=_GRACE)
+            await self._settle(ex, d, inner, bool(done))
+            return
         finally:
             self.running.pop(d.task_id, None)
             self.stats.running = len(self.running)
@@ -301,7 +305,8 @@ class TaskRunner:
     ) -> None:
         reason = d.stop_reason
         if reason == "fenced":
-            return  # a newer attempt owns the task: write nothing, ack nothing
+            await ex.fenced(d)  # a newer attempt owns the task: write nothing
+            return
         if reason == "timeout":
             self.stats.timed_out += 1
         if not done or inner.cancelled():
@@ -359,11 +364,13 @@ class TaskRunner:
                 for msg in list(puller.buffer):
                     await _in_progress(msg)
             for d in list(self.running.values()):
-                if d.runner is None or d.runner.done() or d.confirm is not None:
+                if d.runner is None or d.runner.done():
                     continue
                 if not await ex.renew(d):
                     self._stop(d, "fenced")
                     continue
+                if d.stored is None or not d.stored.revision:
+                    continue  # RUNNING not written yet
                 try:
                     st = await ex.store.get(d.task_id)
                 except TRANSIENT as exc:

@@ -29,7 +29,7 @@ from .._subjects import Subjects, validate_capability, validate_topic
 from ..errors import ConfigurationError, ConnectionFailed, NotStarted
 from ..settings import ReachSettings
 from ..wire import Header, Priority
-from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
+from ..wire.tasks import TaskRecord, TaskSubmit
 from .refs import Batch, TaskRef, cancel_record
 from .store import Conflict, TaskStore, idem_key
 
@@ -236,6 +236,6 @@ class Tasks:
         store, nc = self.store, self._nc
         assert nc is not None
         rec = await cancel_record(store, task_id)
-        if rec.state is TaskState.RUNNING:
-            await nc.publish(self.subjects.task_cancel(), task_id.encode())
+        # also for a task that looked PENDING: an agent may be starting it right now
+        await nc.publish(self.subjects.task_cancel(), task_id.encode())
         return rec
