@@ -143,9 +143,7 @@ class DurableTasks:
         """Replay every dead letter of ``capability``, oldest first; those that cannot be
         replayed stay in the DLQ (logged)."""
         store = await self._tasks.ready(self.nc)
-        ids, skipped = await admin.replay_capability(
-            store, capability, notify=self._tasks.notify
-        )
+        ids, skipped = await admin.replay_capability(store, capability, notify=self._tasks.notify)
         for seq, why in skipped:
             log.warning("dead letter %s not replayed: %s", seq, why)
         return [TaskRef(self._tasks, i, capability) for i in ids]

@@ -15,6 +15,7 @@ callback is not a task: it is not replayed (its result is in the task's record).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -151,7 +152,7 @@ async def scan(
         return []
     seen: list[Seen] = []
     try:
-        pending = (await psub.consumer_info()).num_pending
+        pending = (await psub.consumer_info()).num_pending or 0
         while pending > 0:
             try:
                 msgs = await psub.fetch(min(_BATCH, pending), timeout=_SCAN_TIMEOUT)
@@ -184,10 +185,9 @@ async def record_index(store: TaskStore) -> list[RecordMeta]:
             continue  # deleted or expired
         raw = s.headers.get(STATE_HEADER, "")
         state = TaskState(raw) if raw in TaskState.__members__ else None
-        agent = s.headers.get(AGENT_HEADER, "")
-        out.append(
-            RecordMeta(s.subject[len(prefix) :], s.seq, state, "" if agent == "-" else agent, s.at_ms)
-        )
+        agent = s.headers.get(AGENT_HEADER, "-")
+        task_id = s.subject[len(prefix) :]
+        out.append(RecordMeta(task_id, s.seq, state, "" if agent == "-" else agent, s.at_ms))
     return out
 
 
@@ -201,9 +201,7 @@ async def list_records(
     """Records in ``state`` and of ``capability`` (None: any), most recently changed
     first, at most ``limit``."""
     want = TaskState(state.upper() if isinstance(state, str) else state) if state else None
-    metas = [
-        m for m in await record_index(store) if want is None or m.state in (want, None)
-    ]
+    metas = [m for m in await record_index(store) if want is None or m.state in (want, None)]
     metas.sort(key=lambda m: m.revision, reverse=True)
     out: list[TaskRecord] = []
     for m in metas:
@@ -307,17 +305,13 @@ async def replay(store: TaskStore, seq: int, *, notify: str = "") -> str:
             submitted_ms=now_ms(),
         )
         msg_seq = await publish_task(store, sub)
-        try:
+        with contextlib.suppress(Conflict):  # an agent took the task first and wrote it
             await store.write(new_record(sub, msg_seq, now_ms()), 0)
-        except Conflict:
-            pass  # an agent took the task first and wrote its record
     if old.idempotency_key:  # a submit with this key now finds the new task
         key = idem_key("submit", old.idempotency_key)
         await store.idem_put(key, new_id.encode(), store.settings.task_idempotency_ttl)
-    try:
+    with contextlib.suppress(nats.js.errors.NotFoundError):  # a concurrent replay did
         await store.js.delete_msg(store.dlq_stream, seq)
-    except nats.js.errors.NotFoundError:
-        pass  # a concurrent replay of the same dead letter deleted it
     log.info("dead letter %s (task %s) replayed as task %s", seq, dl.task_id, new_id)
     return new_id
 
@@ -337,4 +331,3 @@ async def replay_capability(
         except DeadLetterNotFound:
             continue  # replayed by someone else meanwhile
     return replayed, skipped
-
