@@ -22,7 +22,6 @@ one message.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -145,7 +144,8 @@ class TaskRecovery:
                 log.warning("task recovery: a max-deliveries advisory failed: %r", exc)
 
     async def on_max_deliveries(self, data: bytes) -> bool:
-        """Handle one advisory; True when a message was moved to the DLQ."""
+        """Handle one advisory; True when this call removed the message (after its dead
+        letter was stored), so replicas racing on one message count it once."""
         try:
             advisory: dict[str, Any] = json.loads(data)
             seq = int(advisory["stream_seq"])
@@ -181,8 +181,10 @@ class TaskRecovery:
                 attempts=rec.attempts if rec else (),
                 seq=seq,
             )
-        with contextlib.suppress(nats.js.errors.NotFoundError):  # another replica did
+        try:
             await store.js.delete_msg(store.stream, seq)
+        except nats.js.errors.NotFoundError:
+            return False  # another replica got there first: it counts this one
         self.stats.max_deliveries += 1
         log.warning("task %s: max deliveries reached; moved to the DLQ", task_id or f"#{seq}")
         return True

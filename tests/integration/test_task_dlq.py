@@ -129,7 +129,8 @@ async def test_undecodable_task_goes_to_the_dlq_and_the_agent_keeps_serving(sett
 
         await eventually(dead_lettered, timeout=30)
         [dl] = await client.dead_letters()
-        assert (dl.reason, dl.kind, dl.task_id, dl.data) == ("bad_request", "task", "junk1", garbage)
+        assert (dl.reason, dl.kind, dl.task_id) == ("bad_request", "task", "junk1")
+        assert dl.data == garbage
         assert agent.task_stats.invalid == 1
         with pytest.raises(ReachError, match="cannot be replayed") as info:
             await client.replay(dl.seq)
@@ -184,9 +185,7 @@ async def test_list_tasks_by_state_and_capability_newest_first(settings):
         listed = await client.list_tasks()
         assert [r.task_id for r in listed] == [running.task_id] + [r.task_id for r in done[::-1]]
         assert [r.task_id for r in await client.list_tasks(state="running")] == [running.task_id]
-        assert [r.task_id for r in await client.list_tasks(TaskState.RUNNING)] == [
-            running.task_id
-        ]
+        assert [r.task_id for r in await client.list_tasks(TaskState.RUNNING)] == [running.task_id]
         succeeded = await client.list_tasks(state=TaskState.SUCCEEDED, capability=CAP)
         assert [r.task_id for r in succeeded] == [r.task_id for r in done[::-1]]
         assert len(await client.list_tasks(capability=CAP, limit=2)) == 2
