@@ -196,7 +196,8 @@ def _show_record(r: TaskRecord) -> None:
     start = r.history[0].at_ms if r.history else r.submitted_ms
     for step in r.history:
         note = f"  {step.note}" if step.note else ""
-        print(f"  +{_seconds(step.at_ms - start):>10}  {step.state}{note}")
+        offset = "+" + _seconds(step.at_ms - start)
+        print(f"  {offset:>11}  {step.state}{note}")
     print("attempts:" if r.attempts else "attempts: none")
     for a in r.attempts:
         took = _seconds(a.ended_ms - a.started_ms) if a.ended_ms else "running"

@@ -194,3 +194,29 @@ async def test_list_tasks_by_state_and_capability_newest_first(settings):
         hold.set()
         await running.result(timeout=30)
         assert await client.list_tasks(state="running") == []
+
+
+async def test_a_dead_letter_whose_publish_failed_is_published_on_redelivery(settings):
+    """The DLQ is unavailable when the last attempt fails: the message is neither
+    dead-lettered nor terminated. Its redelivery finds the task FAILED and must store the
+    dead letter before removing the message, or the task would vanish without a trace."""
+    gate, seen = asyncio.Event(), []
+    agent = flaky_agent(settings, gate, seen)
+    dlq_stream = f"{settings.subject_prefix.upper()}_DLQ"
+    async with agent, Client(settings=settings) as client:
+        js = client.nc.jetstream()
+        assert await client.list_tasks() == []  # the client's task streams are open now
+        config = (await js.stream_info(dlq_stream)).config
+        await js.delete_stream(dlq_stream)
+        ref = await client.submit(CAP, {"n": 1}, max_attempts=1)
+        assert (await ref.wait(timeout=30)).state is TaskState.FAILED
+        stats = agent.task_stats
+        await eventually(lambda: stats.failed == 1 and stats.running == 0, timeout=30)
+        assert stats.dead_lettered == 0  # its publish failed: no stream
+        await js.add_stream(config)  # the DLQ is back before the redelivery (task_ack_wait)
+
+        async def dead_lettered() -> bool:
+            return [d.task_id for d in await client.dead_letters()] == [ref.task_id]
+
+        await eventually(dead_lettered, timeout=30)
+        assert len(seen) == 1  # the handler ran once; the redelivery only finished the job
