@@ -220,3 +220,17 @@ async def test_a_dead_letter_whose_publish_failed_is_published_on_redelivery(set
 
         await eventually(dead_lettered, timeout=30)
         assert len(seen) == 1  # the handler ran once; the redelivery only finished the job
+
+
+async def test_a_dead_letter_of_many_attempts_keeps_the_newest_attempts(settings):
+    """The attempt history rides in one bounded header: with many attempts it keeps the
+    newest ones whole, rather than a cut, undecodable list."""
+    gate, seen = asyncio.Event(), []
+    agent = flaky_agent(settings, gate, seen)
+    async with agent, Client(settings=settings) as client:
+        ref = await client.submit(CAP, {"n": 1, "hang": True}, timeout=0.05, max_attempts=16)
+        rec = await ref.wait(timeout=60)
+        assert [a.outcome for a in rec.attempts] == ["timeout"] * 16
+        [dl] = await client.dead_letters()
+        assert 0 < len(dl.attempts) < 16
+        assert dl.attempts == rec.attempts[-len(dl.attempts) :]
