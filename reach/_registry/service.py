@@ -205,7 +205,7 @@ class Registry:
                     self._recovery = TaskRecovery(
                         nc, self.settings, s, self._owner, self._recovery_stats
                     )
-                    await self._recovery.start()
+                    self._subs.append(await self._recovery.start())
                 await flush_nats(nc)
         except TRANSIENT as exc:
             if step == "bind":
@@ -254,9 +254,7 @@ class Registry:
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
             await mirror.stop()
-        recovery, self._recovery = self._recovery, None
-        if recovery is not None:
-            await recovery.stop()
+        self._recovery = None  # its subscription was drained with the others
         await self._owner.close()
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None and not nc.is_closed:

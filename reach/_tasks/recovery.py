@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from .._codec import now_ms
@@ -113,35 +114,36 @@ class TaskRecovery:
         self.agents_bucket = subjects.bucket("agents")
         self._sub: Subscription | None = None
 
-    async def start(self) -> None:
+    async def start(self) -> Subscription:
         """Listen for max-deliveries advisories (queue group: one replica takes each) and
-        start the sweep; the caller flushes the connection."""
+        start the sweep; the advisory subscription, which the caller flushes and, at a
+        stop, drains (so an advisory being handled is finished, not cut in half)."""
         subject = f"{_MAX_DELIVERIES}.{self.store.stream}.>"
-        self._sub = await self.nc.subscribe(subject, queue=_QUEUE)
-        self.owner.keep(self._advisories, "tasks: max deliveries")
+        self._sub = await self.nc.subscribe(subject, queue=_QUEUE, cb=self._on_advisory)
         if self.settings.task_sweep_interval > 0:
             self.owner.keep(self._sweeping, "tasks: sweep")
+        return self._sub
 
     async def stop(self) -> None:
-        """Stop listening (the owner's close ends the loops)."""
+        """Drain the advisory subscription (the owner's close ends the sweep)."""
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
-                await sub.unsubscribe()
+                await sub.drain()  # type: ignore[no-untyped-call]
             except TRANSIENT as exc:
-                log.debug("task recovery: unsubscribe: %s", exc)
+                log.debug("task recovery: drain: %s", exc)
 
     # -- max deliveries ------------------------------------------------------------------
 
-    async def _advisories(self) -> None:
-        sub = self._sub
-        assert sub is not None
-        async for msg in sub.messages:
-            try:
-                await self.on_max_deliveries(msg.data)
-            except _RETRIED as exc:
-                self.stats.errors += 1
-                log.warning("task recovery: a max-deliveries advisory failed: %r", exc)
+    async def _on_advisory(self, msg: Msg) -> None:
+        try:
+            await self.on_max_deliveries(msg.data)
+        except _RETRIED as exc:
+            self.stats.errors += 1
+            log.warning("task recovery: a max-deliveries advisory failed: %r", exc)
+        except Exception:
+            self.stats.errors += 1
+            log.exception("task recovery: a bug handling a max-deliveries advisory")
 
     async def on_max_deliveries(self, data: bytes) -> bool:
         """Handle one advisory; True when this call removed the message (after its dead
