@@ -55,6 +55,7 @@ _encode = msgspec.json.Encoder().encode
 _MAX_DELIVERIES = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
 _QUEUE = "task-recovery"
 _TRIES = 8
+_PARALLEL = 32
 #: what a failed advisory or record recovery may raise: counted, logged, tried again later
 _RETRIED: tuple[type[BaseException], ...] = (*TRANSIENT, Conflict, IllegalTransition)
 
@@ -239,19 +240,26 @@ class TaskRecovery:
             await self.sweep()
 
     async def sweep(self) -> int:
-        """One pass over the records; how many tasks it recovered."""
+        """One pass over the records; how many tasks it recovered. Records are checked
+        ``_PARALLEL`` at a time (two reads each: the record, and its message)."""
         self.stats.sweeps += 1
         metas = [m for m in await record_index(self.store) if not _final(m)]
-        live: list[set[str]] = []  # read once, when a RUNNING record needs it
+        needs_leases = any(m.state in (S.RUNNING, None) for m in metas)
+        live = await self._live_agents() if needs_leases else set()
         recovered = 0
-        for m in metas:
-            try:
-                recovered += await self._recover(m, live)
-            except _RETRIED as exc:
-                self.stats.errors += 1
-                log.warning("task %s: recovery failed (next sweep tries again): %r", m.task_id, exc)
+        for i in range(0, len(metas), _PARALLEL):
+            batch = metas[i : i + _PARALLEL]
+            recovered += sum(await asyncio.gather(*(self._check(m, live) for m in batch)))
         self.stats.tasks_recovered += recovered
         return recovered
+
+    async def _check(self, m: RecordMeta, live: set[str]) -> int:
+        try:
+            return await self._recover(m, live)
+        except _RETRIED as exc:
+            self.stats.errors += 1
+            log.warning("task %s: recovery failed (next sweep tries again): %r", m.task_id, exc)
+            return 0
 
     async def _live_agents(self) -> set[str]:
         """Agent ids that hold a lease now."""
@@ -265,18 +273,15 @@ class TaskRecovery:
             if KV_OP not in s.headers and MARKER_REASON not in s.headers
         }
 
-    async def _recover(self, m: RecordMeta, live: list[set[str]]) -> int:
+    async def _recover(self, m: RecordMeta, live: set[str]) -> int:
         st = await self.store.get(m.task_id)
         if st is None or st.record.final:
             return 0
         done = 0
-        if st.record.state is S.RUNNING:
-            if not live:
-                live.append(await self._live_agents())
-            if st.record.agent_id not in live[0]:
-                lost = await self._lost(st)
-                if lost is not None:
-                    st, done = lost, 1
+        if st.record.state is S.RUNNING and st.record.agent_id not in live:
+            lost = await self._lost(st)
+            if lost is not None:
+                st, done = lost, 1
         gone = await self._message_gone(st)
         if gone is None:
             return done
