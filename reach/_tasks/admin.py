@@ -29,7 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from .._codec import now_ms
 from .._kv.leases import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
-from ..errors import ReachError
+from ..errors import ConfigurationError, ReachError
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_KIND, DLQ_REASON, TASK_ID
 from .model import new_record
@@ -200,7 +200,11 @@ async def list_records(
 ) -> list[TaskRecord]:
     """Records in ``state`` and of ``capability`` (None: any), most recently changed
     first, at most ``limit``."""
-    want = TaskState(state.upper() if isinstance(state, str) else state) if state else None
+    try:
+        want = TaskState(state.upper()) if state else None
+    except ValueError:
+        names = ", ".join(s.lower() for s in TaskState)
+        raise ConfigurationError(f"state {state!r} is not one of {names}") from None
     metas = [m for m in await record_index(store) if want is None or m.state in (want, None)]
     metas.sort(key=lambda m: m.revision, reverse=True)
     out: list[TaskRecord] = []

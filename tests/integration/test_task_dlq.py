@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from reach import Agent, Client, DeadLetter, ReachError, TaskState
+from reach import Agent, Client, ConfigurationError, DeadLetter, ReachError, TaskState
 from reach.testing import eventually
 
 CAP = "report.build"
@@ -191,6 +191,8 @@ async def test_list_tasks_by_state_and_capability_newest_first(settings):
         assert len(await client.list_tasks(capability=CAP, limit=2)) == 2
         assert await client.list_tasks(capability="report.none") == []
         assert await client.list_tasks(state="failed") == []
+        with pytest.raises(ConfigurationError, match="not one of pending, running"):
+            await client.list_tasks(state="lost")
         hold.set()
         await running.result(timeout=30)
         assert await client.list_tasks(state="running") == []
