@@ -13,6 +13,7 @@ from ._registry import Registry as Registry
 from ._registry import RegistryStats as RegistryStats
 from ._tasks import Batch as Batch
 from ._tasks import BatchProgress as BatchProgress
+from ._tasks import DeadLetter as DeadLetter
 from ._tasks import TaskAttempt as TaskAttempt
 from ._tasks import TaskRecord as TaskRecord
 from ._tasks import TaskRef as TaskRef
@@ -61,6 +62,7 @@ __all__ = [
     "ConfigurationError",
     "ConnectionFailed",
     "Context",
+    "DeadLetter",
     "HandlerFailed",
     "InvalidReply",
     "NotStarted",

@@ -1,4 +1,5 @@
-"""The ``reach`` command: run a local server, call, publish, listen, and the demo."""
+"""The ``reach`` command: run a local server, call, publish, listen, and the demo; the
+durable-task commands (submit, tasks, dlq) live in ``_cli_tasks``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import runpy
 import signal
 import subprocess
@@ -18,6 +18,11 @@ from typing import Any
 import msgspec
 import nats.errors
 
+from ._cli_common import parse_json as _parse_json
+from ._cli_common import print_value as _print_value
+from ._cli_common import status as _status
+from ._cli_common import table as _table
+from ._cli_tasks import add_task_commands
 from ._client import Client
 from ._codec import now_ms
 from ._registry import Registry
@@ -35,23 +40,6 @@ def _settings(args: argparse.Namespace) -> ReachSettings:
     if getattr(args, "url", None):
         return ReachSettings(nats_url=args.url)
     return ReachSettings()
-
-
-def _parse_json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"payload is not valid JSON: {exc}") from None
-
-
-def _print_value(data: bytes) -> None:
-    if not data:
-        print("null")
-        return
-    try:
-        print(json.dumps(msgspec.json.decode(data), indent=2, ensure_ascii=False))
-    except msgspec.DecodeError:
-        print(data.decode("utf-8", "replace"))
 
 
 async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -171,26 +159,6 @@ def _up(args: argparse.Namespace, settings: ReachSettings) -> int:
         server.close()
     print("# stopped", file=sys.stderr, flush=True)
     return 0
-
-
-_COLOURS = {"UP": "32", "DEGRADED": "33", "PAUSED": "36", "UNKNOWN": "35", "DOWN": "31"}
-
-
-def _status(text: str, colour: bool) -> str:
-    return f"\033[{_COLOURS.get(text, '0')}m{text}\033[0m" if colour else text
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(_plain(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [c + " " * (w - len(_plain(c))) for c, w in zip(row, widths, strict=True)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _plain(text: str) -> str:
-    return re.sub(r"\033\[[0-9;]*m", "", text)
 
 
 async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -368,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the customer-service desk (sdk/examples/demo.py)")
     p.set_defaults(run=_demo, is_async=False)
+
+    add_task_commands(sub, with_url)  # submit, tasks, dlq
     return parser
 
 

@@ -1,17 +1,21 @@
-"""The client's durable-task methods (``submit``, ``submit_batch``, ``task``), over
-``reach._tasks.Tasks``."""
+"""The client's durable-task methods (``submit``, ``submit_batch``, ``task``, listing,
+dead letters and replay), over ``reach._tasks.Tasks`` and ``reach._tasks.admin``."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from .._nats import NatsConnection
-from .._tasks import Batch, TaskRecord, TaskRef, Tasks
+from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, admin
+from .._tasks.admin import DeadLetter
 from ..errors import TaskNotFound
 from ..wire import Priority
 
 __all__ = ["DurableTasks"]
+
+log = logging.getLogger("reach.client")
 
 
 class DurableTasks:
@@ -102,3 +106,44 @@ class DurableTasks:
         if record is None:
             raise TaskNotFound(task_id)
         return record
+
+    async def list_tasks(
+        self,
+        state: TaskState | str | None = None,
+        capability: str | None = None,
+        limit: int = 100,
+    ) -> list[TaskRecord]:
+        """Task records in ``state`` and of ``capability`` (None: any), most recently
+        changed first, at most ``limit``. Only matching records are read."""
+        store = await self._tasks.ready(self.nc)
+        return await admin.list_records(store, state=state, capability=capability, limit=limit)
+
+    async def dead_letters(
+        self, capability: str | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        """Dead letters (of ``capability``; None: all), newest first, at most ``limit``."""
+        store = await self._tasks.ready(self.nc)
+        return await admin.dead_letters(store, capability, limit)
+
+    async def dead_letter(self, seq: int) -> DeadLetter:
+        """The dead letter at DLQ sequence ``seq`` (a ``ReachError`` if there is none)."""
+        return await admin.dead_letter_at(await self._tasks.ready(self.nc), seq)
+
+    async def replay(self, seq: int) -> TaskRef:
+        """Run dead letter ``seq`` again as a new task (``replay_of`` the old one, same
+        payload, options and idempotency key), then remove it from the DLQ. A callback
+        that was never delivered, or a message that never decoded, cannot be replayed
+        (``ReachError`` saying why; it stays in the DLQ). Replaying twice gives one task."""
+        store = await self._tasks.ready(self.nc)
+        dl = await admin.dead_letter_at(store, seq)
+        task_id = await admin.replay(store, seq, notify=self._tasks.notify)
+        return TaskRef(self._tasks, task_id, dl.capability)
+
+    async def replay_capability(self, capability: str) -> list[TaskRef]:
+        """Replay every dead letter of ``capability``, oldest first; those that cannot be
+        replayed stay in the DLQ (logged)."""
+        store = await self._tasks.ready(self.nc)
+        ids, skipped = await admin.replay_capability(store, capability, notify=self._tasks.notify)
+        for seq, why in skipped:
+            log.warning("dead letter %s not replayed: %s", seq, why)
+        return [TaskRef(self._tasks, i, capability) for i in ids]

@@ -1,4 +1,5 @@
-"""The registry service: leases in KV, heartbeats into status, probes, list and route.
+"""The registry service: leases in KV, heartbeats into status, probes, list and route,
+and (unless ``tasks=False``) durable-task recovery (``reach._tasks.recovery``).
 
 Stateless by design: everything it knows is in the ``reach_agents`` bucket (which it
 mirrors) or arrives with the next heartbeat. Every write is a compare-and-set on the key's
@@ -27,6 +28,7 @@ from .. import _kv
 from .._nats import TRANSIENT, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import Subjects
+from .._tasks.recovery import RecoveryStats, TaskRecovery
 from ..errors import ConnectionFailed
 from ..settings import ReachSettings
 from ..wire import AgentRecord
@@ -53,6 +55,7 @@ class Registry:
         max_inflight: int = 256,
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
+        tasks: bool = True,
     ) -> None:
         self.settings = settings if settings is not None else ReachSettings()
         self.url = url or self.settings.nats_url
@@ -79,6 +82,10 @@ class Registry:
         self._liveness = Liveness(core, self._leases)
         core.entries.on_expired = self._liveness.expired
         self._mirror: _kv.BucketMirror | None = None
+        #: durable-task recovery (max-deliveries advisories, sweeps); off with tasks=False
+        self.tasks = tasks
+        self._recovery_stats = RecoveryStats()
+        self._recovery: TaskRecovery | None = None
         self._subs: list[Subscription] = []
         self._running = False
         self._lifecycle = asyncio.Lock()
@@ -90,6 +97,9 @@ class Registry:
         """Counters of the traffic handled (``task_failures`` is read at access)."""
         stats = self._core.stats
         stats.task_failures = self._owner.failures
+        rs = self._recovery_stats
+        stats.sweeps, stats.tasks_recovered = rs.sweeps, rs.tasks_recovered
+        stats.max_deliveries, stats.recovery_errors = rs.max_deliveries, rs.errors
         return stats
 
     def records(self) -> dict[str, AgentRecord]:
@@ -191,6 +201,11 @@ class Registry:
                 )
                 for verb, cb in self._api.handlers().items():
                     self._subs.append(await nc.subscribe(s.registry(verb), queue="registry", cb=cb))
+                if self.tasks:
+                    self._recovery = TaskRecovery(
+                        nc, self.settings, s, self._owner, self._recovery_stats
+                    )
+                    self._subs.append(await self._recovery.start())
                 await flush_nats(nc)
         except TRANSIENT as exc:
             if step == "bind":
@@ -239,6 +254,7 @@ class Registry:
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
             await mirror.stop()
+        self._recovery = None  # its subscription was drained with the others
         await self._owner.close()
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None and not nc.is_closed:

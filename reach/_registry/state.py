@@ -57,6 +57,11 @@ class RegistryStats:
     cas_conflicts: int = 0
     write_errors: int = 0
     task_failures: int = 0  # background tasks that raised (logged; loops restarted)
+    # durable-task recovery (``reach._tasks.recovery``), read at access
+    sweeps: int = 0
+    tasks_recovered: int = 0  # lost agents' tasks back to RETRYING, lost messages republished
+    max_deliveries: int = 0  # messages that reached max deliveries, moved to the DLQ
+    recovery_errors: int = 0  # advisories or records that failed (logged, tried again)
 
 
 @dataclass(slots=True)

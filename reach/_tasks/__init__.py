@@ -4,11 +4,15 @@
 fencing, backoff, priority aging) are pure. ``store`` names and reads/writes the streams and
 buckets. The agent side is ``runner`` (pulling by priority, leases, cancel, drain) over
 ``execute`` (one delivery: claim, RUNNING, result, retry, dead letter, callback). The client
-side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch). ``dlq`` writes dead letters.
+side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch). ``dlq`` writes dead letters;
+``admin`` lists records and reads and replays dead letters; ``recovery`` (run by the
+registry) moves what hit max deliveries to the DLQ and sweeps for lost tasks.
 Nothing here imports the agent or the client packages.
 """
 
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
+from . import admin
+from .admin import DeadLetter
 from .execute import Executor
 from .model import TaskStats
 from .refs import Batch, BatchProgress, TaskRef
@@ -18,6 +22,7 @@ from .submit import Tasks
 __all__ = [
     "Batch",
     "BatchProgress",
+    "DeadLetter",
     "Executor",
     "TaskAttempt",
     "TaskDecl",
@@ -29,4 +34,5 @@ __all__ = [
     "TaskStep",
     "TaskSubmit",
     "Tasks",
+    "admin",
 ]

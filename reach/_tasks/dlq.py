@@ -31,6 +31,17 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:_MAX_HEADER]
 
 
+def _attempts_header(attempts: Sequence[TaskAttempt]) -> str:
+    """The attempts as JSON, bounded: the newest that fit, whole (a cut list would not
+    decode)."""
+    items = list(attempts)
+    while True:
+        text = _attempts_encoder.encode(items).decode()
+        if len(text) <= _MAX_HEADER or not items:
+            return text
+        items = items[1:]
+
+
 async def dead_letter(
     store: TaskStore,
     *,
@@ -53,7 +64,7 @@ async def dead_letter(
             DLQ_KIND: kind,
             DLQ_REASON: _one_line(reason),
             DLQ_ERROR: _one_line(error) or "-",
-            DLQ_ATTEMPTS: _attempts_encoder.encode(list(attempts)).decode()[:_MAX_HEADER],
+            DLQ_ATTEMPTS: _attempts_header(attempts),
         }
     )
     ack = await store.js.publish(store.subjects.dlq(capability or "unknown"), data, headers=hdrs)

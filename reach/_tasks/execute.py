@@ -75,6 +75,8 @@ class Executor:
             )
             if rec.final:
                 d.stored = Stored(rec, rev)
+                if rec.state is S.FAILED:  # its dead letter may never have been stored
+                    await self._dead_letter(d, rec, rec.error.code if rec.error else "")
                 await self.after_final(d, rec)
                 self.stats.duplicates += 1
                 return False
@@ -300,20 +302,25 @@ class Executor:
         the callback, then remove the message and release our claim."""
         if rec.state is S.FAILED:
             self.stats.failed += 1
-            await dead_letter(
-                self.store,
-                capability=rec.capability,
-                task_id=rec.task_id,
-                data=d.msg.data,
-                headers=d.msg.headers,
-                reason=reason or "failed",
-                error=rec.error.message if rec.error else "",
-                attempts=rec.attempts,
-            )
-            self.stats.dead_lettered += 1
+            await self._dead_letter(d, rec, reason)
         await self.after_final(d, rec)
         if rec.state is not S.SUCCEEDED:
             await self.release(d)  # a success's claim just expires: one write less
+
+    async def _dead_letter(self, d: Delivery, rec: TaskRecord, reason: str) -> None:
+        """Store the dead letter of a FAILED task (again, on a redelivery: its Nats-Msg-Id
+        is the same, so the stream keeps one copy)."""
+        await dead_letter(
+            self.store,
+            capability=rec.capability,
+            task_id=rec.task_id,
+            data=d.msg.data,
+            headers=d.msg.headers,
+            reason=reason or "failed",
+            error=rec.error.message if rec.error else "",
+            attempts=rec.attempts,
+        )
+        self.stats.dead_lettered += 1
 
     async def release(self, d: Delivery) -> None:
         """Give our claim up (compare-and-set: a newer holder's claim stays)."""

@@ -33,13 +33,29 @@ from ..wire.tasks import TaskRecord, TaskSubmit
 from .refs import Batch, TaskRef, cancel_record
 from .store import Conflict, TaskStore, idem_key
 
-__all__ = ["Tasks"]
+__all__ = ["Tasks", "publish_task"]
 
 log = logging.getLogger("reach.client")
 
 _record_decoder = msgspec.json.Decoder(TaskRecord)
 _encode = msgspec.json.Encoder().encode
 _MAX_KEY = 256
+
+
+async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:
+    """Publish a task message and wait for the stream's ack; its stream sequence. The
+    ``Nats-Msg-Id`` (the task id unless given) deduplicates a resent publish. Used by a
+    submit, a replay from the DLQ and a recovery sweep's republish."""
+    headers = {
+        "Nats-Msg-Id": msg_id or sub.task_id,
+        "Reach-Task-Id": sub.task_id,
+        Header.CALLER: sub.caller or "-",
+    }
+    if sub.idempotency_key:
+        headers[Header.IDEMPOTENCY_KEY] = sub.idempotency_key
+    subject = store.subjects.task(sub.task_id, sub.capability, sub.priority)
+    ack = await store.js.publish(subject, _encode(sub), headers=headers)
+    return int(ack.seq)
 
 
 class Tasks:
@@ -203,16 +219,7 @@ class Tasks:
         return TaskRef(self, sub.task_id, sub.capability, own=True)
 
     async def publish(self, store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:
-        headers = {
-            "Nats-Msg-Id": msg_id or sub.task_id,
-            "Reach-Task-Id": sub.task_id,
-            Header.CALLER: sub.caller or "-",
-        }
-        if sub.idempotency_key:
-            headers[Header.IDEMPOTENCY_KEY] = sub.idempotency_key
-        subject = self.subjects.task(sub.task_id, sub.capability, sub.priority)
-        ack = await store.js.publish(subject, _encode(sub), headers=headers)
-        return int(ack.seq)
+        return await publish_task(store, sub, msg_id)
 
     async def submit_batch(self, nc: NatsConnection, subs: list[TaskSubmit]) -> Batch:
         """Publish every task at once (pipelined); a failed submit is that item's error."""
