@@ -30,6 +30,7 @@ from ..wire import CapabilityInfo, Priority
 from ..wire.tasks import TaskSubmit
 from .dlq import dead_letter
 from .execute import Executor
+from .jsapi import JsApi
 from .model import Delivery, TaskStats
 from .pull import Puller
 from .states import PriorityOrder
@@ -89,6 +90,7 @@ class TaskRunner:
         self._owner: TaskOwner | None = None
         self._exec: Executor | None = None
         self._client: Client | None = None
+        self._api: JsApi | None = None
 
     @property
     def store(self) -> TaskStore | None:
@@ -102,7 +104,9 @@ class TaskRunner:
         """Create the streams and consumers if missing, and start pulling."""
         if not self.decls:
             return
-        store = TaskStore(nc.jetstream(), self.subjects, self.settings)
+        self._api = JsApi(nc)
+        await self._api.open()
+        store = TaskStore(nc.jetstream(), self.subjects, self.settings, self._api)
         await store.ensure()
         self._exec = Executor(self.agent_id, nc, store, self.stats)
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
@@ -151,11 +155,14 @@ class TaskRunner:
         sub, self._cancel_sub = self._cancel_sub, None
         pullers = list(self._pullers.values())
         self._pullers.clear()
+        api, self._api = self._api, None
         try:
             if sub is not None:
                 await sub.unsubscribe()
             for puller in pullers:
                 await puller.close()
+            if api is not None:
+                await api.close()
         except TRANSIENT as exc:
             log.debug("agent %s: task subscriptions: %s", self.agent_id, exc)
 

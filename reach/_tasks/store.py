@@ -30,6 +30,7 @@ from .._subjects import Subjects
 from ..settings import ReachSettings
 from ..wire import Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
+from .jsapi import JsApi
 
 __all__ = ["Conflict", "TaskStore", "consumer_name", "idem_key"]
 
@@ -86,6 +87,13 @@ def decode_record(data: bytes) -> TaskRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class _Got:
+    data: bytes
+    headers: dict[str, str]
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
     record: TaskRecord
     revision: int
@@ -94,8 +102,16 @@ class Stored:
 class TaskStore:
     """Names and I/O for one subject prefix; created per connection, cheap."""
 
-    def __init__(self, js: JetStreamContext, subjects: Subjects, settings: ReachSettings) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        subjects: Subjects,
+        settings: ReachSettings,
+        api: JsApi | None = None,
+    ) -> None:
         self.js = js
+        #: the fast path for record reads and writes (nats-py's js calls otherwise)
+        self.api = api
         self.subjects = subjects
         self.settings = settings
         upper = subjects.prefix.replace(".", "_").upper()
@@ -175,12 +191,10 @@ class TaskStore:
         """The record and its revision; None when there is none (never was, or expired)."""
         if not _TASK_ID.fullmatch(task_id):
             return None  # not an id we could have made (and never a subject wildcard)
-        try:
-            msg = await self.js.get_msg(
-                self._kv_stream, subject=f"$KV.{self.bucket}.{task_id}", direct=True
-            )
-        except nats.js.errors.NotFoundError:
+        got = await self._direct_get(self._kv_stream, f"$KV.{self.bucket}.{task_id}")
+        if got is None:
             return None
+        msg = got
         headers = msg.headers or {}
         if not msg.data or KV_OP in headers or MARKER_REASON in headers:
             return None
@@ -203,11 +217,8 @@ class TaskStore:
         stored = await self.get(task_id)
         if stored is not None or not _TASK_ID.fullmatch(task_id):
             return stored
-        try:
-            msg = await self.js.get_msg(
-                self.stream, subject=self.subjects.task_lookup(task_id), direct=True
-            )
-        except nats.js.errors.NotFoundError:
+        msg = await self._direct_get(self.stream, self.subjects.task_lookup(task_id))
+        if msg is None:
             return None
         try:
             sub = _submit_decoder.decode(msg.data or b"")
@@ -243,14 +254,11 @@ class TaskStore:
     async def idem_latest(self, key: str) -> tuple[bytes | None, int]:
         """The newest message of ``key``: its value (None for none or a delete marker)
         and revision (0 for none)."""
-        try:
-            msg = await self.js.get_msg(
-                self._idem_stream, subject=f"$KV.{self.idem_bucket}.{key}", direct=True
-            )
-        except nats.js.errors.NotFoundError:
+        msg = await self._direct_get(self._idem_stream, f"$KV.{self.idem_bucket}.{key}")
+        if msg is None:
             return None, 0
         headers = msg.headers or {}
-        if msg.data is None or KV_OP in headers or MARKER_REASON in headers:
+        if not msg.data or KV_OP in headers or MARKER_REASON in headers:
             return None, int(msg.seq or 0)
         return bytes(msg.data), int(msg.seq or 0)
 
@@ -282,12 +290,32 @@ class TaskStore:
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
         try:
+            if self.api is not None:
+                return await self.api.publish(subject, data, headers)
             ack = await self.js.publish(subject, data, headers=headers)
         except nats.js.errors.APIError as exc:
             if exc.err_code in _CONFLICT_CODES:
                 raise Conflict(subject) from exc
             raise
         return int(ack.seq)
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        """A JetStream publish on the fast path; the stream sequence."""
+        return await self._publish(subject, data, headers)
+
+    async def _direct_get(self, stream: str, subject: str) -> _Got | None:
+        """The last message on ``subject`` in ``stream`` (a direct get), or None."""
+        if self.api is not None:
+            msg = await self.api.direct_get(stream, subject)
+            if msg is None:
+                return None
+            headers = msg.headers or {}
+            return _Got(msg.data, headers, int(headers.get("Nats-Sequence", 0)))
+        try:
+            raw = await self.js.get_msg(stream, subject=subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        return _Got(raw.data or b"", raw.headers or {}, int(raw.seq or 0))
 
 
 async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -30,6 +30,7 @@ from ..errors import ConfigurationError, ConnectionFailed, NotStarted
 from ..settings import ReachSettings
 from ..wire import Header, Priority
 from ..wire.tasks import TaskRecord, TaskSubmit
+from .jsapi import JsApi
 from .refs import Batch, TaskRef, cancel_record
 from .store import Conflict, TaskStore, idem_key
 
@@ -54,8 +55,7 @@ async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> i
     if sub.idempotency_key:
         headers[Header.IDEMPOTENCY_KEY] = sub.idempotency_key
     subject = store.subjects.task(sub.task_id, sub.capability, sub.priority)
-    ack = await store.js.publish(subject, _encode(sub), headers=headers)
-    return int(ack.seq)
+    return await store.publish(subject, _encode(sub), headers)
 
 
 class Tasks:
@@ -80,7 +80,9 @@ class Tasks:
             return self._store
         async with self._lock:
             if self._store is None or self._nc is not nc:
-                store = TaskStore(nc.jetstream(), self.subjects, self.settings)
+                api = JsApi(nc)
+                await api.open()
+                store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
                 try:
                     await store.ensure()
                 except TRANSIENT as exc:
@@ -98,17 +100,20 @@ class Tasks:
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None
+        api = self._store.api if self._store is not None else None
         self._store = self._nc = None
         for futs in self.waiters.values():
             for fut in futs:
                 if not fut.done():
                     fut.set_exception(NotStarted("client closed"))
         self.waiters.clear()
-        if sub is not None:
-            try:
+        try:
+            if sub is not None:
                 await sub.unsubscribe()
-            except TRANSIENT as exc:
-                log.debug("tasks: unsubscribe: %s", exc)
+            if api is not None:
+                await api.close()
+        except TRANSIENT as exc:
+            log.debug("tasks: unsubscribe: %s", exc)
 
     async def _on_final(self, msg: Msg) -> None:
         try:
