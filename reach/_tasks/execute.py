@@ -58,7 +58,7 @@ class Executor:
         """Claim the task and write RUNNING; False when there is nothing to run (final,
         cancelled, claimed by a live agent, out of attempts): the message is handled.
 
-        ``early``: for a task no agent has taken yet (no record, no idempotency claim),
+        ``early``: for a task no agent has taken yet (no record; claimed if it has a key),
         RUNNING is not written yet: the handler starts at once and ``confirm`` writes
         RUNNING if it is still running after a moment; a task done by then is recorded
         in one write (its history still says PENDING, RUNNING, SUCCEEDED). Any write of
@@ -121,7 +121,7 @@ class Executor:
                     max_attempts=max_attempts,
                     timeout=rec.timeout or d.sub.timeout,
                 )
-            if early and rev == 0 and new.state is S.RUNNING and not d.claim_rev:
+            if early and rev == 0 and new.state is S.RUNNING:
                 d.stored = Stored(new, 0)  # not written: the first write creates it
                 return True
             try:

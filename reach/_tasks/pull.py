@@ -111,13 +111,14 @@ class Puller:
             self._end()
         return got + self.take(n - len(got))
 
-    async def linger(self, expires: float) -> None:
-        """Open a request for one message that waits up to ``expires`` seconds; returns at
-        once (the message, or the end of the request, wakes the runner)."""
+    async def linger(self, expires: float, batch: int = 1) -> None:
+        """Open a request for up to ``batch`` messages, delivered as they come, for up to
+        ``expires`` seconds; returns at once (each message, and the end of the request,
+        wakes the runner)."""
         if not self.idle:
             return
-        self._open(1, expires + _PROBE_TIMEOUT)
-        body = {"batch": 1, "expires": int(expires * 1e9)}
+        self._open(batch, expires + _PROBE_TIMEOUT)
+        body = {"batch": batch, "expires": int(expires * 1e9)}
         await self.nc.publish(self.api, _encode(body), reply=self.inbox)
 
     def take(self, n: int) -> list[Msg]:

@@ -3,9 +3,11 @@ every running task's lease (claim and ack timer) alive until its result is recor
 
 Priority is ours: one durable consumer per capability and priority, probed high before
 normal before low (with aging, ``states.PriorityOrder``), asking for no more messages than
-there are free slots. An idle runner leaves one lingering pull request per consumer, so it
-may hold one waiting message per (capability, priority) beyond its free slots; held
-messages are kept alive like running ones and start in priority order.
+there are free slots. An idle runner leaves a lingering pull request on every consumer:
+one message each, and the rest of its free slots to the level that had work last, so a
+steady stream needs no request per task. Only when it has fewer free slots than consumers
+does it hold more than it can run (one message per consumer at most); held messages are
+kept alive like running ones and start in priority order.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class TaskRunner:
         self._order = PriorityOrder()
         self._pullers: dict[tuple[str, Priority], Puller] = {}
         self._rotate = 0
+        self._busy = Priority.HIGH  # the level that had work last
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._cancel_sub: Subscription | None = None
@@ -179,9 +182,19 @@ class TaskRunner:
                 continue
             if any(p.buffer for p in self._pullers.values()):
                 continue  # arrived while we looked elsewhere
-            for puller in self._pullers.values():
-                await puller.linger(_LINGER)
+            await self._linger(free)
             await self._wake.wait()
+
+    async def _linger(self, free: int) -> None:
+        """Wait on the server for new tasks without asking for more than ``free``: one
+        message per level, and the rest of the slots to the level that had work last (so
+        a steady stream flows without a request per task)."""
+        idle = [(key, p) for key, p in self._pullers.items() if p.idle]
+        busy = [p for (_, level), p in idle if level is self._busy]
+        spare = max(0, free - (len(idle) - len(busy)))
+        for (_, level), puller in idle:
+            share = max(1, spare // len(busy)) if level is self._busy else 1
+            await puller.linger(_LINGER, share)
 
     async def _fill(self, free: int) -> int:
         started = 0
@@ -202,6 +215,7 @@ class TaskRunner:
                     msgs = await puller.probe(free - started)
                 for msg in msgs:
                     found = True
+                    self._busy = level
                     started += 1
                     self._order.served(level)
                     self._start(msg, cap)
