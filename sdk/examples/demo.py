@@ -24,7 +24,15 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from reach import Agent, CapabilityNotFound, Client, ReachError, ReachSettings, Registry
+from reach import (
+    Agent,
+    Batch,
+    CapabilityNotFound,
+    Client,
+    ReachError,
+    ReachSettings,
+    Registry,
+)
 from reach.testing import NatsServer, eventually
 from reach.wire import AgentEvent, Control
 
@@ -103,6 +111,7 @@ async def main() -> int:
             lease_ttl=2,
             probe_timeout=0.5,
             down_grace=2,
+            task_ack_wait=2,  # a dead instance's tasks come back within 2 s
         )
         line(f"nats-server {server.url} (pid {server.pid}, JetStream in a temp dir)")
         async with contextlib.AsyncExitStack() as stack:
@@ -128,6 +137,7 @@ async def main() -> int:
                     "REACH_NATS_URL": server.url,
                     "REACH_HEARTBEAT_INTERVAL": "0.5",
                     "REACH_LEASE_TTL": "2",
+                    "REACH_TASK_ACK_WAIT": "2",
                 },
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
@@ -175,11 +185,22 @@ async def scenario(
     for who in ("desk", "aftersales-1"):
         line(f"  {who:<14} heard {desk.heard[who]}")
 
-    line(f"\n{desk.stamp()} logistics-3 is killed (SIGKILL, pid {crashy.pid}):")
+    line("\n12 durable reroute tasks are submitted (logistics.reroute, 1 s of work each):")
+    batch = await client.submit_batch(
+        "logistics.reroute", [{"order_id": f"R-{i}"} for i in range(12)]
+    )
+
+    async def running_on_3() -> bool:
+        running = await client.list_tasks(state="running", capability="logistics.reroute")
+        return any(r.agent_id == "logistics-3" for r in running)
+
+    await eventually(running_on_3, timeout=30)
+    line(f"\n{desk.stamp()} logistics-3 is killed (SIGKILL, pid {crashy.pid}) mid-task:")
     crashy.kill()  # by PID
     await crashy.wait()
     await burst(client, "requests keep being served meanwhile:")
     await eventually(lambda: ("logistics-3", "gone") in desk.events, timeout=30)
+    await tasks_report(batch)
 
     line(f"\n{desk.stamp()} logistics-2 is drained (reach drain logistics-2):")
     await client.nc.request(
@@ -199,6 +220,20 @@ async def scenario(
         await client.request("logistics.track", {"order_id": "x"}, required_tags=["gpu"])
     except CapabilityNotFound as exc:
         line(f"Asking for what no instance has says why: {exc}")
+
+
+async def tasks_report(batch: Batch) -> None:
+    results = await batch.results(timeout=60)
+    records = [await ref.status() for ref in batch.refs]
+    by: Counter[str] = Counter(r["by"] for r in results if isinstance(r, dict))
+    again = [r for r in records if len(r.attempts) > 1]
+    finished = ", ".join(f"{a} finished {n}" for a, n in sorted(by.items()))
+    line(f"\nThe {len(batch)} reroute tasks: {finished}")
+    for rec in again:
+        tries = " then ".join(f"{a.agent_id} ({a.outcome})" for a in rec.attempts)
+        line(f"  {rec.task_id[-6:]} ran {len(rec.attempts)} times: {tries}")
+    lost = len(batch) - batch.progress.done
+    line(f"  {batch.progress.done} of {len(batch)} succeeded, {lost} lost")
 
 
 async def burst(client: Client, title: str) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import msgspec
 
-from reach import Agent, Context, ReachSettings
+from reach import Agent, Context, ReachSettings, TaskContext
 
 
 class OrderRef(msgspec.Struct):
@@ -26,6 +26,15 @@ def build(settings: ReachSettings, agent_id: str | None = None, max_concurrency:
         await asyncio.sleep(0.02)  # stands in for a carrier API call
         await ctx.client.publish("order.status", {"order_id": ref.order_id, "status": "in transit"})
         return {"order_id": ref.order_id, "eta_days": 2, "agent": agent.agent_id}
+
+    @agent.task("logistics.reroute", version="1.0", timeout=30, description="book a new carrier")
+    async def reroute(ref: OrderRef, ctx: TaskContext) -> dict:
+        # A durable task: it survives this instance dying. Booking with the carrier is
+        # keyed on the task id, so a second attempt cannot book twice.
+        for step in range(4):
+            await asyncio.sleep(0.25)  # stands in for the carrier's booking API
+            await ctx.progress((step + 1) / 4, f"step {step + 1} of 4")
+        return {"order_id": ref.order_id, "booking": f"BK-{ctx.task_id[-6:]}", "by": ctx.agent_id}
 
     return agent
 
