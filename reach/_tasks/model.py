@@ -29,7 +29,8 @@ class TaskStats:
     duplicates: int = 0
     #: deliveries put back because another live agent held the task's claim
     claim_busy: int = 0
-    #: writes refused because a newer attempt owns the task (a stale worker)
+    #: stale attempts (a newer attempt owns the task): their writes were refused, or
+    #: their handler was stopped by the lease check before it could write
     fenced: int = 0
     #: messages that did not decode (sent to the DLQ)
     invalid: int = 0

@@ -366,13 +366,13 @@ class TaskRunner:
                     self._stop(d, "cancelled")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        task_id = msg.data.decode(errors="replace")
-        d = self.running.get(task_id)
-        if d is not None:
+        if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:
             self._stop(d, "cancelled")
 
     def _stop(self, d: Delivery, reason: str) -> None:
         if d.runner is not None and not d.runner.done():
+            if reason == "fenced" and not d.stop_reason:
+                self.stats.fenced += 1  # a stale worker, stopped before it could write
             d.stop_reason = d.stop_reason or reason
             d.runner.cancel()
 

@@ -4,7 +4,8 @@
 
 Every run of the handler first creates ``DIR/<task_id>.<attempt>.<pid>``: one file per
 execution, so a test counts side effects, duplicates included. MODE "quick": each run takes
-a moment; "hold": the first attempt of a task waits until ``DIR/release`` exists. Once the
+a moment; "hold": the first attempt of a task waits until ``DIR/release`` exists (and
+leaves ``DIR/cancelled.<task_id>.<pid>`` if it is cancelled instead). Once the
 runner has refused a stale write (``task_stats.fenced``), ``DIR/fenced.<pid>`` appears.
 """
 
@@ -29,8 +30,12 @@ async def main(root: Path, mode: str) -> None:
     async def work(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
         (root / f"{ctx.task_id}.{ctx.attempt}.{pid}").touch()
         if mode == "hold" and ctx.attempt == 1:
-            while not (root / "release").exists():  # noqa: ASYNC110 (another process's file)
-                await asyncio.sleep(0.01)
+            try:
+                while not (root / "release").exists():  # noqa: ASYNC110 (another process's file)
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                (root / f"cancelled.{ctx.task_id}.{pid}").touch()
+                raise
         else:
             await asyncio.sleep(0.01)
         return {"n": payload["n"], "pid": pid, "attempt": ctx.attempt}

@@ -146,7 +146,13 @@ async def test_a_killed_server_loses_no_task(runs: Path):
         await run_through_a_fault(settings, runs, kill_server)
 
 
-async def test_a_stopped_agent_is_fenced_when_it_wakes(nats_server: NatsServer, runs: Path):
+@pytest.mark.parametrize("handler_returns", [True, False], ids=["late-result", "still-running"])
+async def test_a_stopped_agent_is_fenced_when_it_wakes(
+    nats_server: NatsServer, runs: Path, handler_returns: bool
+):
+    """After SIGCONT the first agent either finishes its handler and tries to write its
+    result (refused by the fence), or its lease check finds the newer attempt first and
+    cancels the handler; either way it writes nothing and counts a fenced attempt."""
     settings = fast(nats_server.url)
     first = AgentProcess(settings, runs, "hold", 1)
     async with Client(settings=settings) as client:
@@ -164,7 +170,8 @@ async def test_a_stopped_agent_is_fenced_when_it_wakes(nats_server: NatsServer, 
             async with second:
                 assert await ref.result(timeout=60) == {"n": 7, "pid": 0, "attempt": 2}
             before = await ref.status()
-            (runs / "release").touch()  # the first agent's handler returns once it runs
+            if handler_returns:
+                (runs / "release").touch()  # the first agent's handler returns once it runs
             os.kill(first.pid, signal.SIGCONT)
             await eventually(lambda: (runs / f"fenced.{first.pid}").exists(), timeout=30)
             after = await ref.status()
@@ -176,3 +183,6 @@ async def test_a_stopped_agent_is_fenced_when_it_wakes(nats_server: NatsServer, 
     assert [a.outcome for a in after.attempts] == ["lost", "succeeded"]
     assert after.attempts[0].agent_id != second.agent_id
     assert msgspec.json.decode(after.result or b"") == {"n": 7, "pid": 0, "attempt": 2}
+    stopped = (runs / f"cancelled.{ref.task_id}.{first.pid}").exists()
+    if not handler_returns:
+        assert stopped  # the stale handler was cancelled, not left running
