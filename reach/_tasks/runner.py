@@ -11,6 +11,7 @@ messages are kept alive like running ones and start in priority order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ log = logging.getLogger("reach.tasks")
 
 _LINGER = 5.0  # seconds an idle pull request waits on the server
 _GRACE = 1.0  # seconds a cancelled handler gets to end before it is left behind
+_HAND_BACK = 5.0  # seconds a drain waits for handed-back tasks' records and naks
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 
 
@@ -123,6 +125,7 @@ class TaskRunner:
         self.fetching = False
         self._wake.set()
         for puller in self._pullers.values():
+            await puller.close()  # the server skips pull requests nobody listens to
             for msg in puller.take(len(puller.buffer)):
                 await _nak_now(msg)
         if not self.running:
@@ -132,14 +135,11 @@ class TaskRunner:
             return True
         except TimeoutError:
             pass
-        left = [d for d in self.running.values() if d.runner is not None]
-        for d in left:
-            d.stop_reason = "drained"
-            assert d.runner is not None
-            d.runner.cancel()
-        with_timeout = [d.runner for d in left if d.runner is not None]
-        if with_timeout:
-            await asyncio.wait(with_timeout, timeout=_GRACE)
+        for d in list(self.running.values()):
+            self._stop(d, "drained")
+        # each delivery hands its task back (RETRYING, claim released, nak) before we close
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), _GRACE + _HAND_BACK)
         return False
 
     async def close(self) -> None:
