@@ -127,7 +127,7 @@ class TaskRunner:
         for puller in self._pullers.values():
             await puller.close()  # the server skips pull requests nobody listens to
             for msg in puller.take(len(puller.buffer)):
-                await _nak_now(msg)
+                await _nak(msg)
         if not self.running:
             return True
         try:
@@ -171,7 +171,9 @@ class TaskRunner:
                 continue  # arrived while we looked elsewhere
             for puller in self._pullers.values():
                 await puller.linger(_LINGER)
-            await self._wake.wait()
+            # a request the server lost (a restart) never ends by itself: look again then
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 2 * _LINGER)
 
     async def _fill(self, free: int) -> int:
         started = 0
@@ -202,7 +204,7 @@ class TaskRunner:
     def _start(self, msg: Msg, cap: str) -> None:
         assert self._owner is not None
         if not self.fetching:
-            self._owner.spawn(_nak_now(msg), "tasks: hand back")
+            self._owner.spawn(_nak(msg), "tasks: hand back")
             return
         try:
             sub = _submit_decoder.decode(msg.data)
@@ -215,7 +217,7 @@ class TaskRunner:
             self._owner.spawn(self._invalid(msg, cap, reason), "tasks: invalid")
             return
         if sub.task_id in self.running or not self._fits(sub, decl):
-            self._owner.spawn(_nak_later(msg, 1.0), "tasks: not here")
+            self._owner.spawn(_nak(msg, 1.0), "tasks: not here")
             return
         s = self.settings
         sub = msgspec.structs.replace(
@@ -377,14 +379,8 @@ class TaskRunner:
             d.runner.cancel()
 
 
-async def _nak_now(msg: Msg) -> None:
-    try:
-        await msg.nak()
-    except TRANSIENT as exc:
-        log.debug("nak: %s", exc)
-
-
-async def _nak_later(msg: Msg, delay: float) -> None:
+async def _nak(msg: Msg, delay: float | None = None) -> None:
+    """Put a message back: for redelivery at once, or after ``delay`` seconds."""
     try:
         await msg.nak(delay=delay)
     except TRANSIENT as exc:

@@ -186,3 +186,24 @@ async def test_a_stopped_agent_is_fenced_when_it_wakes(
     stopped = (runs / f"cancelled.{ref.task_id}.{first.pid}").exists()
     if not handler_returns:
         assert stopped  # the stale handler was cancelled, not left running
+
+
+async def test_an_idle_agent_pulls_again_after_a_server_restart():
+    """The server forgets open pull requests when it restarts; an agent that was waiting
+    on one must notice and ask again, or it never sees another task."""
+    async with NatsServer() as server:
+        settings = fast(server.url)
+        agent = Agent("idle", settings=settings)
+
+        @agent.task("idle.op")
+        async def op(payload: dict[str, Any]) -> dict[str, Any]:
+            return payload
+
+        async with agent, Client(settings=settings) as client:
+            assert await (await client.submit("idle.op", {"n": 1})).result(timeout=30) == {"n": 1}
+            await server.akill()
+            await eventually(lambda: not client.connected and not agent.client.connected)
+            await server.astart()
+            await eventually(lambda: client.connected and agent.client.connected, timeout=30)
+            ref = await client.submit("idle.op", {"n": 2})
+            assert await ref.result(timeout=60) == {"n": 2}
