@@ -97,15 +97,17 @@ async def run_through_a_fault(settings: ReachSettings, runs: Path, fault: Any) -
     async with Client(settings=settings) as client:
         batch = await client.submit_batch(CAPABILITY, [{"n": i} for i in range(TOTAL)])
         assert len(batch.refs) == TOTAL
+        waiting = asyncio.create_task(batch.results(timeout=180))  # waits through the fault
         try:
             await agent.start()
             await eventually(lambda: len(executions(runs)) >= TOTAL // 5, timeout=60)
             await fault(agent, client)
             started = {t for t, _, _ in executions(runs)}
             assert len(started) < TOTAL, "the fault came too late to test anything"
-            results = await batch.results(timeout=180)
+            results = await waiting
             records = [await ref.status() for ref in batch.refs]
         finally:
+            waiting.cancel()
             await agent.close()
     assert [r["n"] for r in results] == list(range(TOTAL)), results
     assert all(rec.state is TaskState.SUCCEEDED for rec in records)
@@ -207,3 +209,34 @@ async def test_an_idle_agent_pulls_again_after_a_server_restart():
             await eventually(lambda: client.connected and agent.client.connected, timeout=30)
             ref = await client.submit("idle.op", {"n": 2})
             assert await ref.result(timeout=60) == {"n": 2}
+
+
+async def test_a_caller_waits_through_a_server_outage():
+    """``result()`` rides through an outage longer than one request (each status read
+    fails meanwhile) instead of ending early with a false timeout; a read while the
+    server is gone raises ConnectionFailed, a ReachError, not a nats-py error."""
+    async with NatsServer() as server:
+        settings = fast(server.url)
+        agent = Agent("after-outage", settings=settings)
+
+        @agent.task("outage.op")
+        async def op(payload: dict[str, Any]) -> dict[str, Any]:
+            return payload
+
+        async with Client(settings=settings) as client:
+            ref = await client.submit("outage.op", {"n": 3})
+            await server.akill()
+            await eventually(lambda: not client.connected)
+            waiting = asyncio.create_task(ref.result(timeout=300))
+            try:
+                for _ in range(2):  # the waiter's first read has failed by the second's end
+                    with pytest.raises(reach.ConnectionFailed):
+                        await ref.status()
+                with pytest.raises(reach.ConnectionFailed):
+                    await client.task(ref.task_id)
+                assert not waiting.done()
+                await server.astart()
+                async with agent:
+                    assert await waiting == {"n": 3}
+            finally:
+                waiting.cancel()
