@@ -105,10 +105,9 @@ class Executor:
                 new = advance(rec, [*steps, S.FAILED], at, "attempts exhausted", attempts=attempts)
                 new = msgspec.structs.replace(new, error=err)
             else:
-                # the delivery count too: two deliveries of a task without a record
-                # (one stalled, one redelivered) never hold the same number
-                d.n = max(rec.attempt + 1, d.msg.metadata.num_delivered)
-                attempts.append(TaskAttempt(n=d.n, agent_id=self.agent_id, started_ms=at))
+                d.n = rec.attempt + 1
+                d.attempt = TaskAttempt(n=d.n, agent_id=self.agent_id, started_ms=at)
+                attempts.append(d.attempt)
                 new = advance(
                     rec,
                     [*steps, S.RUNNING],
@@ -199,7 +198,30 @@ class Executor:
         that attempt."""
         st = d.stored if d.stored and d.stored.revision else await self.store.get(d.task_id)
         if st is not None and st.record.final:
-            await self.after_final(d, st.record)
+            rec = await self._note_cancelled_run(d, st)
+            await self.after_final(d, rec)
+
+    async def _note_cancelled_run(self, d: Delivery, st: Stored) -> TaskRecord:
+        """A cancel that found the task PENDING while our attempt had just started (its
+        RUNNING not written yet) stopped our handler: add that run to the record, so it
+        says what happened."""
+        rec, mine = st.record, d.attempt
+        if rec.state is not S.CANCELLED or mine is None or any(a.n == mine.n for a in rec.attempts):
+            return rec
+        ran = msgspec.structs.replace(mine, ended_ms=now_ms(), outcome="cancelled")
+        new = msgspec.structs.replace(
+            rec,
+            attempts=[*rec.attempts, ran],
+            attempt=max(rec.attempt, mine.n),
+            agent_id=self.agent_id,
+            error=ErrorBody(code="cancelled", message="cancelled while it ran"),
+        )
+        try:
+            await self.store.write(new, st.revision)
+        except Conflict:
+            return rec
+        self.stats.cancelled += 1
+        return new
 
     async def commit(
         self,
@@ -215,9 +237,10 @@ class Executor:
         clear the message if the task has ended anyway)."""
         for _ in range(8):
             st = d.stored
-            if st is None or not can_write(st.record, d.n):
-                self.stats.fenced += 1
-                log.info("task %s: attempt %s is no longer current; dropped", d.task_id, d.n)
+            if st is None or not can_write(st.record, d.n, self.agent_id):
+                if st is None or st.record.state is not S.CANCELLED or d.stop_reason != "cancelled":
+                    self.stats.fenced += 1  # a stale worker, not one a cancel stopped
+                    log.info("task %s: attempt %s is no longer current", d.task_id, d.n)
                 break
             new = advance(st.record, states, now_ms(), note, **changes)
             try:

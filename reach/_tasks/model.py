@@ -8,7 +8,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from ..wire.tasks import TaskRecord, TaskSubmit
+from ..wire.tasks import TaskAttempt, TaskRecord, TaskSubmit
 from .store import Stored, pending_record
 
 __all__ = ["Delivery", "TaskStats", "new_record"]
@@ -29,7 +29,8 @@ class TaskStats:
     duplicates: int = 0
     #: deliveries put back because another live agent held the task's claim
     claim_busy: int = 0
-    #: writes refused because a newer attempt owns the task (a stale worker)
+    #: stale attempts (a newer attempt owns the task): their writes were refused, or
+    #: their handler was stopped by the lease check before it could write
     fenced: int = 0
     #: messages that did not decode (sent to the DLQ)
     invalid: int = 0
@@ -51,6 +52,7 @@ class Delivery:
     msg: Msg
     sub: TaskSubmit
     n: int = 0  # our attempt number once RUNNING is written
+    attempt: TaskAttempt | None = None  # our attempt as begun
     stored: Stored | None = None  # the record as of our last read or write
     claim_rev: int = 0
     runner: asyncio.Task[Any] | None = None

@@ -18,7 +18,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .._nats import NatsConnection
+from .._nats import TRANSIENT, NatsConnection
 
 __all__ = ["Puller"]
 
@@ -51,10 +51,15 @@ class Puller:
         self._sub = await self.nc.subscribe(self.inbox, cb=self._on_msg)
 
     async def close(self) -> None:
+        """Stop listening: the server then skips (and drops) our open pull request, so a
+        task put back at a drain is not delivered to us again."""
         sub, self._sub = self._sub, None
-        if sub is not None:
-            await sub.unsubscribe()
         self._end()
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except TRANSIENT as exc:
+                log.debug("pull %s: unsubscribe: %s", self.consumer, exc)
 
     @property
     def idle(self) -> bool:

@@ -10,17 +10,34 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._codec import decoder_for, now_ms
-from ..errors import Attempt, InvalidReply, ReachError, RemoteError, RequestTimeout, TaskNotFound
+from .._nats import TRANSIENT
+from ..errors import (
+    Attempt,
+    ConnectionFailed,
+    InvalidReply,
+    ReachError,
+    RemoteError,
+    RequestTimeout,
+    TaskNotFound,
+)
 from ..errors import error_for_code as _error_for_code
 from ..wire import ErrorBody
 from ..wire.tasks import TaskRecord, TaskState
 from .states import advance
-from .store import Conflict, TaskStore, decode_record
+from .store import Conflict, Stored, TaskStore, decode_record
 
 if TYPE_CHECKING:
     from .submit import Tasks
 
-__all__ = ["Batch", "BatchProgress", "TaskRef", "cancel_record", "task_error", "value_of"]
+__all__ = [
+    "Batch",
+    "BatchProgress",
+    "TaskRef",
+    "cancel_record",
+    "read_record",
+    "task_error",
+    "value_of",
+]
 
 S = TaskState
 _MAX_POLL = 5.0
@@ -58,6 +75,16 @@ def value_of(rec: TaskRecord, response_type: Any = Any) -> Any:
             agent_id=rec.agent_id,
             request_id=rec.task_id,
         ) from None
+
+
+async def read_record(store: TaskStore, task_id: str) -> Stored | None:
+    """``store.lookup`` for callers: a server out of reach is ``ConnectionFailed``."""
+    try:
+        return await store.lookup(task_id)
+    except TRANSIENT as exc:
+        raise ConnectionFailed(
+            f"task {task_id}: the task store is out of reach ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
@@ -105,7 +132,7 @@ class TaskRef:
 
     async def status(self) -> TaskRecord:
         """The task's record now; ``TaskNotFound`` if there is none."""
-        st = await self._tasks.store.lookup(self.task_id)
+        st = await read_record(self._tasks.store, self.task_id)
         if st is None:
             raise TaskNotFound(self.task_id)
         return st.record
@@ -124,10 +151,13 @@ class TaskRef:
                 look = not self._own  # ours: the notice usually comes before a look
                 while True:
                     if look:
-                        rec = await self.status()
-                        if rec.final:
+                        try:
+                            rec: TaskRecord | None = await self.status()
+                        except ConnectionFailed:
+                            rec = None  # the server restarts: wait on, within the timeout
+                        if rec is not None and rec.final:
                             return rec
-                        if not tasks.notify or rec.notify != tasks.notify:
+                        if rec is not None and (not tasks.notify or rec.notify != tasks.notify):
                             return await self._watch_final()
                     look = True
                     done, _ = await asyncio.wait({fut}, timeout=delay)

@@ -13,6 +13,7 @@ kept alive like running ones and start in priority order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ _GRACE = 1.0  # seconds a cancelled handler gets to end before it is left behind
 #: a task still running after this long gets its RUNNING record; a quicker one is recorded
 #: in one write (PENDING, RUNNING, SUCCEEDED in its history)
 _RECORD_RUNNING_AFTER = 0.05
+_HAND_BACK = 5.0  # seconds a drain waits for handed-back tasks' records and naks
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 
 
@@ -133,8 +135,9 @@ class TaskRunner:
         self.fetching = False
         self._wake.set()
         for puller in self._pullers.values():
+            await puller.close()  # the server skips pull requests nobody listens to
             for msg in puller.take(len(puller.buffer)):
-                await _nak_now(msg)
+                await _nak(msg)
         if not self.running:
             return True
         try:
@@ -142,14 +145,11 @@ class TaskRunner:
             return True
         except TimeoutError:
             pass
-        left = [d for d in self.running.values() if d.runner is not None]
-        for d in left:
-            d.stop_reason = "drained"
-            assert d.runner is not None
-            d.runner.cancel()
-        with_timeout = [d.runner for d in left if d.runner is not None]
-        if with_timeout:
-            await asyncio.wait(with_timeout, timeout=_GRACE)
+        for d in list(self.running.values()):
+            self._stop(d, "drained")
+        # each delivery hands its task back (RETRYING, claim released, nak) before we close
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), _GRACE + _HAND_BACK)
         return False
 
     async def close(self) -> None:
@@ -183,7 +183,9 @@ class TaskRunner:
             if any(p.buffer for p in self._pullers.values()):
                 continue  # arrived while we looked elsewhere
             await self._linger(free)
-            await self._wake.wait()
+            # a request the server lost (a restart) never ends by itself: look again then
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 2 * _LINGER)
 
     async def _linger(self, free: int) -> None:
         """Wait on the server for new tasks without asking for more than ``free``: one
@@ -226,7 +228,7 @@ class TaskRunner:
     def _start(self, msg: Msg, cap: str) -> None:
         assert self._owner is not None
         if not self.fetching:
-            self._owner.spawn(_nak_now(msg), "tasks: hand back")
+            self._owner.spawn(_nak(msg), "tasks: hand back")
             return
         try:
             sub = _submit_decoder.decode(msg.data)
@@ -239,7 +241,7 @@ class TaskRunner:
             self._owner.spawn(self._invalid(msg, cap, reason), "tasks: invalid")
             return
         if sub.task_id in self.running or not self._fits(sub, decl):
-            self._owner.spawn(_nak_later(msg, 1.0), "tasks: not here")
+            self._owner.spawn(_nak(msg, 1.0), "tasks: not here")
             return
         s = self.settings
         sub = msgspec.structs.replace(
@@ -403,25 +405,19 @@ class TaskRunner:
                     self._stop(d, "cancelled")
 
     async def _on_cancel(self, msg: Msg) -> None:
-        task_id = msg.data.decode(errors="replace")
-        d = self.running.get(task_id)
-        if d is not None:
+        if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:
             self._stop(d, "cancelled")
 
     def _stop(self, d: Delivery, reason: str) -> None:
         if d.runner is not None and not d.runner.done():
+            if reason == "fenced" and not d.stop_reason:
+                self.stats.fenced += 1  # a stale worker, stopped before it could write
             d.stop_reason = d.stop_reason or reason
             d.runner.cancel()
 
 
-async def _nak_now(msg: Msg) -> None:
-    try:
-        await msg.nak()
-    except TRANSIENT as exc:
-        log.debug("nak: %s", exc)
-
-
-async def _nak_later(msg: Msg, delay: float) -> None:
+async def _nak(msg: Msg, delay: float | None = None) -> None:
+    """Put a message back: for redelivery at once, or after ``delay`` seconds."""
     try:
         await msg.nak(delay=delay)
     except TRANSIENT as exc:

@@ -69,9 +69,12 @@ def advance(
     )
 
 
-def can_write(record: TaskRecord, attempt: int) -> bool:
-    """Whether the worker of ``attempt`` may still write: the fence. A newer attempt, a
-    final state, or a record reset to PENDING (a replay) all refuse it."""
+def can_write(record: TaskRecord, attempt: int, agent_id: str | None = None) -> bool:
+    """Whether the worker of ``attempt`` (on ``agent_id``) may still write: the fence. A
+    newer attempt, another agent's attempt of the same number (one that started while a
+    frozen worker had not written yet), or a final state all refuse it."""
+    if agent_id is not None and record.agent_id != agent_id:
+        return False
     return record.attempt == attempt and record.state in (S.RUNNING, S.RETRYING)
 
 

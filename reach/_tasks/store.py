@@ -219,7 +219,9 @@ class TaskStore:
             return stored
         msg = await self._direct_get(self.stream, self.subjects.task_lookup(task_id))
         if msg is None:
-            return None
+            # an agent may have finished it between the two reads: the record is written
+            # before the message goes, so a second look at the record settles it
+            return await self.get(task_id)
         try:
             sub = _submit_decoder.decode(msg.data or b"")
         except msgspec.DecodeError:

@@ -31,7 +31,7 @@ from ..settings import ReachSettings
 from ..wire import Header, Priority
 from ..wire.tasks import TaskRecord, TaskSubmit
 from .jsapi import JsApi
-from .refs import Batch, TaskRef, cancel_record
+from .refs import Batch, TaskRef, cancel_record, read_record
 from .store import Conflict, TaskStore, idem_key
 
 __all__ = ["Tasks", "publish_task"]
@@ -239,7 +239,7 @@ class Tasks:
 
     async def get(self, nc: NatsConnection, task_id: str) -> TaskRecord | None:
         store = await self.ready(nc)
-        st = await store.lookup(task_id)
+        st = await read_record(store, task_id)
         return st.record if st else None
 
     async def cancel(self, task_id: str) -> TaskRecord:
