@@ -8,7 +8,6 @@ nothing and does not ack: the newer attempt owns the message now.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -17,8 +16,9 @@ import msgspec
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
 from ..errors import RemoteError
-from ..wire import ErrorBody, Header
+from ..wire import ErrorBody
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState
+from .callbacks import deliver_callback
 from .dlq import dead_letter
 from .model import Delivery, TaskStats, new_record
 from .states import advance, can_write, end_attempt, retry_delay
@@ -365,7 +365,7 @@ class Executor:
             except TRANSIENT as exc:
                 log.debug("task %s: notify: %s", d.task_id, exc)
         if rec.callback and rec.callback_state == "pending":
-            await self._callback(d, rec)
+            await deliver_callback(self.nc, self.store, self.stats, d, rec)
         if rec.state is S.FAILED:
             await d.msg.term()  # the dead letter is stored
         else:
@@ -376,55 +376,6 @@ class Executor:
             await d.msg.nak(delay=delay if delay > 0 else None)
         except TRANSIENT as exc:
             log.debug("task %s: nak: %s", d.task_id, exc)
-
-    async def _callback(self, d: Delivery, rec: TaskRecord) -> None:
-        """Deliver the final record as a request its receiver must answer, with retries;
-        an undelivered callback becomes a dead letter. The record says which."""
-        s = self.settings
-        body = _encode(rec)
-        error = ""
-        for i in range(1, s.callback_attempts + 1):
-            try:
-                reply = await self.nc.request(rec.callback, body, timeout=s.callback_timeout)
-                status = (reply.headers or {}).get(Header.SERVICE_ERROR_CODE)
-                if not status:
-                    state = "delivered"
-                    break
-                error = f"the receiver answered {status}"
-            except TRANSIENT as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            if i < s.callback_attempts:
-                await asyncio.sleep(retry_delay(i, 0.2, 2.0))
-        else:
-            state = "dead"
-            await dead_letter(
-                self.store,
-                capability=rec.capability,
-                task_id=rec.task_id,
-                data=body,
-                headers={"Reach-Callback": rec.callback},
-                reason="callback_undelivered",
-                error=error,
-                attempts=rec.attempts,
-                kind="callback",
-            )
-        if state == "delivered":
-            self.stats.callbacks_delivered += 1
-        else:
-            self.stats.callbacks_failed += 1
-        await self._set_callback_state(d, state)
-
-    async def _set_callback_state(self, d: Delivery, state: str) -> None:
-        st = d.stored
-        for _ in range(8):
-            if st is None or not st.record.final or st.record.callback_state != "pending":
-                return
-            new = msgspec.structs.replace(st.record, callback_state=state)
-            try:
-                d.stored = Stored(new, await self.store.write(new, st.revision))
-                return
-            except Conflict:
-                st = await self.store.get(d.task_id)
 
 
 def _error_body(exc: Any, outcome: str) -> ErrorBody:

@@ -34,6 +34,7 @@ from ..wire.tasks import TaskSubmit
 from .dlq import dead_letter
 from .execute import Executor
 from .jsapi import JsApi
+from .leases import Leases
 from .model import Delivery, TaskStats
 from .pull import Puller
 from .states import PriorityOrder
@@ -65,7 +66,7 @@ class TaskDecl:
     max_attempts: int | None
 
 
-class TaskRunner:
+class TaskRunner(Leases):
     """Every durable capability of one agent, sharing ``concurrency`` slots."""
 
     def __init__(
@@ -374,47 +375,6 @@ class TaskRunner:
             report=report,
         )
 
-    # -- leases and cancel -------------------------------------------------------------
-
-    async def _keep_leases(self) -> None:
-        """Every ack_wait/3: renew each running task's claim and ack timer, and look for a
-        cancel its agent missed; keep held messages alive too."""
-        while True:
-            await asyncio.sleep(self.settings.task_ack_wait / 3)
-            ex = self._exec
-            assert ex is not None
-            for puller in list(self._pullers.values()):
-                for msg in list(puller.buffer):
-                    await _in_progress(msg)
-            for d in list(self.running.values()):
-                if d.runner is None or d.runner.done():
-                    continue
-                if not await ex.renew(d):
-                    self._stop(d, "fenced")
-                    continue
-                if d.stored is None or not d.stored.revision:
-                    continue  # RUNNING not written yet
-                try:
-                    st = await ex.store.get(d.task_id)
-                except TRANSIENT as exc:
-                    log.debug("task %s: check: %s", d.task_id, exc)
-                    continue
-                if st is None or st.record.attempt != d.n:
-                    self._stop(d, "fenced")
-                elif st.record.cancel_requested:
-                    self._stop(d, "cancelled")
-
-    async def _on_cancel(self, msg: Msg) -> None:
-        if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:
-            self._stop(d, "cancelled")
-
-    def _stop(self, d: Delivery, reason: str) -> None:
-        if d.runner is not None and not d.runner.done():
-            if reason == "fenced" and not d.stop_reason:
-                self.stats.fenced += 1  # a stale worker, stopped before it could write
-            d.stop_reason = d.stop_reason or reason
-            d.runner.cancel()
-
 
 async def _nak(msg: Msg, delay: float | None = None) -> None:
     """Put a message back: for redelivery at once, or after ``delay`` seconds."""
@@ -422,10 +382,3 @@ async def _nak(msg: Msg, delay: float | None = None) -> None:
         await msg.nak(delay=delay)
     except TRANSIENT as exc:
         log.debug("nak: %s", exc)
-
-
-async def _in_progress(msg: Msg) -> None:
-    try:
-        await msg.in_progress()
-    except TRANSIENT as exc:
-        log.debug("in_progress: %s", exc)

@@ -1,0 +1,81 @@
+"""Keeping running tasks' leases, and stopping them: the runner's half that watches.
+
+Every ack_wait/3 each running task's ack timer is reset (``in_progress``) and its claim
+renewed; a task whose record moved on (a newer attempt) is stopped as fenced, one whose
+record asks for a cancel is cancelled. The cancel message stops it at once; the record
+catches an agent that missed the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.aio.msg import Msg
+
+from .._nats import TRANSIENT
+from ..settings import ReachSettings
+from ..wire import Priority
+from .execute import Executor
+from .model import Delivery, TaskStats
+from .pull import Puller
+
+__all__ = ["Leases"]
+
+log = logging.getLogger("reach.tasks")
+
+
+class Leases:
+    """Mixed into ``TaskRunner``."""
+
+    settings: ReachSettings
+    stats: TaskStats
+    running: dict[str, Delivery]
+    _exec: Executor | None
+    _pullers: dict[tuple[str, Priority], Puller]
+
+    async def _keep_leases(self) -> None:
+        """Every ack_wait/3: renew each running task's claim and ack timer, and look for a
+        cancel its agent missed; keep held messages alive too."""
+        while True:
+            await asyncio.sleep(self.settings.task_ack_wait / 3)
+            ex = self._exec
+            assert ex is not None
+            for puller in list(self._pullers.values()):
+                for msg in list(puller.buffer):
+                    await _in_progress(msg)
+            for d in list(self.running.values()):
+                if d.runner is None or d.runner.done():
+                    continue
+                if not await ex.renew(d):
+                    self._stop(d, "fenced")
+                    continue
+                if d.stored is None or not d.stored.revision:
+                    continue  # RUNNING not written yet
+                try:
+                    st = await ex.store.get(d.task_id)
+                except TRANSIENT as exc:
+                    log.debug("task %s: check: %s", d.task_id, exc)
+                    continue
+                if st is None or st.record.attempt != d.n:
+                    self._stop(d, "fenced")
+                elif st.record.cancel_requested:
+                    self._stop(d, "cancelled")
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:
+            self._stop(d, "cancelled")
+
+    def _stop(self, d: Delivery, reason: str) -> None:
+        if d.runner is not None and not d.runner.done():
+            if reason == "fenced" and not d.stop_reason:
+                self.stats.fenced += 1  # a stale worker, stopped before it could write
+            d.stop_reason = d.stop_reason or reason
+            d.runner.cancel()
+
+
+async def _in_progress(msg: Msg) -> None:
+    try:
+        await msg.in_progress()
+    except TRANSIENT as exc:
+        log.debug("in_progress: %s", exc)
