@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/request_reply.py
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
+	$(PY) bench/tasks.py
 
 schemas: $(STAMP)
 	$(PY) -m sdk.gen_schemas
