@@ -246,10 +246,12 @@ class Agent(Declarations):
         log.info("agent %s serving %s", self.agent_id, ", ".join(self._caps) or "no capabilities")
 
     async def pause(self) -> None:
-        """Take no new work: leave the queue groups; direct calls get ``agent_unavailable``."""
+        """Take no new work: leave the queue groups (direct calls get ``agent_unavailable``)
+        and stop pulling tasks; running work goes on."""
         async with self._control_lock:
             if self._life.pause() and self._nc is not None:
                 await self._subs.leave_queues(self._nc)
+                await self._tasks.pause()
 
     async def resume(self) -> None:
         """Back into the queue groups, UP (or DEGRADED while a reason holds); refused while
@@ -260,6 +262,7 @@ class Agent(Declarations):
                 return
             await self._subs.join_queues(nc, self._caps)
             await flush_nats(nc)
+            await self._tasks.resume()
             # A drain that began meanwhile refuses this; it leaves the queues next (it
             # waits for this lock), the ones just joined included.
             self._life.resume()

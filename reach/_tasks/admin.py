@@ -32,8 +32,7 @@ from .._nats import TRANSIENT
 from ..errors import ConfigurationError, ReachError
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_KIND, DLQ_REASON, TASK_ID
-from .model import new_record
-from .store import AGENT_HEADER, STATE_HEADER, Conflict, TaskStore, idem_key, pending_record
+from .store import AGENT_HEADER, STATE_HEADER, TaskStore, idem_key, pending_record
 from .submit import publish_task
 
 __all__ = [
@@ -338,7 +337,7 @@ async def replay(store: TaskStore, seq: int, *, notify: str = "") -> str:
     dl = await dead_letter_at(store, seq)
     old = dl.submit()
     new_id = replay_id(store, seq, dl.task_id or old.task_id)
-    if await store.get(new_id) is None:
+    if await store.lookup(new_id) is None:
         sub = msgspec.structs.replace(
             old,
             task_id=new_id,
@@ -346,9 +345,7 @@ async def replay(store: TaskStore, seq: int, *, notify: str = "") -> str:
             notify=notify,
             submitted_ms=now_ms(),
         )
-        msg_seq = await publish_task(store, sub)
-        with contextlib.suppress(Conflict):  # an agent took the task first and wrote it
-            await store.write(new_record(sub, msg_seq, now_ms()), 0)
+        await publish_task(store, sub)  # the message is the new task's PENDING state
     if old.idempotency_key:  # a submit with this key now finds the new task
         key = idem_key("submit", old.idempotency_key)
         await store.idem_put(key, new_id.encode(), store.settings.task_idempotency_ttl)

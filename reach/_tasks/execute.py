@@ -8,30 +8,42 @@ nothing and does not ack: the newer attempt owns the message now.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
 from ..errors import RemoteError
 from ..wire import ErrorBody
-from ..wire.tasks import TaskAttempt, TaskRecord, TaskState
+from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .callbacks import deliver_callback
+from .claims import Claims
 from .dlq import dead_letter
 from .model import Delivery, TaskStats, new_record
-from .states import advance, can_write, end_attempt, retry_delay
-from .store import Conflict, Stored, TaskStore, idem_key
+from .states import (
+    IllegalTransition,
+    advance,
+    attempts_used,
+    can_write,
+    end_attempt,
+    error_body,
+    retry_delay,
+)
+from .store import Conflict, Stored, TaskStore
 
 __all__ = ["Executor"]
 
 log = logging.getLogger("reach.tasks")
+_RECORD_OVERHEAD = 8192  # bytes of a record besides its payload and result (history...)
 S = TaskState
 _encode = msgspec.json.Encoder().encode
 
 
-class Executor:
+class Executor(Claims):
     """Runs deliveries for one agent; shared by all its task capabilities."""
 
     def __init__(
@@ -46,11 +58,6 @@ class Executor:
         self.store = store
         self.settings = store.settings
         self.stats = stats
-
-    def claim_key(self, d: Delivery) -> str:
-        """One claim per idempotency key: two tasks with the same key (a replay, a submit
-        after the key's TTL) never run at once."""
-        return idem_key("run", d.sub.idempotency_key)
 
     # -- before the handler ------------------------------------------------------------
 
@@ -80,12 +87,15 @@ class Executor:
                 await self.after_final(d, rec)
                 self.stats.duplicates += 1
                 return False
-            if rec.seq and rec.seq != d.msg.metadata.sequence.stream:
-                # a second message of a task whose own message is still in the stream
-                # (that one comes back if its agent dies): drop this one
-                self.stats.duplicates += 1
-                await d.msg.ack()
-                return False
+            seq = d.msg.metadata.sequence.stream
+            if rec.seq and rec.seq != seq:
+                if await self.store.message_exists(rec.seq):
+                    # a second message of a task whose own message is still in the
+                    # stream (that one comes back if its agent dies): drop this one
+                    self.stats.duplicates += 1
+                    await d.msg.ack()
+                    return False
+                rec = msgspec.structs.replace(rec, seq=seq)  # a republished message: ours
             if not d.claim_rev and not await self._claim(d):
                 return False
             at = now_ms()
@@ -99,9 +109,9 @@ class Executor:
             max_attempts = rec.max_attempts or d.sub.max_attempts
             if rec.cancel_requested:
                 new = advance(rec, [*steps, S.CANCELLED], at, "cancelled", attempts=attempts)
-            elif rec.attempt >= max_attempts:
+            elif (used := attempts_used(attempts)) >= max_attempts:
                 code = "timeout" if attempts and attempts[-1].outcome == "timeout" else "failed"
-                err = ErrorBody(code=code, message=f"no attempts left ({rec.attempt} used)")
+                err = ErrorBody(code=code, message=f"no attempts left ({used} used)")
                 new = advance(rec, [*steps, S.FAILED], at, "attempts exhausted", attempts=attempts)
                 new = msgspec.structs.replace(new, error=err)
             else:
@@ -151,43 +161,6 @@ class Executor:
             d.stored = await self.store.get(d.task_id)
             self.stats.fenced += 1
             return False
-        return True
-
-    async def _claim(self, d: Delivery) -> bool:
-        """Tasks with an idempotency key are claimed in ``reach_idem`` (create with TTL,
-        renewed while running). Without a key, JetStream's ack timer is the lease: a
-        message comes back only after its holder sent no ``in_progress`` for ack_wait,
-        and the attempt number fences the holder if it wakes up."""
-        if not d.sub.idempotency_key:
-            return True
-        value = f"{self.agent_id} {d.msg.metadata.num_delivered}".encode()
-        try:
-            d.claim_rev = await self.store.idem_claim(
-                self.claim_key(d), value, self.settings.task_ack_wait
-            )
-        except Conflict:
-            self.stats.claim_busy += 1
-            await self._put_back(d, self.settings.task_ack_wait / 3)
-            return False
-        return True
-
-    async def renew(self, d: Delivery) -> bool:
-        """Extend our claim and the message's ack timer; False when we lost the claim."""
-        try:
-            await d.msg.in_progress()
-        except TRANSIENT as exc:
-            log.debug("task %s: in_progress: %s", d.task_id, exc)
-        if not d.claim_rev:
-            return True
-        value = f"{self.agent_id} {d.n}".encode()
-        try:
-            d.claim_rev = await self.store.idem_renew(
-                self.claim_key(d), value, self.settings.task_ack_wait, d.claim_rev
-            )
-        except Conflict:
-            return False
-        except TRANSIENT as exc:
-            log.debug("task %s: claim renewal: %s", d.task_id, exc)
         return True
 
     # -- writes while and after running ------------------------------------------------
@@ -242,7 +215,11 @@ class Executor:
                     self.stats.fenced += 1  # a stale worker, not one a cancel stopped
                     log.info("task %s: attempt %s is no longer current", d.task_id, d.n)
                 break
-            new = advance(st.record, states, now_ms(), note, **changes)
+            try:
+                new = advance(st.record, states, now_ms(), note, **changes)
+            except IllegalTransition as exc:  # a bug of ours: never let it strand the message
+                log.error("task %s: %s; treated as fenced", d.task_id, exc)
+                break
             try:
                 d.stored = Stored(new, await self.store.write(new, st.revision))
                 return new
@@ -253,7 +230,12 @@ class Executor:
         return None
 
     async def progress(self, d: Delivery, fraction: float, note: str) -> None:
-        await self.commit(d, [], progress=fraction, progress_note=note)
+        """Best effort: a progress note that cannot be written (the server is away) is
+        logged, never raised into the handler; the task goes on."""
+        try:
+            await self.commit(d, [], progress=fraction, progress_note=note)
+        except TRANSIENT as exc:
+            log.warning("task %s: progress not recorded: %s", d.task_id, exc)
 
     async def settle(self, d: Delivery, outcome: str, value: Any = None, exc: Any = None) -> None:
         """Record how our attempt ended, then ack, retry or dead-letter the message."""
@@ -266,6 +248,13 @@ class Executor:
                 result = encode_payload(value)
             except TypeError as e:
                 return await self.settle(d, "failed", exc=e)
+            room = self.nc.max_payload - _RECORD_OVERHEAD - len(st.record.payload) * 4 // 3
+            if len(result) * 4 // 3 > room:
+                too_big = RemoteError(
+                    f"the result ({len(result)} bytes) does not fit in the task record"
+                    f" (about {max(0, room) * 3 // 4} bytes left of the server's max_payload)"
+                )
+                return await self.settle(d, "failed", exc=too_big)
             attempts = end_attempt(st.record.attempts, d.n, at, "succeeded")
             rec = await self.commit(
                 d,
@@ -280,7 +269,7 @@ class Executor:
                 self.stats.succeeded += 1
                 await self.finished(d, rec)
             return
-        error = _error_body(exc, outcome)
+        error = error_body(exc, outcome)
         attempts = end_attempt(st.record.attempts, d.n, at, outcome, error.message)
         if outcome == "cancelled":
             rec = await self.commit(
@@ -299,7 +288,7 @@ class Executor:
             return
         retry = outcome == "timeout" or (error.retryable and outcome == "failed")
         first = [S.TIMEOUT] if outcome == "timeout" else []
-        if retry and d.n < st.record.max_attempts:
+        if retry and attempts_used(attempts) < st.record.max_attempts:
             rec = await self.commit(
                 d, [*first, S.RETRYING], finishing=True, attempts=attempts, error=error
             )
@@ -345,16 +334,15 @@ class Executor:
         )
         self.stats.dead_lettered += 1
 
-    async def release(self, d: Delivery) -> None:
-        """Give our claim up (compare-and-set: a newer holder's claim stays)."""
-        if d.claim_rev:
-            rev, d.claim_rev = d.claim_rev, 0
-            try:
-                await self.store.idem_delete(self.claim_key(d), rev)
-            except Conflict:
-                pass  # a newer holder's claim: theirs to release
-            except TRANSIENT as exc:
-                log.debug("task %s: claim release: %s", d.task_id, exc)
+    async def reject(self, msg: Msg, sub: TaskSubmit, reason: str) -> None:
+        """Record a message no agent can run as FAILED (``bad_request``), unless the task
+        has a record already; the caller dead-letters and terminates the message."""
+        at = now_ms()
+        rec = new_record(sub, msg.metadata.sequence.stream, at)
+        err = ErrorBody(code="bad_request", message=reason[:500])
+        failed = advance(rec, [S.FAILED], at, "rejected", error=err)
+        with contextlib.suppress(Conflict):  # it has a record: whatever it says stands
+            await self.store.write(failed, 0)
 
     async def after_final(self, d: Delivery, rec: TaskRecord) -> None:
         """Tell the submitter, deliver the callback, then ack (or term a failure, whose
@@ -376,15 +364,3 @@ class Executor:
             await d.msg.nak(delay=delay if delay > 0 else None)
         except TRANSIENT as exc:
             log.debug("task %s: nak: %s", d.task_id, exc)
-
-
-def _error_body(exc: Any, outcome: str) -> ErrorBody:
-    if outcome == "timeout":
-        return ErrorBody(code="timeout", message="the task overran its timeout", retryable=True)
-    if outcome == "cancelled":
-        return ErrorBody(code="cancelled", message="cancelled")
-    if isinstance(exc, RemoteError):
-        return ErrorBody(code=exc.code, message=exc.message[:500], retryable=exc.retryable)
-    if isinstance(exc, BaseException):
-        return ErrorBody(code="failed", message=f"{type(exc).__name__}: {exc}"[:500])
-    return ErrorBody(code="failed", message=str(exc or outcome)[:500])

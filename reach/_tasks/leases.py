@@ -19,6 +19,7 @@ from ..wire import Priority
 from .execute import Executor
 from .model import Delivery, TaskStats
 from .pull import Puller
+from .states import can_write
 
 __all__ = ["Leases"]
 
@@ -35,32 +36,36 @@ class Leases:
     _pullers: dict[tuple[str, Priority], Puller]
 
     async def _keep_leases(self) -> None:
-        """Every ack_wait/3: renew each running task's claim and ack timer, and look for a
-        cancel its agent missed; keep held messages alive too."""
+        """Every ack_wait/3: reset every held or running message's ack timer first (all
+        at once: one slow call must not let another lease lapse), then renew claims and
+        look at records for a newer attempt or a cancel the agent missed. A delivery
+        keeps its lease until it is acked, callbacks included."""
         while True:
             await asyncio.sleep(self.settings.task_ack_wait / 3)
             ex = self._exec
             assert ex is not None
-            for puller in list(self._pullers.values()):
-                for msg in list(puller.buffer):
-                    await _in_progress(msg)
-            for d in list(self.running.values()):
-                if d.runner is None or d.runner.done():
-                    continue
-                if not await ex.renew(d):
-                    self._stop(d, "fenced")
-                    continue
-                if d.stored is None or not d.stored.revision:
-                    continue  # RUNNING not written yet
-                try:
-                    st = await ex.store.get(d.task_id)
-                except TRANSIENT as exc:
-                    log.debug("task %s: check: %s", d.task_id, exc)
-                    continue
-                if st is None or st.record.attempt != d.n:
-                    self._stop(d, "fenced")
-                elif st.record.cancel_requested:
-                    self._stop(d, "cancelled")
+            held = [m for p in list(self._pullers.values()) for m in list(p.buffer)]
+            live = list(self.running.values())
+            await asyncio.gather(*(_in_progress(m) for m in [*held, *(d.msg for d in live)]))
+            await asyncio.gather(*(self._check(ex, d) for d in live))
+
+    async def _check(self, ex: Executor, d: Delivery) -> None:
+        if d.runner is None or d.runner.done():
+            return  # settling: only its ack timer matters now
+        try:
+            if not await ex.renew(d):
+                self._stop(d, "fenced")
+                return
+            if d.stored is None or not d.stored.revision:
+                return  # RUNNING not written yet
+            st = await ex.store.get(d.task_id)
+        except TRANSIENT as exc:
+            log.debug("task %s: lease check: %s", d.task_id, exc)
+            return
+        if st is None or not can_write(st.record, d.n, ex.agent_id):
+            self._stop(d, "fenced")
+        elif st.record.cancel_requested:
+            self._stop(d, "cancelled")
 
     async def _on_cancel(self, msg: Msg) -> None:
         if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:

@@ -97,6 +97,7 @@ class TaskRunner(Leases):
         self._exec: Executor | None = None
         self._client: Client | None = None
         self._api: JsApi | None = None
+        self._dispatcher: asyncio.Task[Any] | None = None
 
     @property
     def store(self) -> TaskStore | None:
@@ -127,7 +128,7 @@ class TaskRunner(Leases):
                 self._pullers[(cap, level)] = puller
         self._cancel_sub = await nc.subscribe(self.subjects.task_cancel(), cb=self._on_cancel)
         self.fetching = True
-        owner.keep(self._dispatch, "tasks: dispatch")
+        self._dispatcher = owner.keep(self._dispatch, "tasks: dispatch")
         owner.keep(self._keep_leases, "tasks: leases")
 
     async def drain(self, timeout: float) -> bool:
@@ -239,10 +240,13 @@ class TaskRunner(Leases):
         decl = self.decls.get(sub.capability)
         if decl is None or sub.capability != cap:
             reason = f"capability {sub.capability!r} arrived on the {cap!r} consumer"
-            self._owner.spawn(self._invalid(msg, cap, reason), "tasks: invalid")
+            self._owner.spawn(self._invalid(msg, cap, reason, sub), "tasks: invalid")
             return
         if sub.task_id in self.running or not self._fits(sub, decl):
-            self._owner.spawn(_nak(msg, 1.0), "tasks: not here")
+            # not for this instance: back off with each delivery, so a task waiting for
+            # the one instance that fits spends few of its deliveries meanwhile
+            delay = min(30.0, 2.0 ** min(msg.metadata.num_delivered, 5))
+            self._owner.spawn(_nak(msg, delay), "tasks: not here")
             return
         s = self.settings
         sub = msgspec.structs.replace(
@@ -256,6 +260,28 @@ class TaskRunner(Leases):
         self.stats.running = len(self.running)
         self._owner.spawn(self._run(d, decl), f"task {sub.task_id}")
 
+    async def pause(self) -> None:
+        """Take no new tasks: stop pulling (the server skips our open pull requests once
+        nobody listens) and hand held ones back; running ones go on."""
+        if not self.fetching:
+            return
+        self.fetching = False
+        self._wake.set()
+        for puller in self._pullers.values():
+            await puller.close()
+            for msg in puller.take(len(puller.buffer)):
+                await _nak(msg)
+
+    async def resume(self) -> None:
+        if self._owner is None or self.fetching or not self._pullers:
+            return
+        if self._dispatcher is not None and not self._dispatcher.done():
+            await asyncio.wait({self._dispatcher})  # it sees fetching off and ends
+        for puller in self._pullers.values():
+            await puller.open()
+        self.fetching = True
+        self._dispatcher = self._owner.keep(self._dispatch, "tasks: dispatch")
+
     def _fits(self, sub: TaskSubmit, decl: TaskDecl) -> bool:
         """Tags and major version, as request routing checks them."""
         major = decl.info.version.split(".")[0]
@@ -263,10 +289,15 @@ class TaskRunner(Leases):
             not sub.version or sub.version.split(".")[0] == major
         )
 
-    async def _invalid(self, msg: Msg, cap: str, reason: str) -> None:
-        """A message no agent can run: to the DLQ with the reason, then out of the stream."""
+    async def _invalid(
+        self, msg: Msg, cap: str, reason: str, sub: TaskSubmit | None = None
+    ) -> None:
+        """A message no agent can run: to the DLQ with the reason, then out of the stream.
+        One that decodes gets its FAILED record too, so its id never reads as unknown."""
         assert self._exec is not None
         self.stats.invalid += 1
+        if sub is not None:
+            await self._exec.reject(msg, sub, reason)
         log.warning("agent %s: undecodable task message on %s: %s", self.agent_id, cap, reason)
         await dead_letter(
             self._exec.store,

@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from ..errors import ReachError
-from ..wire import Priority
+from ..errors import ReachError, RemoteError
+from ..wire import ErrorBody, Priority
 from ..wire.tasks import FINAL, TaskAttempt, TaskRecord, TaskState, TaskStep
 
 __all__ = [
@@ -75,7 +75,13 @@ def can_write(record: TaskRecord, attempt: int, agent_id: str | None = None) -> 
     frozen worker had not written yet), or a final state all refuse it."""
     if agent_id is not None and record.agent_id != agent_id:
         return False
-    return record.attempt == attempt and record.state in (S.RUNNING, S.RETRYING)
+    return record.attempt == attempt and record.state is S.RUNNING
+
+
+def attempts_used(attempts: Iterable[TaskAttempt]) -> int:
+    """Runs that count against ``max_attempts``: a run handed back at a drain does not
+    (the task did nothing wrong; a rolling deploy must not use its attempts up)."""
+    return sum(1 for a in attempts if a.outcome != "drained")
 
 
 def end_attempt(
@@ -137,3 +143,16 @@ class PriorityOrder:
 
 def is_final(state: TaskState) -> bool:
     return state in FINAL
+
+
+def error_body(exc: Any, outcome: str) -> ErrorBody:
+    """The error a failed attempt records: its code, a bounded message, retryable."""
+    if outcome == "timeout":
+        return ErrorBody(code="timeout", message="the task overran its timeout", retryable=True)
+    if outcome == "cancelled":
+        return ErrorBody(code="cancelled", message="cancelled")
+    if isinstance(exc, RemoteError):
+        return ErrorBody(code=exc.code, message=exc.message[:500], retryable=exc.retryable)
+    if isinstance(exc, BaseException):
+        return ErrorBody(code="failed", message=f"{type(exc).__name__}: {exc}"[:500])
+    return ErrorBody(code="failed", message=str(exc or outcome)[:500])

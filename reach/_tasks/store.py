@@ -49,8 +49,10 @@ class Conflict(Exception):
 
 
 def consumer_name(capability: str, priority: Priority) -> str:
-    """The durable consumer shared by every instance serving ``capability`` at ``priority``."""
-    return f"{capability.replace('.', '_')}__{priority}"
+    """The durable consumer shared by every instance serving ``capability`` at ``priority``:
+    readable, and one-to-one (``rep_x`` and ``rep.x`` must not share one), by a hash."""
+    digest = hashlib.blake2b(capability.encode(), digest_size=6).hexdigest()
+    return f"{capability.replace('.', '_')[:64]}-{digest}-{priority}"
 
 
 def idem_key(kind: str, key: str) -> str:

@@ -88,7 +88,9 @@ def test_history_is_bounded():
 @pytest.mark.parametrize("state", ALL)
 def test_the_fence_admits_only_the_current_attempt_while_it_runs(state):
     rec = record(state, attempt=3)
-    current = state in (S.RUNNING, S.RETRYING)
+    # RETRYING too is closed to the worker: RETRYING -> SUCCEEDED is no transition, and a
+    # worker writing there would strand its message (the review's C1)
+    current = state is S.RUNNING
     assert can_write(rec, 3) is current
     assert can_write(rec, 2) is False  # a stale worker
     assert can_write(rec, 4) is False
