@@ -6,6 +6,7 @@ slow callback sent twice, and a paused agent that kept pulling tasks."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import msgspec
@@ -182,3 +183,100 @@ async def test_a_paused_agent_takes_no_tasks_until_it_resumes(settings: ReachSet
             await paused.resume()
             ref2 = await client.submit("pause.op", {"n": 2})
             assert (await ref2.result(timeout=30))["by"] == paused.agent_id
+
+
+def idem_subject(settings: ReachSettings, kind: str, key: str) -> str:
+    """The claim/idempotency key of ``key`` in the ``<prefix>_idem`` bucket (PROTOCOL 8.1)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    return f"$KV.{settings.subject_prefix}_idem.{kind}.{digest}"
+
+
+async def test_a_claim_left_by_a_crashed_agent_expires_and_is_taken_over(
+    settings: ReachSettings,
+):
+    agent = echo_agent(settings, "heir", "claim.op")
+    async with Client(settings=settings) as client:
+        ref = await client.submit("claim.op", {"n": 1}, idempotency_key="order-77")
+        # a crashed agent's claim: held, never renewed, gone after its TTL (2 s)
+        await client.nc.jetstream().publish(
+            idem_subject(settings, "run", "order-77"),
+            b"ghost 1",
+            headers={"Nats-TTL": "2s", "Nats-Expected-Last-Subject-Sequence": "0"},
+        )
+        async with agent:
+            assert (await ref.result(timeout=30))["by"] == agent.agent_id
+    assert agent.task_stats.claim_busy >= 1  # it found the claim held, and waited
+
+
+async def test_a_redelivered_task_that_already_succeeded_is_not_run_again(
+    settings: ReachSettings,
+):
+    ran: list[str] = []
+    agent = Agent("once", settings=settings)
+
+    @agent.task("once.op")
+    async def op(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
+        ran.append(ctx.task_id)
+        return payload
+
+    async with Client(settings=settings) as client:
+        ref = await client.submit("once.op", {"n": 1})  # its message waits
+        done = msgspec.structs.replace(
+            await ref.status(),
+            state=S.SUCCEEDED,
+            result=b'{"n": "from the record"}',
+            history=[TaskStep(state=S.PENDING, at_ms=1), TaskStep(state=S.SUCCEEDED, at_ms=2)],
+        )
+        bucket = f"{settings.subject_prefix}_tasks"
+        await client.nc.jetstream().publish(
+            f"$KV.{bucket}.{ref.task_id}", msgspec.json.encode(done)
+        )
+        async with agent:
+            await eventually(lambda: agent.task_stats.duplicates == 1, timeout=30)
+        assert await ref.result(timeout=30) == {"n": "from the record"}
+    assert ran == []
+
+
+async def test_two_tasks_with_one_idempotency_key_never_run_at_once(settings: ReachSettings):
+    """A replay (a new task, the same key) must wait while the first still runs."""
+    running: list[str] = []
+    overlap: list[int] = []
+    release = asyncio.Event()
+
+    def worker(name: str) -> Agent:
+        agent = Agent(name, settings=settings)
+
+        @agent.task("key.op")
+        async def op(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
+            running.append(ctx.task_id)
+            overlap.append(len(running))
+            await release.wait()
+            running.remove(ctx.task_id)
+            return payload
+
+        return agent
+
+    first, second = worker("first"), worker("second")
+    async with first, second, Client(settings=settings) as client:
+        a = await client.submit("key.op", {"n": 1}, idempotency_key="invoice-9")
+        await eventually(lambda: len(running) == 1, timeout=30)
+        twin = TaskSubmit(
+            task_id="twinTask1",
+            capability="key.op",
+            payload=b'{"n": 2}',
+            idempotency_key="invoice-9",
+        )
+        subject = f"{settings.subject_prefix}.task.twinTask1.key.op.normal"
+        await client.nc.jetstream().publish(
+            subject, msgspec.json.encode(twin), headers={"Nats-Msg-Id": "twinTask1"}
+        )
+        b = await client.task("twinTask1")
+        busy = first.task_stats.claim_busy + second.task_stats.claim_busy
+        await eventually(
+            lambda: first.task_stats.claim_busy + second.task_stats.claim_busy > busy,
+            timeout=30,
+        )
+        release.set()
+        assert await a.result(timeout=30) == {"n": 1}
+        assert await b.result(timeout=60) == {"n": 2}
+    assert max(overlap) == 1
