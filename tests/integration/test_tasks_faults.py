@@ -151,6 +151,21 @@ async def test_a_killed_server_loses_no_task(runs: Path):
         await run_through_a_fault(settings, runs, kill_server)
 
 
+async def test_every_process_killed_at_once_loses_no_task(runs: Path):
+    """kill -9 of the agent and the server together, then both restarted: every task
+    still finishes (the client, the caller, rides it out)."""
+    async with NatsServer() as server:
+        settings = fast(server.url)
+
+        async def kill_everything(agent: AgentProcess, client: Client) -> None:
+            await asyncio.gather(agent.kill(), server.akill())
+            await eventually(lambda: not client.connected)
+            await server.astart()
+            await agent.start()
+
+        await run_through_a_fault(settings, runs, kill_everything)
+
+
 @pytest.mark.parametrize(
     ("handler_returns", "recorded"),
     [(True, True), (False, True), (True, False)],
