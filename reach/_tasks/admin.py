@@ -29,10 +29,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from .._codec import now_ms
 from .._kv.leases import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
-from ..errors import ConfigurationError, ReachError
+from ..errors import ConfigurationError, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_KIND, DLQ_REASON, TASK_ID
-from .model import new_record
 from .store import AGENT_HEADER, STATE_HEADER, Conflict, TaskStore, idem_key, pending_record
 from .submit import publish_task
 
@@ -57,26 +56,6 @@ _BATCH = 256
 _SCAN_TIMEOUT = 5.0
 _attempts_decoder = msgspec.json.Decoder(list[TaskAttempt])
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
-_submit_decoder = msgspec.json.Decoder(TaskSubmit)
-
-
-class DeadLetterNotFound(ReachError, LookupError):
-    """No dead letter at this sequence: replayed already, expired (``dlq_retention``), or
-    never there."""
-
-    code = "not_found"
-
-    def __init__(self, seq: int, stream: str) -> None:
-        self.seq = seq
-        super().__init__(
-            f"no dead letter {seq} in stream {stream} (replayed already, expired, or never)"
-        )
-
-
-class NotReplayable(ReachError):
-    """A dead letter that cannot become a task again; it stays in the DLQ."""
-
-    code = "bad_request"
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +327,7 @@ async def replay(store: TaskStore, seq: int, *, notify: str = "") -> str:
         )
         msg_seq = await publish_task(store, sub)
         with contextlib.suppress(Conflict):  # an agent took the task first and wrote it
-            await store.write(new_record(sub, msg_seq, now_ms()), 0)
+            await store.write(pending_record(sub, msg_seq, now_ms()), 0)
     if old.idempotency_key:  # a submit with this key now finds the new task
         key = idem_key("submit", old.idempotency_key)
         await store.idem_put(key, new_id.encode(), store.settings.task_idempotency_ttl)
