@@ -2,9 +2,11 @@
 
     ReachError
     ├── ConfigurationError         bad settings or arguments found before anything is sent
+    │   └── NotReplayable          a dead letter that cannot run again (it stays in the DLQ)
     ├── ConnectionFailed           the NATS server cannot be reached
     ├── NotStarted                 an agent or client used before start / after close
     ├── TaskNotFound               no task has this id (never had, or its record expired)
+    ├── DeadLetterNotFound         no dead letter at this DLQ sequence
     └── RemoteError                an answer (or lack of one) from the other side, by wire code
         ├── BadRequest             bad_request: the payload or headers were invalid
         ├── Unauthorized           unauthorized
@@ -52,8 +54,10 @@ __all__ = [
     "CircuitOpen",
     "ConfigurationError",
     "ConnectionFailed",
+    "DeadLetterNotFound",
     "HandlerFailed",
     "InvalidReply",
+    "NotReplayable",
     "NotStarted",
     "ReachError",
     "RemoteError",
@@ -115,6 +119,25 @@ class TaskNotFound(ReachError, LookupError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         super().__init__(f"no task {task_id!r} (unknown id, or its record expired)")
+
+
+class DeadLetterNotFound(ReachError, LookupError):
+    """No dead letter at this sequence: replayed already, expired (``dlq_retention``), or
+    never there."""
+
+    code = "not_found"
+
+    def __init__(self, seq: int, stream: str) -> None:
+        self.seq = seq
+        self.stream = stream
+        super().__init__(
+            f"no dead letter {seq} in stream {stream} (replayed already, expired, or never)"
+        )
+
+
+class NotReplayable(ConfigurationError):
+    """A dead letter that cannot become a task again (an undelivered callback, or a message
+    that never decoded); it stays in the DLQ."""
 
 
 class RemoteError(ReachError):

@@ -7,7 +7,9 @@ Settings are built at the program's edge and passed in; nothing reads them at im
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ._subjects import validate_prefix
@@ -91,3 +93,25 @@ class ReachSettings(BaseSettings):
     @classmethod
     def _prefix(cls, value: str) -> str:
         return validate_prefix(value)
+
+    @model_validator(mode="after")
+    def _task_limits(self) -> Self:
+        """Task settings that contradict each other would lose records or attempts: a record
+        gone before its task can end or before its idempotency key does, and JetStream
+        giving up on a message before the last attempt."""
+        if self.task_retention < self.task_timeout:
+            raise ValueError(
+                f"task_retention ({self.task_retention}s) must be >= task_timeout "
+                f"({self.task_timeout}s): a record would expire while its task runs"
+            )
+        if self.task_retention < self.task_idempotency_ttl:
+            raise ValueError(
+                f"task_retention ({self.task_retention}s) must be >= task_idempotency_ttl "
+                f"({self.task_idempotency_ttl}s): a key would name a task whose record is gone"
+            )
+        if self.task_max_deliver <= self.task_max_attempts:
+            raise ValueError(
+                f"task_max_deliver ({self.task_max_deliver}) must be > task_max_attempts "
+                f"({self.task_max_attempts}): JetStream would stop before the last attempt"
+            )
+        return self

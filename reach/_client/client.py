@@ -254,7 +254,12 @@ class Client(DurableTasks):
                 await nc.drain()
             except TRANSIENT as exc:
                 log.debug("drain on close failed: %s", exc)
-                await nc.close()
+                try:
+                    # nats-py writes what it buffered while reconnecting to the dead socket
+                    # (ConnectionResetError) after it already marked itself closed
+                    await nc.close()
+                except TRANSIENT as exc2:
+                    log.debug("close after a lost connection: %s", exc2)
 
     async def __aenter__(self) -> Self:
         return await self.connect()

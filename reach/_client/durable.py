@@ -1,5 +1,6 @@
 """The client's durable-task methods (``submit``, ``submit_batch``, ``task``, listing,
-dead letters and replay), over ``reach._tasks.Tasks`` and ``reach._tasks.admin``."""
+dead letters and replay), over ``reach._tasks.Tasks`` and ``reach._tasks.admin``. Each runs
+inside ``task_errors``: it raises ``ReachError``s only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from .._nats import NatsConnection
 from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, admin
 from .._tasks.admin import DeadLetter
-from ..errors import TaskNotFound
+from .._tasks.boundary import task_errors
+from ..errors import ConfigurationError, TaskNotFound
 from ..wire import Priority
 
 __all__ = ["DurableTasks"]
@@ -48,7 +50,8 @@ class DurableTasks:
         are retried with backoff; a handler's error is final unless it is retryable).
         The same ``idempotency_key`` within ``REACH_TASK_IDEMPOTENCY_TTL`` returns the
         same task. ``callback`` is a subject that receives the final record as a request
-        and must answer it.
+        and must answer it. A payload must fit in a record: at most about 3/8 of the
+        server's ``max_payload`` (``ConfigurationError`` otherwise).
         """
         sub = self._tasks.spec(
             capability,
@@ -61,7 +64,8 @@ class DurableTasks:
             required_tags=required_tags,
             version=version,
         )
-        return await self._tasks.submit(self.nc, sub)
+        with task_errors(f"submit to {capability}"):
+            return await self._tasks.submit(self.nc, sub)
 
     async def submit_batch(
         self,
@@ -74,9 +78,18 @@ class DurableTasks:
         callback: str | None = None,
         required_tags: Sequence[str] = (),
         version: str | None = None,
+        idempotency_keys: Sequence[str] | None = None,
     ) -> Batch:
-        """Submit one task per payload, publishing them all at once. An item that could
-        not be submitted holds its error in the batch; nothing raises for all."""
+        """Submit one task per payload, pipelined. An item that could not be submitted
+        holds its error in the batch; nothing raises for all. ``idempotency_keys`` (one per
+        payload) make a batch safe to submit again: an item whose key was submitted within
+        the TTL gives that task."""
+        if idempotency_keys is not None and len(idempotency_keys) != len(payloads):
+            raise ConfigurationError(
+                f"idempotency_keys has {len(idempotency_keys)} keys for"
+                f" {len(payloads)} payloads; give one per payload"
+            )
+        keys = idempotency_keys if idempotency_keys is not None else [None] * len(payloads)
         subs = [
             self._tasks.spec(
                 capability,
@@ -84,25 +97,28 @@ class DurableTasks:
                 priority=priority,
                 timeout=timeout,
                 max_attempts=max_attempts,
-                idempotency_key=None,
+                idempotency_key=key,
                 callback=callback,
                 required_tags=required_tags,
                 version=version,
             )
-            for p in payloads
+            for p, key in zip(payloads, keys, strict=True)
         ]
-        return await self._tasks.submit_batch(self.nc, subs)
+        with task_errors(f"submit to {capability}"):
+            return await self._tasks.submit_batch(self.nc, subs)
 
     async def task(self, task_id: str) -> TaskRef:
         """A handle on any task by id, submitted by any process; ``TaskNotFound`` for an
         id with no record (never PENDING)."""
-        if await self._tasks.get(self.nc, task_id) is None:
-            raise TaskNotFound(task_id)
+        with task_errors(f"task {task_id}"):
+            if await self._tasks.get(self.nc, task_id) is None:
+                raise TaskNotFound(task_id)
         return TaskRef(self._tasks, task_id)
 
     async def task_record(self, task_id: str) -> TaskRecord:
         """The record of a task now (``TaskNotFound`` when there is none)."""
-        record = await self._tasks.get(self.nc, task_id)
+        with task_errors(f"task {task_id}"):
+            record = await self._tasks.get(self.nc, task_id)
         if record is None:
             raise TaskNotFound(task_id)
         return record
@@ -115,35 +131,43 @@ class DurableTasks:
     ) -> list[TaskRecord]:
         """Task records in ``state`` and of ``capability`` (None: any), most recently
         changed first, at most ``limit``. Only matching records are read."""
-        store = await self._tasks.ready(self.nc)
-        return await admin.list_records(store, state=state, capability=capability, limit=limit)
+        with task_errors("list tasks"):
+            store = await self._tasks.ready(self.nc)
+            return await admin.list_records(store, state=state, capability=capability, limit=limit)
 
     async def dead_letters(
         self, capability: str | None = None, limit: int = 100
     ) -> list[DeadLetter]:
         """Dead letters (of ``capability``; None: all), newest first, at most ``limit``."""
-        store = await self._tasks.ready(self.nc)
-        return await admin.dead_letters(store, capability, limit)
+        with task_errors("list dead letters"):
+            store = await self._tasks.ready(self.nc)
+            return await admin.dead_letters(store, capability, limit)
 
     async def dead_letter(self, seq: int) -> DeadLetter:
-        """The dead letter at DLQ sequence ``seq`` (a ``ReachError`` if there is none)."""
-        return await admin.dead_letter_at(await self._tasks.ready(self.nc), seq)
+        """The dead letter at DLQ sequence ``seq``; ``DeadLetterNotFound`` if there is none."""
+        with task_errors(f"dead letter {seq}"):
+            return await admin.dead_letter_at(await self._tasks.ready(self.nc), seq)
 
     async def replay(self, seq: int) -> TaskRef:
         """Run dead letter ``seq`` again as a new task (``replay_of`` the old one, same
         payload, options and idempotency key), then remove it from the DLQ. A callback
         that was never delivered, or a message that never decoded, cannot be replayed
-        (``ReachError`` saying why; it stays in the DLQ). Replaying twice gives one task."""
-        store = await self._tasks.ready(self.nc)
-        dl = await admin.dead_letter_at(store, seq)
-        task_id = await admin.replay(store, seq, notify=self._tasks.notify)
+        (``NotReplayable`` saying why; it stays in the DLQ; ``DeadLetterNotFound`` when
+        there is none). Replaying twice gives one task."""
+        with task_errors(f"replay of dead letter {seq}"):
+            store = await self._tasks.ready(self.nc)
+            dl = await admin.dead_letter_at(store, seq)
+            task_id = await admin.replay(store, seq, notify=self._tasks.notify)
         return TaskRef(self._tasks, task_id, dl.capability)
 
     async def replay_capability(self, capability: str) -> list[TaskRef]:
         """Replay every dead letter of ``capability``, oldest first; those that cannot be
         replayed stay in the DLQ (logged)."""
-        store = await self._tasks.ready(self.nc)
-        ids, skipped = await admin.replay_capability(store, capability, notify=self._tasks.notify)
+        with task_errors(f"replay of {capability}"):
+            store = await self._tasks.ready(self.nc)
+            ids, skipped = await admin.replay_capability(
+                store, capability, notify=self._tasks.notify
+            )
         for seq, why in skipped:
             log.warning("dead letter %s not replayed: %s", seq, why)
         return [TaskRef(self._tasks, i, capability) for i in ids]

@@ -29,7 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from .._codec import now_ms
 from .._kv.leases import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
-from ..errors import ConfigurationError, ReachError
+from ..errors import ConfigurationError, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_KIND, DLQ_REASON, TASK_ID
 from .store import AGENT_HEADER, STATE_HEADER, TaskStore, idem_key, pending_record
@@ -56,26 +56,6 @@ _BATCH = 256
 _SCAN_TIMEOUT = 5.0
 _attempts_decoder = msgspec.json.Decoder(list[TaskAttempt])
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
-_submit_decoder = msgspec.json.Decoder(TaskSubmit)
-
-
-class DeadLetterNotFound(ReachError, LookupError):
-    """No dead letter at this sequence: replayed already, expired (``dlq_retention``), or
-    never there."""
-
-    code = "not_found"
-
-    def __init__(self, seq: int, stream: str) -> None:
-        self.seq = seq
-        super().__init__(
-            f"no dead letter {seq} in stream {stream} (replayed already, expired, or never)"
-        )
-
-
-class NotReplayable(ReachError):
-    """A dead letter that cannot become a task again; it stays in the DLQ."""
-
-    code = "bad_request"
 
 
 @dataclass(frozen=True, slots=True)

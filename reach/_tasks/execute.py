@@ -23,7 +23,7 @@ from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .callbacks import deliver_callback
 from .claims import Claims
 from .dlq import dead_letter
-from .model import Delivery, TaskStats, new_record
+from .model import Delivery, TaskStats
 from .states import (
     IllegalTransition,
     advance,
@@ -33,7 +33,7 @@ from .states import (
     error_body,
     retry_delay,
 )
-from .store import Conflict, Stored, TaskStore
+from .store import Conflict, Stored, TaskStore, pending_record
 
 __all__ = ["Executor"]
 
@@ -78,7 +78,7 @@ class Executor(Claims):
             rec, rev = (
                 (stored.record, stored.revision)
                 if stored
-                else (new_record(d.sub, d.msg.metadata.sequence.stream, at), 0)
+                else (pending_record(d.sub, d.msg.metadata.sequence.stream, at), 0)
             )
             if rec.final:
                 d.stored = Stored(rec, rev)
@@ -334,11 +334,33 @@ class Executor(Claims):
         )
         self.stats.dead_lettered += 1
 
+    async def invalid(self, msg: Msg, cap: str, reason: str, sub: TaskSubmit | None = None) -> None:
+        """A message no agent can run: to the DLQ with the reason, then out of the stream.
+        One that decodes gets its FAILED record too, so its id never reads as unknown."""
+        self.stats.invalid += 1
+        if sub is not None:
+            await self.reject(msg, sub, reason)
+        log.warning(
+            "agent %s: a task message on %s no agent can run: %s", self.agent_id, cap, reason
+        )
+        await dead_letter(
+            self.store,
+            capability=cap,
+            task_id=(msg.headers or {}).get("Reach-Task-Id", ""),
+            data=msg.data,
+            headers=msg.headers,
+            reason="bad_request",
+            error=reason,
+            seq=msg.metadata.sequence.stream,
+        )
+        self.stats.dead_lettered += 1
+        await msg.term()
+
     async def reject(self, msg: Msg, sub: TaskSubmit, reason: str) -> None:
         """Record a message no agent can run as FAILED (``bad_request``), unless the task
         has a record already; the caller dead-letters and terminates the message."""
         at = now_ms()
-        rec = new_record(sub, msg.metadata.sequence.stream, at)
+        rec = pending_record(sub, msg.metadata.sequence.stream, at)
         err = ErrorBody(code="bad_request", message=reason[:500])
         failed = advance(rec, [S.FAILED], at, "rejected", error=err)
         with contextlib.suppress(Conflict):  # it has a record: whatever it says stands

@@ -83,7 +83,7 @@ class JsApi:
             msg = await fut
         finally:
             timer.cancel()
-            del self._pending[token]
+            self._pending.pop(token, None)  # close() may have cleared it already
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
             raise nats.errors.NoRespondersError
         return msg

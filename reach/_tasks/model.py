@@ -8,10 +8,10 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from ..wire.tasks import TaskAttempt, TaskRecord, TaskSubmit
-from .store import Stored, pending_record
+from ..wire.tasks import TaskAttempt, TaskSubmit
+from .store import Stored
 
-__all__ = ["Delivery", "TaskStats", "new_record"]
+__all__ = ["Delivery", "TaskStats"]
 
 
 @dataclass(slots=True)
@@ -39,10 +39,6 @@ class TaskStats:
     callbacks_delivered: int = 0
     callbacks_failed: int = 0
     running: int = 0
-
-
-def new_record(sub: TaskSubmit, seq: int, at_ms: int) -> TaskRecord:
-    return pending_record(sub, seq, at_ms)
 
 
 @dataclass(slots=True)

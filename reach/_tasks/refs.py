@@ -1,9 +1,17 @@
-"""Handles on submitted tasks: ``TaskRef`` (one task) and ``Batch`` (many)."""
+"""Handles on submitted tasks: ``TaskRef`` (one task) and ``Batch`` (many).
+
+Their methods raise only ``ReachError``s (``boundary.task_errors``). A waiting ref that
+hears of its task's end on its client's own subject (``own``) re-reads the record only in
+case that notice was lost, at most every 30 s; any other ref follows the record's KV watch,
+and polls every 5 s at most only while it cannot.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +31,7 @@ from ..errors import (
 from ..errors import error_for_code as _error_for_code
 from ..wire import ErrorBody
 from ..wire.tasks import TaskRecord, TaskState
+from .boundary import task_errors
 from .states import advance
 from .store import Conflict, Stored, TaskStore, decode_record
 
@@ -30,17 +39,40 @@ if TYPE_CHECKING:
     from .submit import Tasks
 
 __all__ = [
+    "NOTICED_POLL_CAP",
+    "UNNOTICED_POLL_CAP",
     "Batch",
     "BatchProgress",
     "TaskRef",
     "cancel_record",
+    "poll_delays",
     "read_record",
     "task_error",
     "value_of",
 ]
 
+log = logging.getLogger("reach.client")
+
 S = TaskState
-_MAX_POLL = 5.0
+#: seconds between looks at most, for a ref told of the end on its own subject
+NOTICED_POLL_CAP = 30.0
+#: ... and for one that is not, while it cannot follow the record's KV watch
+UNNOTICED_POLL_CAP = 5.0
+_FIRST_POLL = 0.2
+
+
+def _jitter() -> float:
+    return random.uniform(0.5, 1.0)
+
+
+def poll_delays(*, noticed: bool, jitter: Callable[[], float] = _jitter) -> Iterator[float]:
+    """Seconds between looks at a waited-for record: doubling from 0.2 s to the cap, each
+    scaled by ``jitter()`` (0.5..1) so the waiters of a batch do not look all at once."""
+    cap = NOTICED_POLL_CAP if noticed else UNNOTICED_POLL_CAP
+    delay = _FIRST_POLL
+    while True:
+        yield delay * jitter()
+        delay = min(delay * 2, cap)
 
 
 def task_error(rec: TaskRecord) -> RemoteError:
@@ -79,12 +111,8 @@ def value_of(rec: TaskRecord, response_type: Any = Any) -> Any:
 
 async def read_record(store: TaskStore, task_id: str) -> Stored | None:
     """``store.lookup`` for callers: a server out of reach is ``ConnectionFailed``."""
-    try:
+    with task_errors(f"task {task_id}"):
         return await store.lookup(task_id)
-    except TRANSIENT as exc:
-        raise ConnectionFailed(
-            f"task {task_id}: the task store is out of reach ({type(exc).__name__}: {exc})"
-        ) from exc
 
 
 async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
@@ -144,26 +172,12 @@ class TaskRef:
     async def wait(self, timeout: float | None = None) -> TaskRecord:
         """Wait for the final record (a failure is returned, not raised)."""
         tasks = self._tasks
+        tasks.store  # noqa: B018  NotStarted once the client closed
         fut = tasks.waiter(self.task_id)
         try:
             async with asyncio.timeout(timeout):
-                delay = 0.2
-                look = not self._own  # ours: the notice usually comes before a look
-                while True:
-                    if look:
-                        try:
-                            rec: TaskRecord | None = await self.status()
-                        except ConnectionFailed:
-                            rec = None  # the server restarts: wait on, within the timeout
-                        if rec is not None and rec.final:
-                            return rec
-                        if rec is not None and (not tasks.notify or rec.notify != tasks.notify):
-                            return await self._watch_final()
-                    look = True
-                    done, _ = await asyncio.wait({fut}, timeout=delay)
-                    if done:
-                        return fut.result()
-                    delay = min(delay * 2, _MAX_POLL)
+                with task_errors(f"task {self.task_id}"):
+                    return await self._follow(fut)
         except TimeoutError:
             raise RequestTimeout(
                 f"task {self.task_id} did not finish within {timeout}s (it goes on)",
@@ -172,6 +186,31 @@ class TaskRef:
             ) from None
         finally:
             tasks.unwait(self.task_id, fut)
+
+    async def _follow(self, fut: asyncio.Future[TaskRecord]) -> TaskRecord:
+        tasks = self._tasks
+        noticed = self._own
+        delays = poll_delays(noticed=noticed)
+        look = not noticed  # ours: the notice usually comes before a look
+        while True:
+            if look:
+                try:
+                    rec: TaskRecord | None = await self.status()
+                except ConnectionFailed:
+                    rec = None  # the server restarts: wait on, within the timeout
+                if rec is not None and rec.final:
+                    return rec
+                if rec is not None and (not tasks.notify or rec.notify != tasks.notify):
+                    try:
+                        return await self._watch_final()
+                    except ConnectionFailed:
+                        pass  # the watch broke: look again in a while, then watch again
+                elif rec is not None and not noticed:  # ours after all (client.task)
+                    noticed, delays = True, poll_delays(noticed=True)
+            look = True
+            done, _ = await asyncio.wait({fut}, timeout=next(delays))
+            if done:
+                return fut.result()
 
     async def _watch_final(self) -> TaskRecord:
         async for rec in self.watch():
@@ -184,27 +223,61 @@ class TaskRef:
         return await self._tasks.cancel(self.task_id)
 
     async def watch(self) -> AsyncIterator[TaskRecord]:
-        """Every change of the record as it is written (a KV watch), until it is final."""
-        store = self._tasks.store
-        first = await store.lookup(self.task_id)
-        if first is None:
-            raise TaskNotFound(self.task_id)
-        kv = await store.js.key_value(store.bucket)
-        watcher = await kv.watch(self.task_id)
-        try:
-            if first.revision == 0:
-                yield first.record  # PENDING: still a message no agent has taken
-            async for entry in watcher:
-                if entry is None:
-                    continue  # the end of the initial values
-                if entry.operation is not None or not entry.value:
-                    return  # deleted or expired
-                rec = decode_record(entry.value)
-                yield rec
-                if rec.final:
-                    return
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+        """Every change of the record as it is written (a KV watch), until it is final.
+        Ends with ``NotStarted`` when the client closes."""
+        tasks = self._tasks
+        store = tasks.store
+        with task_errors(f"watch of task {self.task_id}"):
+            first = await store.lookup(self.task_id)
+            if first is None:
+                raise TaskNotFound(self.task_id)
+            kv = await store.js.key_value(store.bucket)
+            watcher = await kv.watch(self.task_id)
+            fut = tasks.waiter(self.task_id)  # the final notice, or the client closing
+            try:
+                if first.revision == 0:
+                    yield first.record  # PENDING: still a message no agent has taken
+                while True:
+                    entry = await _next_or(watcher, fut)
+                    if entry is _NOTICE:
+                        yield fut.result()  # the final notice came first (or NotStarted)
+                        return
+                    if entry is None:
+                        continue  # the end of the initial values
+                    if entry.operation is not None or not entry.value:
+                        return  # deleted or expired
+                    rec = decode_record(entry.value)
+                    yield rec
+                    if rec.final:
+                        return
+            finally:
+                tasks.unwait(self.task_id, fut)
+                try:
+                    await watcher.stop()  # type: ignore[no-untyped-call]
+                except TRANSIENT as exc:  # the connection closed: the watch is gone anyway
+                    log.debug("task %s: stopping its watch: %s", self.task_id, exc)
+
+
+_NOTICE = object()
+
+
+async def _next_or(watcher: Any, fut: asyncio.Future[TaskRecord]) -> Any:
+    """The KV watch's next entry (None: the end of its initial values), or ``_NOTICE``
+    when ``fut`` is done first: nats-py ends no watch when the connection closes."""
+
+    async def step() -> Any:
+        return await watcher.__anext__()
+
+    nxt = asyncio.ensure_future(step())
+    try:
+        await asyncio.wait({nxt, fut}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.wait({nxt})
+    if not nxt.cancelled():
+        return nxt.result()
+    return _NOTICE
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,6 @@ from ..errors import BadRequest
 from ..settings import ReachSettings
 from ..wire import CapabilityInfo, Priority
 from ..wire.tasks import TaskSubmit
-from .dlq import dead_letter
 from .execute import Executor
 from .jsapi import JsApi
 from .leases import Leases
@@ -229,18 +228,19 @@ class TaskRunner(Leases):
 
     def _start(self, msg: Msg, cap: str) -> None:
         assert self._owner is not None
+        assert self._exec is not None
         if not self.fetching:
             self._owner.spawn(_nak(msg), "tasks: hand back")
             return
         try:
             sub = _submit_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
-            self._owner.spawn(self._invalid(msg, cap, str(exc)), "tasks: invalid")
+            self._owner.spawn(self._exec.invalid(msg, cap, str(exc)), "tasks: invalid")
             return
         decl = self.decls.get(sub.capability)
         if decl is None or sub.capability != cap:
             reason = f"capability {sub.capability!r} arrived on the {cap!r} consumer"
-            self._owner.spawn(self._invalid(msg, cap, reason, sub), "tasks: invalid")
+            self._owner.spawn(self._exec.invalid(msg, cap, reason, sub), "tasks: invalid")
             return
         if sub.task_id in self.running or not self._fits(sub, decl):
             # not for this instance: back off with each delivery, so a task waiting for
@@ -288,29 +288,6 @@ class TaskRunner(Leases):
         return self.tags.issuperset(sub.required_tags) and (
             not sub.version or sub.version.split(".")[0] == major
         )
-
-    async def _invalid(
-        self, msg: Msg, cap: str, reason: str, sub: TaskSubmit | None = None
-    ) -> None:
-        """A message no agent can run: to the DLQ with the reason, then out of the stream.
-        One that decodes gets its FAILED record too, so its id never reads as unknown."""
-        assert self._exec is not None
-        self.stats.invalid += 1
-        if sub is not None:
-            await self._exec.reject(msg, sub, reason)
-        log.warning("agent %s: undecodable task message on %s: %s", self.agent_id, cap, reason)
-        await dead_letter(
-            self._exec.store,
-            capability=cap,
-            task_id=(msg.headers or {}).get("Reach-Task-Id", ""),
-            data=msg.data,
-            headers=msg.headers,
-            reason="bad_request",
-            error=reason,
-            seq=msg.metadata.sequence.stream,
-        )
-        self.stats.dead_lettered += 1
-        await msg.term()
 
     # -- running -----------------------------------------------------------------------
 

@@ -7,8 +7,12 @@ record in ``reach_tasks`` (RUNNING). One durable write per submit, not two, and 
 record can exist without its message.
 
 The submitter hears of its tasks' final records on a subject of its own (core NATS, best
-effort) and re-reads the record with backoff in case it missed one; another process follows
-a task by watching its key.
+effort) and re-reads the record rarely in case it missed one; another process follows a task
+by watching its key.
+
+A payload is refused before anything is sent when its record could not be written: the
+record carries it base64-encoded, and it must leave half of the server's ``max_payload``
+for the result.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from nats.nuid import NUID
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects, validate_capability, validate_topic
-from ..errors import ConfigurationError, ConnectionFailed, NotStarted
+from ..errors import ConfigurationError, ConnectionFailed, NotStarted, ReachError
 from ..settings import ReachSettings
 from ..wire import Header, Priority
 from ..wire.tasks import TaskRecord, TaskSubmit
+from .boundary import task_errors
 from .jsapi import JsApi
 from .refs import Batch, TaskRef, cancel_record, read_record
 from .store import Conflict, TaskStore, idem_key
@@ -41,6 +46,16 @@ log = logging.getLogger("reach.client")
 _record_decoder = msgspec.json.Decoder(TaskRecord)
 _encode = msgspec.json.Encoder().encode
 _MAX_KEY = 256
+#: bytes of a record besides its payload and result (ids, attempts, history, error)
+RECORD_OVERHEAD = 4096
+#: publishes of one submit_batch waiting for their acks at once, at most
+BATCH_WINDOW = 256
+
+
+def payload_limit(max_payload: int) -> int:
+    """The largest payload (raw bytes) whose record fits: base64 plus the overhead within
+    half the server's ``max_payload`` (the other half is the result's)."""
+    return max(0, (max_payload // 2 - RECORD_OVERHEAD) // 4 * 3)
 
 
 async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:
@@ -70,6 +85,7 @@ class Tasks:
         self._store: TaskStore | None = None
         self._sub: Subscription | None = None
         self._lock = asyncio.Lock()
+        self._closed = False
         self._nuid = NUID()
         self.waiters: dict[str, set[asyncio.Future[TaskRecord]]] = {}
 
@@ -80,25 +96,31 @@ class Tasks:
             return self._store
         async with self._lock:
             if self._store is None or self._nc is not nc:
-                api = JsApi(nc)
-                await api.open()
-                store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
-                try:
+                with task_errors("task streams"):
+                    api = JsApi(nc)
+                    await api.open()
+                    store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
                     await store.ensure()
-                except TRANSIENT as exc:
-                    raise ConnectionFailed(f"task streams unavailable: {exc}") from exc
-                notify = self.subjects.task_done(self._nuid.next().decode())
-                self._sub = await nc.subscribe(notify, cb=self._on_final)
+                    notify = self.subjects.task_done(self._nuid.next().decode())
+                    self._sub = await nc.subscribe(notify, cb=self._on_final)
                 self._nc, self._store, self.notify = nc, store, notify
+                self._closed = False
         return self._store
 
     @property
     def store(self) -> TaskStore:
+        """The store of the open connection; ``NotStarted`` once the client closed."""
         if self._store is None:
+            if self._closed:
+                raise NotStarted(
+                    "client closed: this task handle belongs to a client that was closed;"
+                    " get a new one with client.task(task_id) on an open client"
+                )
             raise NotStarted("the client has not used tasks yet")
         return self._store
 
     async def close(self) -> None:
+        self._closed = True
         sub, self._sub = self._sub, None
         api = self._store.api if self._store is not None else None
         self._store = self._nc = None
@@ -106,6 +128,7 @@ class Tasks:
             for fut in futs:
                 if not fut.done():
                     fut.set_exception(NotStarted("client closed"))
+                    fut.exception()  # seen: a waiter that left already must not warn
         self.waiters.clear()
         try:
             if sub is not None:
@@ -164,6 +187,11 @@ class Tasks:
             raise ConfigurationError("timeout must be > 0 seconds")
         if max_attempts is not None and not 1 <= max_attempts <= 100:
             raise ConfigurationError("max_attempts must be between 1 and 100")
+        if max_attempts is not None and max_attempts >= self.settings.task_max_deliver:
+            raise ConfigurationError(
+                f"max_attempts ({max_attempts}) must be below task_max_deliver "
+                f"({self.settings.task_max_deliver}): JetStream stops delivering a task there"
+            )
         key = idempotency_key or ""
         if len(key) > _MAX_KEY or any(c in key for c in "\r\n\0"):
             raise ConfigurationError(
@@ -190,17 +218,42 @@ class Tasks:
         )
 
     async def submit(self, nc: NatsConnection, sub: TaskSubmit) -> TaskRef:
+        self.check_size(nc, sub)
         store = await self.ready(nc)
         sub = msgspec.structs.replace(sub, notify=self.notify)
         try:
-            return await self._submit(store, sub)
+            return await self.claim_and_publish(store, sub)
+        except ReachError:
+            raise
         except TRANSIENT as exc:
+            retry = (
+                "submitting again with the same idempotency_key is safe"
+                if sub.idempotency_key
+                else "it may or may not have been stored (a submit with an idempotency_key"
+                " can be repeated safely)"
+            )
             raise ConnectionFailed(
-                f"submit of task {sub.task_id} not confirmed ({type(exc).__name__}: {exc});"
-                " submitting again with the same idempotency_key is safe"
+                f"submit of task {sub.task_id} not confirmed ({type(exc).__name__}: {exc}); {retry}"
             ) from exc
 
-    async def _submit(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:
+    @staticmethod
+    def check_size(nc: NatsConnection, sub: TaskSubmit) -> None:
+        """Refuse a payload whose record could not be written (the task would never run)."""
+        max_payload = nc.max_payload
+        if max_payload <= 0:
+            return  # not told yet: the server refuses what is too big
+        encoded = (len(sub.payload) + 2) // 3 * 4
+        if encoded + RECORD_OVERHEAD > max_payload // 2:
+            raise ConfigurationError(
+                f"payload of {len(sub.payload)} bytes is too large for a task: at most"
+                f" {payload_limit(max_payload)} bytes (its record holds it base64-encoded in"
+                f" half of the server's max_payload of {max_payload} bytes); pass a"
+                " reference to the data (an object store key, a URL) instead"
+            )
+
+    async def claim_and_publish(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:
+        """Claim the idempotency key (if any), then publish; the task's handle. A key held
+        by an earlier submit gives that task."""
         if sub.idempotency_key:
             key = idem_key("submit", sub.idempotency_key)
             for _ in range(3):
@@ -220,6 +273,11 @@ class Tasks:
                     # publish ours under its id; the server drops a duplicate message
                     sub = msgspec.structs.replace(sub, task_id=winner)
                     break
+            else:  # never held: publishing now could make a second task for the key
+                raise ConnectionFailed(
+                    f"idempotency key {sub.idempotency_key!r} could not be claimed (it was"
+                    " taken and gone again three times); nothing was submitted, submit again"
+                )
         await self.publish(store, sub)
         return TaskRef(self, sub.task_id, sub.capability, own=True)
 
@@ -227,9 +285,16 @@ class Tasks:
         return await publish_task(store, sub, msg_id)
 
     async def submit_batch(self, nc: NatsConnection, subs: list[TaskSubmit]) -> Batch:
-        """Publish every task at once (pipelined); a failed submit is that item's error."""
+        """Publish the tasks pipelined, at most ``BATCH_WINDOW`` awaiting their acks at
+        once; a failed submit is that item's error."""
         await self.ready(nc)
-        results = await asyncio.gather(*(self.submit(nc, s) for s in subs), return_exceptions=True)
+        window = asyncio.Semaphore(BATCH_WINDOW)
+
+        async def one(sub: TaskSubmit) -> TaskRef:
+            async with window:
+                return await self.submit(nc, sub)
+
+        results = await asyncio.gather(*(one(s) for s in subs), return_exceptions=True)
         items: list[TaskRef | BaseException] = []
         for r in results:
             if isinstance(r, asyncio.CancelledError):
@@ -238,6 +303,7 @@ class Tasks:
         return Batch(items)
 
     async def get(self, nc: NatsConnection, task_id: str) -> TaskRecord | None:
+        """The record of any task (None: no such task)."""
         store = await self.ready(nc)
         st = await read_record(store, task_id)
         return st.record if st else None
@@ -247,7 +313,8 @@ class Tasks:
         the request, so an agent that missed the message sees it). Twice is harmless."""
         store, nc = self.store, self._nc
         assert nc is not None
-        rec = await cancel_record(store, task_id)
-        # also for a task that looked PENDING: an agent may be starting it right now
-        await nc.publish(self.subjects.task_cancel(), task_id.encode())
+        with task_errors(f"cancel of task {task_id}"):
+            rec = await cancel_record(store, task_id)
+            # also for a task that looked PENDING: an agent may be starting it right now
+            await nc.publish(self.subjects.task_cancel(), task_id.encode())
         return rec

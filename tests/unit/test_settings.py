@@ -55,3 +55,28 @@ def test_agent_identity_is_validated():
         Agent("translator", "bad.id")
     with pytest.raises(ConfigurationError, match="agent_id"):
         Agent("has space")
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"task_retention": 60.0, "task_timeout": 120.0}, "task_timeout"),
+        ({"task_retention": 60.0, "task_timeout": 30.0, "task_idempotency_ttl": 600.0}, "ttl"),
+        ({"task_max_deliver": 3, "task_max_attempts": 3}, "task_max_attempts"),
+        ({"task_max_deliver": 2, "task_max_attempts": 5}, "task_max_deliver"),
+    ],
+)
+def test_task_settings_that_contradict_each_other_are_refused(values, named):
+    with pytest.raises(ValidationError, match=named):
+        ReachSettings(**values)
+
+
+def test_task_settings_that_agree_are_accepted():
+    s = ReachSettings(
+        task_retention=600.0,
+        task_timeout=600.0,
+        task_idempotency_ttl=600.0,
+        task_max_deliver=4,
+        task_max_attempts=3,
+    )
+    assert (s.task_retention, s.task_max_deliver) == (600.0, 4)

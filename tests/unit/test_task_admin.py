@@ -8,9 +8,8 @@ import pytest
 from reach import DeadLetter, ReachError
 from reach._subjects import Subjects
 from reach._tasks.admin import NotReplayable, replay_id
-from reach._tasks.model import new_record
 from reach._tasks.recovery import submit_of
-from reach._tasks.store import TaskStore
+from reach._tasks.store import TaskStore, pending_record
 from reach.settings import ReachSettings
 from reach.wire import Priority
 from reach.wire.tasks import TaskSubmit
@@ -63,7 +62,7 @@ def test_a_callback_dead_letter_is_not_replayable():
 
 def test_a_recovered_message_carries_every_field_of_the_submit():
     """The sweep rebuilds a lost message from the record: nothing may be dropped."""
-    assert submit_of(new_record(SUBMIT, 5, 9999)) == SUBMIT
+    assert submit_of(pending_record(SUBMIT, 5, 9999)) == SUBMIT
 
 
 def test_a_replay_id_is_new_valid_and_the_same_for_the_same_dead_letter():
