@@ -76,8 +76,9 @@ class ReachSettings(BaseSettings):
     callback_attempts: int = Field(default=3, ge=1)
     callback_timeout: float = Field(default=5.0, gt=0)
     dlq_retention: float = Field(default=14 * 86400.0, gt=0)
-    #: seconds between recovery sweeps (run by the registry); 0 turns them off
-    task_sweep_interval: float = Field(default=15.0, ge=0)
+    #: seconds between recovery sweeps (one registry replica of several sweeps per interval;
+    #: a sweep is a headers-only scan of the task records); 0 turns them off
+    task_sweep_interval: float = Field(default=60.0, ge=0)
     #: replicas of task streams and buckets (3 in a 3-node cluster)
     task_replicas: int = Field(default=1, ge=1, le=5)
 

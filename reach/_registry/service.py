@@ -98,7 +98,8 @@ class Registry:
         stats = self._core.stats
         stats.task_failures = self._owner.failures
         rs = self._recovery_stats
-        stats.sweeps, stats.tasks_recovered = rs.sweeps, rs.tasks_recovered
+        stats.sweeps, stats.sweeps_skipped = rs.sweeps, rs.sweeps_skipped
+        stats.tasks_recovered = rs.tasks_recovered
         stats.max_deliveries, stats.recovery_errors = rs.max_deliveries, rs.errors
         return stats
 
@@ -205,7 +206,7 @@ class Registry:
                     self._recovery = TaskRecovery(
                         nc, self.settings, s, self._owner, self._recovery_stats
                     )
-                    self._subs.append(await self._recovery.start())
+                    self._recovery.start()
                 await flush_nats(nc)
         except TRANSIENT as exc:
             if step == "bind":
@@ -254,7 +255,7 @@ class Registry:
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
             await mirror.stop()
-        self._recovery = None  # its subscription was drained with the others
+        self._recovery = None  # its loops end with the owner
         await self._owner.close()
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None and not nc.is_closed:

@@ -59,7 +59,8 @@ class RegistryStats:
     task_failures: int = 0  # background tasks that raised (logged; loops restarted)
     # durable-task recovery (``reach._tasks.recovery``), read at access
     sweeps: int = 0
-    tasks_recovered: int = 0  # lost agents' tasks back to RETRYING, lost messages republished
+    sweeps_skipped: int = 0  # another replica held the sweep lock for that interval
+    tasks_recovered: int = 0  # tasks whose message was gone, published again
     max_deliveries: int = 0  # messages that reached max deliveries, moved to the DLQ
     recovery_errors: int = 0  # advisories or records that failed (logged, tried again)
 

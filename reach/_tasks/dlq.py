@@ -2,8 +2,11 @@
 message leaves the task stream, so it is never lost; it stays for ``dlq_retention``.
 
 A dead letter is the original message body and headers, plus ``Reach-Dlq-*`` headers
-saying why (reason, error, attempts). Its ``Nats-Msg-Id`` names the task and attempt, so a
-copy resent after a crash is deduplicated by the server.
+saying why (reason, error, attempts). Its ``Nats-Msg-Id`` names the kind, the task and how
+many attempts it had (``dlq.<kind>.<task_id>.<attempts>``), nothing else: an agent that
+resends it after a crash and a registry handling the task's max-deliveries advisory make
+the same id for the same task, so the stream keeps one copy (within its duplicate window).
+Only a message with no task id falls back to its stream sequence.
 """
 
 from __future__ import annotations
@@ -55,11 +58,13 @@ async def dead_letter(
     kind: str = "task",
     seq: int = 0,
 ) -> int:
-    """Publish one dead letter and wait for the stream's ack; its DLQ sequence."""
+    """Publish one dead letter and wait for the stream's ack; its DLQ sequence. ``seq``
+    (the task message's stream sequence) names a letter only when ``task_id`` is empty."""
     hdrs = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-")}
+    msg_id = f"dlq.{kind}.{task_id}.{len(attempts)}" if task_id else f"dlq.{kind}.unknown.{seq}"
     hdrs.update(
         {
-            "Nats-Msg-Id": f"dlq.{kind}.{task_id or 'unknown'}.{len(attempts)}.{seq}",
+            "Nats-Msg-Id": msg_id,
             TASK_ID: task_id,
             DLQ_KIND: kind,
             DLQ_REASON: _one_line(reason),

@@ -1,50 +1,49 @@
 """Recovery of tasks that nobody would finish; run by registries (``TaskRecovery``).
 
-Two safety nets under the agents' own retries:
+Two safety nets under the agents' own retries: the sweep (``sweep.py``: a task whose
+message is gone gets it back) and max deliveries, here.
 
-- **Max deliveries.** A message delivered ``task_max_deliver`` times without an ack stays in
-  the work-queue stream, never delivered again, and the server announces it on
-  ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``. One listener of a
-  queue group (one registry of several) takes each: the record becomes FAILED (unless it is
-  final), the message becomes a dead letter (reason ``max_deliveries``), and only then is
-  it deleted from the task stream.
-- **The sweep**, every ``task_sweep_interval`` seconds. A RUNNING record whose agent has no
-  lease in the agents bucket, unchanged for ``lease_ttl + task_ack_wait``, goes to RETRYING
-  (its attempt "lost"): its agent died without a trace. A record that is not final and
-  whose message is gone from the task stream (lost with a store, deleted by hand) gets its
-  message back, rebuilt from the record, and the new sequence is written into the record.
+A message delivered ``task_max_deliver`` times without an ack stays in the work-queue
+stream, never delivered again, and the server announces it on core NATS,
+``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``. Stream
+``<PREFIX>_TASK_EVENTS`` (made with the task streams; work queue, file, kept
+``dlq_retention``) catches every such advisory, so it waits for a registry when none runs.
+The registries share one durable pull consumer on it, so one of them takes each advisory:
 
-Every write is a compare-and-set, so any number of registries may run this at once; the
-republished message's ``Nats-Msg-Id`` (``<task_id>.s<attempt>``) makes their republishes
-one message.
+1. the record becomes FAILED (made from the message if there is none; a final one stays);
+2. the message becomes a dead letter (reason ``max_deliveries``);
+3. the message is deleted from the task stream;
+4. only then is the advisory acked.
+
+Any failure naks it with a backoff, and it is handled again from the start: each step is
+idempotent (a compare-and-set; the letter's ``Nats-Msg-Id`` is the one the agent would use
+for the same attempts, so the two never store two letters). FAILED comes before the letter,
+as on an agent: a late success of the last attempt is then fenced, where a letter stored
+first would stay behind for a task that succeeded (and a replay would run it again).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from .._codec import now_ms
-from .._kv.leases import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..settings import ReachSettings
 from ..wire import ErrorBody
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
-from .admin import RecordMeta, record_index, scan
 from .dlq import TASK_ID, dead_letter
-from .states import IllegalTransition, advance, end_attempt, is_final
+from .states import advance, end_attempt, retry_delay
 from .store import Conflict, Stored, TaskStore, pending_record
-from .submit import publish_task
+from .sweep import RETRIED, RecoveryStats, Sweeper, submit_of
 
 __all__ = ["RecoveryStats", "TaskRecovery", "submit_of"]
 
@@ -52,51 +51,18 @@ log = logging.getLogger("reach.tasks")
 S = TaskState
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 _encode = msgspec.json.Encoder().encode
-_MAX_DELIVERIES = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
-_QUEUE = "task-recovery"
+_CONSUMER = "registries"  # on the events stream: one, shared by every replica
+_ACK_WAIT = 30.0  # fixed, so replicas with other settings never rewrite the consumer
+_BATCH = 16
+_FETCH_WAIT = 5.0
+_NAK_BASE, _NAK_CAP = 0.5, 30.0  # seconds before an advisory that failed is handled again
 _TRIES = 8
-_PARALLEL = 32
-#: what a failed advisory or record recovery may raise: counted, logged, tried again later
-_RETRIED: tuple[type[BaseException], ...] = (*TRANSIENT, Conflict, IllegalTransition)
-
-
-@dataclass(slots=True)
-class RecoveryStats:
-    """What the recovery did (copied into ``RegistryStats``)."""
-
-    sweeps: int = 0
-    #: RUNNING tasks of lost agents returned to RETRYING, and tasks whose message was
-    #: published again
-    tasks_recovered: int = 0
-    #: messages that reached max deliveries and were moved to the DLQ
-    max_deliveries: int = 0
-    #: advisories or records that could not be handled (logged; tried again later)
-    errors: int = 0
-
-
-def submit_of(rec: TaskRecord) -> TaskSubmit:
-    """The task message rebuilt from its record (the record keeps the payload)."""
-    return TaskSubmit(
-        task_id=rec.task_id,
-        capability=rec.capability,
-        priority=rec.priority,
-        payload=rec.payload,
-        timeout=rec.timeout,
-        max_attempts=rec.max_attempts,
-        idempotency_key=rec.idempotency_key,
-        callback=rec.callback,
-        notify=rec.notify,
-        version=rec.version,
-        required_tags=list(rec.required_tags),
-        caller=rec.caller,
-        submitted_ms=rec.submitted_ms,
-        replay_of=rec.replay_of,
-    )
 
 
 class TaskRecovery:
-    """The max-deliveries listener and the sweep for one subject prefix, on ``nc``; its
-    loops live in ``owner``."""
+    """The max-deliveries consumer and the sweep for one subject prefix, on ``nc``; both
+    loops live in ``owner`` (its close ends them; an advisory cut in half is handled again,
+    every step being idempotent)."""
 
     def __init__(
         self,
@@ -112,43 +78,61 @@ class TaskRecovery:
         self.owner = owner
         self.stats = stats if stats is not None else RecoveryStats()
         self.store = TaskStore(nc.jetstream(), subjects, settings)
-        self.agents_bucket = subjects.bucket("agents")
-        self._sub: Subscription | None = None
+        self.sweeper = Sweeper(self.store, settings, subjects, self.stats)
 
-    async def start(self) -> Subscription:
-        """Listen for max-deliveries advisories (queue group: one replica takes each) and
-        start the sweep; the advisory subscription, which the caller flushes and, at a
-        stop, drains (so an advisory being handled is finished, not cut in half)."""
-        subject = f"{_MAX_DELIVERIES}.{self.store.stream}.>"
-        self._sub = await self.nc.subscribe(subject, queue=_QUEUE, cb=self._on_advisory)
+    def start(self) -> None:
+        """Take max-deliveries advisories, and sweep unless ``task_sweep_interval`` is 0."""
+        self.owner.keep(self._taking_advisories, "tasks: max deliveries")
         if self.settings.task_sweep_interval > 0:
-            self.owner.keep(self._sweeping, "tasks: sweep")
-        return self._sub
-
-    async def stop(self) -> None:
-        """Drain the advisory subscription (the owner's close ends the sweep)."""
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            try:
-                await sub.drain()  # type: ignore[no-untyped-call]
-            except TRANSIENT as exc:
-                log.debug("task recovery: drain: %s", exc)
+            self.owner.keep(self.sweeper.sweeping, "tasks: sweep")
 
     # -- max deliveries ------------------------------------------------------------------
 
-    async def _on_advisory(self, msg: Msg) -> None:
+    async def _taking_advisories(self) -> None:
+        store = self.store
+        await store.ensure()
+        config = ConsumerConfig(
+            durable_name=_CONSUMER,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=_ACK_WAIT,
+            max_deliver=-1,
+            description="Agent-Reach registries: tasks that reached max deliveries",
+        )
+        await store.js.add_consumer(store.events_stream, config)
+        psub = await store.js.pull_subscribe_bind(_CONSUMER, store.events_stream)
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(_BATCH, timeout=_FETCH_WAIT)
+                except TimeoutError:
+                    continue
+                for msg in msgs:
+                    await self._take(msg)
+        finally:
+            try:
+                await psub.unsubscribe()
+            except TRANSIENT as exc:
+                log.debug("task recovery: unsubscribe: %s", exc)
+
+    async def _take(self, msg: Msg) -> None:
+        """Handle one captured advisory: ack it when done, nak it (later) when not."""
         try:
             await self.on_max_deliveries(msg.data)
-        except _RETRIED as exc:
+        except Exception as exc:  # counted, logged, handled again after a backoff
             self.stats.errors += 1
-            log.warning("task recovery: a max-deliveries advisory failed: %r", exc)
-        except Exception:
-            self.stats.errors += 1
-            log.exception("task recovery: a bug handling a max-deliveries advisory")
+            if isinstance(exc, RETRIED):
+                log.warning("task recovery: a max-deliveries advisory failed: %r", exc)
+            else:
+                log.exception("task recovery: a bug handling a max-deliveries advisory")
+            delay = retry_delay(msg.metadata.num_delivered, _NAK_BASE, _NAK_CAP)
+            await _reply(msg.nak(delay=delay))
+            return
+        await _reply(msg.ack())
 
     async def on_max_deliveries(self, data: bytes) -> bool:
-        """Handle one advisory; True when this call removed the message (after its dead
-        letter was stored), so replicas racing on one message count it once."""
+        """Handle one advisory; True when this call removed the message (after its record
+        is final and its dead letter stored), so replicas racing on one count it once.
+        Raises what failed, leaving the rest to a later call."""
         try:
             advisory: dict[str, Any] = json.loads(data)
             seq = int(advisory["stream_seq"])
@@ -161,7 +145,7 @@ class TaskRecovery:
         try:
             msg = await store.js.get_msg(store.stream, seq=seq)
         except nats.js.errors.NotFoundError:
-            return False  # acked late, or another replica handled it
+            return False  # acked late, or handled already
         data = bytes(msg.data or b"")
         headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
         task_id = headers.get(TASK_ID, "")
@@ -238,112 +222,14 @@ class TaskRecovery:
             except TRANSIENT as exc:
                 log.debug("task %s: notify: %s", rec.task_id, exc)
 
-    # -- the sweep -----------------------------------------------------------------------
-
-    async def _sweeping(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.task_sweep_interval)
-            await self.sweep()
-
     async def sweep(self) -> int:
-        """One pass over the records; how many tasks it recovered. Records are checked
-        ``_PARALLEL`` at a time (two reads each: the record, and its message)."""
-        self.stats.sweeps += 1
-        metas = [m for m in await record_index(self.store) if not _final(m)]
-        needs_leases = any(m.state in (S.RUNNING, None) for m in metas)
-        live = await self._live_agents() if needs_leases else set()
-        recovered = 0
-        for i in range(0, len(metas), _PARALLEL):
-            batch = metas[i : i + _PARALLEL]
-            recovered += sum(await asyncio.gather(*(self._check(m, live) for m in batch)))
-        self.stats.tasks_recovered += recovered
-        return recovered
-
-    async def _check(self, m: RecordMeta, live: set[str]) -> int:
-        try:
-            return await self._recover(m, live)
-        except _RETRIED as exc:
-            self.stats.errors += 1
-            log.warning("task %s: recovery failed (next sweep tries again): %r", m.task_id, exc)
-            return 0
-
-    async def _live_agents(self) -> set[str]:
-        """Agent ids that hold a lease now."""
-        prefix = f"$KV.{self.agents_bucket}."
-        seen = await scan(
-            self.store.js, f"KV_{self.agents_bucket}", f"{prefix}>", last_per_subject=True
-        )
-        return {
-            s.subject[len(prefix) :]
-            for s in seen
-            if KV_OP not in s.headers and MARKER_REASON not in s.headers
-        }
-
-    async def _recover(self, m: RecordMeta, live: set[str]) -> int:
-        st = await self.store.get(m.task_id)
-        if st is None or st.record.final:
-            return 0
-        done = 0
-        if st.record.state is S.RUNNING and st.record.agent_id not in live:
-            lost = await self._lost(st)
-            if lost is not None:
-                st, done = lost, 1
-        gone = await self._message_gone(st)
-        if gone is None:
-            return done
-        await self._republish(gone)
-        return 1
-
-    async def _lost(self, st: Stored) -> Stored | None:
-        """RUNNING -> RETRYING for a task whose agent is gone; None when it is not (yet)."""
-        rec = st.record
-        quiet_ms = (self.settings.lease_ttl + self.settings.task_ack_wait) * 1000
-        at = now_ms()
-        if at - rec.updated_ms < quiet_ms:
-            return None
-        if await self.store.idem_get(f"run.{rec.task_id}") is not None:
-            return None  # its claim is still renewed: the agent lives, unregistered
-        attempts = end_attempt(list(rec.attempts), rec.attempt, at, "lost", "its agent went away")
-        new = advance(rec, [S.RETRYING], at, "lost", attempts=attempts)
-        try:
-            rev = await self.store.write(new, st.revision)
-        except Conflict:
-            return None  # it changed: not lost after all
-        log.warning("task %s: agent %s is gone; retried", rec.task_id, rec.agent_id)
-        return Stored(new, rev)
-
-    async def _message_gone(self, st: Stored) -> Stored | None:
-        """The record, read again, when its message is gone; None when it is there."""
-        if st.record.seq > 0 and await self.store.message_exists(st.record.seq):
-            return None
-        # Final records are written before their message is acked: read it again, so a
-        # task that ended (or was republished) since our first read is left alone.
-        fresh = await self.store.get(st.record.task_id)
-        if fresh is None or fresh.record.final:
-            return None
-        seq = fresh.record.seq
-        if seq != st.record.seq and seq > 0 and await self.store.message_exists(seq):
-            return None
-        return fresh
-
-    async def _republish(self, st: Stored) -> None:
-        """Publish the task's message again and write its sequence into the record."""
-        rec = st.record
-        seq = await publish_task(self.store, submit_of(rec), msg_id=f"{rec.task_id}.s{rec.attempt}")
-        for _ in range(_TRIES):
-            if rec.final or rec.seq == seq:
-                break
-            new = msgspec.structs.replace(rec, seq=seq, updated_ms=now_ms())
-            try:
-                await self.store.write(new, st.revision)
-                break
-            except Conflict:
-                fresh = await self.store.get(rec.task_id)
-                if fresh is None:
-                    break
-                st, rec = fresh, fresh.record
-        log.warning("task %s: its message was gone; published again as %s", rec.task_id, seq)
+        """One sweep now (without the lock); how many tasks it recovered."""
+        return await self.sweeper.sweep()
 
 
-def _final(m: RecordMeta) -> bool:
-    return m.state is not None and is_final(m.state)
+async def _reply(reply: Any) -> None:
+    """Send an ack or nak; one lost is redelivered after ack_wait anyway."""
+    try:
+        await reply
+    except TRANSIENT as exc:
+        log.debug("task recovery: ack: %s", exc)

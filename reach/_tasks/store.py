@@ -119,6 +119,8 @@ class TaskStore:
         upper = subjects.prefix.replace(".", "_").upper()
         self.stream = f"{upper}_TASKS"
         self.dlq_stream = f"{upper}_DLQ"
+        #: max-deliveries advisories of the task stream, kept until a registry handles them
+        self.events_stream = f"{upper}_TASK_EVENTS"
         self.bucket = subjects.bucket("tasks")
         self.idem_bucket = subjects.bucket("idem")
         self._kv_stream = f"KV_{self.bucket}"
@@ -154,6 +156,18 @@ class TaskStore:
                 num_replicas=replicas,
                 max_age=s.dlq_retention,
                 description="Agent-Reach dead letters: tasks that failed for good",
+            ),
+        )
+        await _add_stream(
+            js,
+            StreamConfig(
+                name=self.events_stream,
+                subjects=[f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.>"],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                num_replicas=replicas,
+                max_age=s.dlq_retention,
+                description="Agent-Reach: tasks that reached max deliveries, for the registries",
             ),
         )
         for bucket, what in (
