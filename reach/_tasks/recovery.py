@@ -47,6 +47,7 @@ from .sweep import RETRIED, RecoveryStats, Sweeper, submit_of
 
 __all__ = ["RecoveryStats", "TaskRecovery", "submit_of"]
 
+_UNUSED_POLL = 1.0  # seconds between looks for task streams while tasks are unused
 log = logging.getLogger("reach.tasks")
 S = TaskState
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
@@ -90,7 +91,7 @@ class TaskRecovery:
 
     async def _taking_advisories(self) -> None:
         store = self.store
-        await store.ensure()
+        await store.wait_in_use(_UNUSED_POLL)
         config = ConsumerConfig(
             durable_name=_CONSUMER,
             ack_policy=AckPolicy.EXPLICIT,

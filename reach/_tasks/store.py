@@ -10,6 +10,7 @@ travel as headers, so a sweep can scan records with a headers-only consumer.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from dataclasses import dataclass
@@ -187,6 +188,24 @@ class TaskStore:
                 create=True,
             )
         self._ready = True
+
+    async def in_use(self) -> bool:
+        """Whether tasks are used under this prefix (an agent or a client made the
+        streams); a registry waits for that rather than making them itself."""
+        if self._ready:
+            return True
+        try:
+            await self.js.stream_info(self.events_stream)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True  # made by whoever used tasks first, with the rest
+
+    async def wait_in_use(self, poll: float) -> None:
+        """Return once tasks are used under this prefix (looking every ``poll`` seconds)."""
+        while True:
+            if await self.in_use():
+                return
+            await asyncio.sleep(poll)
 
     async def ensure_consumer(self, capability: str, priority: Priority) -> str:
         name = consumer_name(capability, priority)

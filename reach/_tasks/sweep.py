@@ -104,7 +104,7 @@ class Sweeper:
     async def sweeping(self) -> None:
         """Sweep at once, then every interval, when this replica holds the lock."""
         interval = self.settings.task_sweep_interval
-        await self.store.ensure()
+        await self.store.wait_in_use(min(interval, 1.0))  # nothing to sweep before
         while True:
             try:
                 if await self._my_turn(interval):

@@ -234,7 +234,10 @@ async def test_recovery_is_off_with_tasks_false_and_sweeps_off_with_interval_zer
         Registry(settings=settings, tasks=False) as off,
         Registry(settings=no_sweeps) as advisories_only,
         Registry(settings=settings) as on,
+        Client(settings=settings) as client,
     ):
+        assert on.stats.sweeps == 0  # no task used under this prefix: nothing to sweep
+        await client.submit("report.nobody", {})  # tasks are used from now on
         await eventually(lambda: on.stats.sweeps >= 3, timeout=30)
         assert off.stats.sweeps == 0
         assert advisories_only.stats.sweeps == 0
