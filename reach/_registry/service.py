@@ -255,7 +255,9 @@ class Registry:
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
             await mirror.stop()
-        self._recovery = None  # its loops end with the owner
+        recovery, self._recovery = self._recovery, None
+        if recovery is not None:
+            recovery.stop()  # its loops end with the owner, even if a cancel is lost
         await self._owner.close()
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None and not nc.is_closed:

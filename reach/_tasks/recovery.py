@@ -24,6 +24,7 @@ first would stay behind for a task that succeeded (and a replay would run it aga
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -55,7 +56,7 @@ _encode = msgspec.json.Encoder().encode
 _CONSUMER = "registries"  # on the events stream: one, shared by every replica
 _ACK_WAIT = 30.0  # fixed, so replicas with other settings never rewrite the consumer
 _BATCH = 16
-_FETCH_WAIT = 5.0
+_FETCH_WAIT = 2.0  # also how long a stop may wait for the loop
 _NAK_BASE, _NAK_CAP = 0.5, 30.0  # seconds before an advisory that failed is handled again
 _TRIES = 8
 
@@ -79,7 +80,8 @@ class TaskRecovery:
         self.owner = owner
         self.stats = stats if stats is not None else RecoveryStats()
         self.store = TaskStore(nc.jetstream(), subjects, settings)
-        self.sweeper = Sweeper(self.store, settings, subjects, self.stats)
+        self.stopping = asyncio.Event()
+        self.sweeper = Sweeper(self.store, settings, subjects, self.stats, self.stopping)
 
     def start(self) -> None:
         """Take max-deliveries advisories, and sweep unless ``task_sweep_interval`` is 0."""
@@ -87,11 +89,18 @@ class TaskRecovery:
         if self.settings.task_sweep_interval > 0:
             self.owner.keep(self.sweeper.sweeping, "tasks: sweep")
 
+    def stop(self) -> None:
+        """Ask the loops to end; call it before closing the owner. A nats-py request may
+        swallow the owner's cancellation (Python 3.11, gh-86296): the loops then end at
+        their next look at this flag instead of running on and holding the close."""
+        self.stopping.set()
+
     # -- max deliveries ------------------------------------------------------------------
 
     async def _taking_advisories(self) -> None:
         store = self.store
-        await store.wait_in_use(_UNUSED_POLL)
+        if not await store.wait_in_use(_UNUSED_POLL, self.stopping):
+            return
         config = ConsumerConfig(
             durable_name=_CONSUMER,
             ack_policy=AckPolicy.EXPLICIT,
@@ -102,7 +111,7 @@ class TaskRecovery:
         await store.js.add_consumer(store.events_stream, config)
         psub = await store.js.pull_subscribe_bind(_CONSUMER, store.events_stream)
         try:
-            while True:
+            while not self.stopping.is_set():
                 try:
                     msgs = await psub.fetch(_BATCH, timeout=_FETCH_WAIT)
                 except TimeoutError:

@@ -11,6 +11,7 @@ travel as headers, so a sweep can scan records with a headers-only consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 from dataclasses import dataclass
@@ -200,12 +201,15 @@ class TaskStore:
             return False
         return True  # made by whoever used tasks first, with the rest
 
-    async def wait_in_use(self, poll: float) -> None:
-        """Return once tasks are used under this prefix (looking every ``poll`` seconds)."""
-        while True:
+    async def wait_in_use(self, poll: float, stopping: asyncio.Event) -> bool:
+        """True once tasks are used under this prefix (looking every ``poll`` seconds);
+        False when ``stopping`` is set first."""
+        while not stopping.is_set():
             if await self.in_use():
-                return
-            await asyncio.sleep(poll)
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), poll)
+        return False
 
     async def ensure_consumer(self, capability: str, priority: Priority) -> str:
         name = consumer_name(capability, priority)

@@ -22,6 +22,7 @@ Every write is a compare-and-set, so sweeps that overlap (a slow one) do no harm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -91,9 +92,16 @@ class Sweeper:
     """The sweep for one store; ``sweeping`` is its loop (run it in a ``TaskOwner``)."""
 
     def __init__(
-        self, store: TaskStore, settings: ReachSettings, subjects: Subjects, stats: RecoveryStats
+        self,
+        store: TaskStore,
+        settings: ReachSettings,
+        subjects: Subjects,
+        stats: RecoveryStats,
+        stopping: asyncio.Event,
     ) -> None:
         self.store = store
+        #: set at a stop: the loop ends even if a nats-py call swallowed its cancellation
+        self.stopping = stopping
         self.settings = settings
         self.subjects = subjects
         self.stats = stats
@@ -104,8 +112,9 @@ class Sweeper:
     async def sweeping(self) -> None:
         """Sweep at once, then every interval, when this replica holds the lock."""
         interval = self.settings.task_sweep_interval
-        await self.store.wait_in_use(min(interval, 1.0))  # nothing to sweep before
-        while True:
+        if not await self.store.wait_in_use(min(interval, 1.0), self.stopping):
+            return  # stopped before any task was used: nothing to sweep
+        while not self.stopping.is_set():
             try:
                 if await self._my_turn(interval):
                     await self.sweep()
@@ -114,7 +123,9 @@ class Sweeper:
             except RETRIED as exc:
                 self.stats.errors += 1
                 log.warning("task recovery: a sweep failed (the next one tries again): %r", exc)
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self.stopping.wait()
 
     async def _my_turn(self, interval: float) -> bool:
         """Take (or keep) the sweep lock for one interval; False when another replica
