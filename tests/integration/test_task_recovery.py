@@ -409,6 +409,8 @@ async def test_a_republished_message_follows_the_record_that_announces_it(settin
 
 async def test_one_registry_of_two_sweeps_per_interval(settings):
     hourly = settings.model_copy(update={"task_sweep_interval": 3600.0})
+    async with Client(settings=settings) as client:
+        await client.submit("report.nobody", {})  # tasks are used under this prefix
     async with Registry(settings=hourly) as r1, Registry(settings=hourly) as r2:
 
         def tried() -> int:
