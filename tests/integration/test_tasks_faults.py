@@ -207,7 +207,9 @@ async def test_a_stopped_agent_is_fenced_when_it_wakes(
             assert got == {"n": 7, "pid": 0, "attempt": n}
             before = await ref.status()
             if handler_returns:
-                (runs / "release").touch()  # the first agent's handler returns once it runs
+                # the first agent's handler returns once it runs again
+                await client.nc.publish(f"{settings.subject_prefix}.test.release", b"")
+                await client.flush()
             os.kill(first.pid, signal.SIGCONT)
             await eventually(lambda: (runs / f"fenced.{first.pid}").exists(), timeout=30)
             after = await ref.status()
