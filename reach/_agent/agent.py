@@ -101,6 +101,9 @@ class Agent(Declarations):
             self.task_stats,
             self.settings.task_concurrency or self.max_concurrency,
         )
+        self._tasks.on_exit = self._handler_exit
+        self._exit: BaseException | None = None  # a handler's SystemExit, for serve_forever
+        self._serving = False
         self._nc: NatsConnection | None = None
         self._life = Lifecycle(self._status_changed)
         self._work = TaskOwner(f"agent {self.agent_id}")
@@ -130,6 +133,7 @@ class Agent(Declarations):
             max_concurrency=self.max_concurrency,
             max_queue=self.max_queue,
             reply_headers=self.reply_headers,
+            on_exit=self._handler_exit,
         )
         self._intake = Intake(self.agent_id, self._workers, self._life, self.stats)
 
@@ -229,7 +233,12 @@ class Agent(Declarations):
                     ControlListeners(self, nc),
                     on_event=self._presence.on_event,
                     topics=[
-                        (t.pattern, topic_handler(self.agent_id, self.subjects, t, self.stats))
+                        (
+                            t.pattern,
+                            topic_handler(
+                                self.agent_id, self.subjects, t, self.stats, self._handler_exit
+                            ),
+                        )
                         for t in self._topics
                     ],
                 )
@@ -279,6 +288,18 @@ class Agent(Declarations):
     async def wait_drain_requested(self) -> None:
         """Return when a ``drain`` command arrived or the agent stopped."""
         await self._drain_requested.wait()
+
+    def _handler_exit(self, exc: BaseException) -> bool:
+        """A handler raised SystemExit or KeyboardInterrupt. Under ``serve_forever`` the
+        agent drains as on SIGTERM (other work in flight finishes) and ``serve_forever``
+        raises it; True then. Otherwise it propagates as Python would: asyncio ends the
+        loop abruptly, under everything still running."""
+        if not self._serving:
+            return False
+        if self._exit is None:
+            self._exit = exc
+        self.request_drain()
+        return True
 
     def _begin_stop(self, *, graceful: bool) -> asyncio.Task[None] | None:
         """Start the one stop task (or return the one already running)."""
@@ -366,6 +387,7 @@ class Agent(Declarations):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_drain)
                 installed.append(sig)
+        self._serving, self._exit = True, None
         try:
             await self.start()
             await self._drain_requested.wait()
@@ -374,6 +396,9 @@ class Agent(Declarations):
             for sig in installed:
                 loop.remove_signal_handler(sig)
             await self.stop()
+            self._serving = False
+        if self._exit is not None:
+            raise self._exit
 
     def run(self) -> None:
         """Blocking entry point for a process that is one agent (uses uvloop when present)."""

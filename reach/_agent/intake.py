@@ -124,7 +124,11 @@ class Intake:
 
 
 def topic_handler(
-    agent_id: str, subjects: Subjects, topic: TopicSpec, stats: AgentStats
+    agent_id: str,
+    subjects: Subjects,
+    topic: TopicSpec,
+    stats: AgentStats,
+    on_exit: Callable[[BaseException], bool],
 ) -> Callable[[Msg], Awaitable[None]]:
     """A broadcast listener: bad messages and failing handlers are logged, never fatal."""
 
@@ -145,8 +149,9 @@ def topic_handler(
                 await topic.spec.fn(payload, subjects.topic_of(msg.subject))
             else:
                 await topic.spec.fn(payload)
-        except (KeyboardInterrupt, SystemExit):
-            raise
+        except (KeyboardInterrupt, SystemExit) as stop:
+            if not on_exit(stop):
+                raise
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task.cancelling():

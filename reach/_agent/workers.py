@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -52,6 +53,7 @@ class Workers:
         max_concurrency: int,
         max_queue: int,
         reply_headers: bool,
+        on_exit: Callable[[BaseException], bool],
     ) -> None:
         self.agent_id = agent_id
         self.stats = stats
@@ -70,6 +72,7 @@ class Workers:
         self.idle.set()
         self._client = client
         self._life = life
+        self._on_exit = on_exit  # True: the agent takes a handler's SystemExit in hand
         self._nc: NatsConnection
         self._owner: TaskOwner | None = None
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
@@ -191,7 +194,7 @@ class Workers:
             else:
                 await self._refused(job, exc)
             return
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit) as stop:
             # The process is going down: answer first, and see it leave, since nothing
             # will after (a buffered reply dies with the process).
             if not job.abandoned:
@@ -200,6 +203,8 @@ class Workers:
                     await self._nc.flush(timeout=1)
                 except TRANSIENT as exc:
                     log.warning("agent %s: last reply not flushed: %s", self.agent_id, exc)
+            if self._on_exit(stop):
+                return
             raise
         except BaseException:
             if job.expired:

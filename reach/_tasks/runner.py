@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,8 @@ class TaskRunner(Leases):
         self._client: Client | None = None
         self._api: JsApi | None = None
         self._dispatcher: asyncio.Task[Any] | None = None
+        #: a handler raised SystemExit: True when the agent stops in order for it
+        self.on_exit: Callable[[BaseException], bool] = lambda exc: False
 
     @property
     def store(self) -> TaskStore | None:
@@ -350,8 +353,7 @@ class TaskRunner(Leases):
         else:
             await ex.settle(d, "failed", exc=value)
 
-    @staticmethod
-    async def _call(decl: TaskDecl, payload: Any, ctx: TaskContext) -> tuple[bool, Any]:
+    async def _call(self, decl: TaskDecl, payload: Any, ctx: TaskContext) -> tuple[bool, Any]:
         """(True, result) or (False, the exception): a handler's failure is the task's
         outcome, not a crash of ours."""
         try:
@@ -360,6 +362,10 @@ class TaskRunner(Leases):
             return True, await decl.spec.fn(payload)
         except Exception as exc:
             return False, exc
+        except (KeyboardInterrupt, SystemExit) as stop:
+            if not self.on_exit(stop):
+                raise
+            return False, RuntimeError("the handler stopped the process")
 
     def _context(self, d: Delivery, timeout: float) -> TaskContext:
         assert self._client is not None

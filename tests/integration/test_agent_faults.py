@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import nats.errors
 import pytest
 
 import reach
@@ -366,41 +365,68 @@ import asyncio, sys
 import reach
 
 settings = reach.ReachSettings(nats_url=sys.argv[1], subject_prefix=sys.argv[2])
-agent = reach.Agent("exiting", settings=settings)
+agent = reach.Agent("exiting", "exiting-1", settings=settings)
 
 @agent.capability("exit.op")
 async def op(req: dict) -> dict:
+    raise SystemExit(3)
+
+@agent.on_topic("exit.news")
+async def news(msg: dict) -> None:
+    raise SystemExit(3)
+
+@agent.task("exit.job")
+async def job(req: dict) -> dict:
     raise SystemExit(3)
 
 asyncio.run(agent.serve_forever())
 """
 
 
-async def test_a_handler_exiting_the_process_answers_first(reach_settings, reach_client, tmp_path):
+@pytest.mark.parametrize("kind", ["capability", "topic", "task"])
+async def test_a_handler_exiting_the_process_answers_first_and_leaves_cleanly(
+    reach_settings, reach_client, tmp_path, kind
+):
+    """``SystemExit`` in a handler: the caller is answered, the agent stops in order (it
+    deregisters, rather than being torn down by asyncio with its connection's tasks
+    cancelled under it) and the process exits with the handler's code."""
     script = tmp_path / "exiting.py"
     script.write_text(EXITING_AGENT)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), reach_settings.nats_url, reach_settings.subject_prefix
-    )
-    try:
-        replies: list[Any] = []
+    async with reach.Registry(settings=reach_settings):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(script),
+            reach_settings.nats_url,
+            reach_settings.subject_prefix,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
 
-        async def answered() -> bool:
-            try:
-                replies.append(
-                    await reach_client.nc.request(
-                        reach_client.subjects.cap("exit.op"), b"{}", timeout=5
-                    )
+            async def registered() -> bool:
+                return any(r.info.agent_id == "exiting-1" for r in await reach_client.agents())
+
+            await reach.testing.eventually(registered, timeout=20)
+            if kind == "capability":
+                reply = await reach_client.nc.request(
+                    reach_client.subjects.cap("exit.op"), b"{}", timeout=5
                 )
-            except nats.errors.NoRespondersError:
-                return False
-            return True
-
-        await reach.testing.eventually(answered, timeout=20)
-        assert replies[0].headers[Header.SERVICE_ERROR_CODE] == "500"
-        async with asyncio.timeout(20):
-            assert await proc.wait() == 3
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+                assert reply.headers[Header.SERVICE_ERROR_CODE] == "500"
+            elif kind == "topic":
+                await reach_client.publish("exit.news", {})
+            else:
+                ref = await reach_client.submit("exit.job", {}, max_attempts=1)
+            async with asyncio.timeout(20):
+                _, err = await proc.communicate()
+            assert proc.returncode == 3
+            # The exit went through the agent's own stop, not out of a crashed task.
+            assert b" failed" not in err
+            assert b"crashed" not in err
+            if kind == "task":
+                record = await ref.wait(timeout=20)
+                assert record.state is reach.TaskState.FAILED
+            # Deregistered on the way out: gone at once, not after the lease runs out.
+            assert not await registered()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
