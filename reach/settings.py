@@ -79,8 +79,30 @@ class ReachSettings(BaseSettings):
     #: seconds between recovery sweeps (one registry replica of several sweeps per interval;
     #: a sweep is a headers-only scan of the task records); 0 turns them off
     task_sweep_interval: float = Field(default=60.0, ge=0)
-    #: replicas of task streams and buckets (3 in a 3-node cluster)
-    task_replicas: int = Field(default=1, ge=1, le=5)
+    #: replicas of task streams and buckets; 0: ``replicas``
+    task_replicas: int = Field(default=0, ge=0, le=5)
+    # -- deployment ------------------------------------------------------------------------
+    #: replicas of every stream and KV bucket Reach creates (3 on a 3-node cluster: R3)
+    replicas: int = Field(default=1, ge=1, le=5)
+    #: credentials for a server with authorization on (nats-server.conf's users); a
+    #: user:password in ``nats_url`` works too. ``nats_creds``: a .creds file (JWT + nkey)
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_token: str = ""
+    nats_creds: str = ""
+    # -- telemetry -------------------------------------------------------------------------
+    #: serve /metrics and /healthz on this port (0: any free port); None: not served
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    #: where /metrics listens; loopback unless exposed on purpose (0.0.0.0 in a container)
+    metrics_host: str = "127.0.0.1"
+    #: "text" or "json" (one JSON object per line, with request, task, trace and agent ids)
+    log_format: str = "text"
+    log_level: str = "INFO"
+    #: spans from the ``reach`` entry points: "none", "console" or "otlp" (the ``otlp``
+    #: extra, and ``otlp_endpoint``); an application configures its own tracer provider
+    trace_exporter: str = "none"
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = Field(default=1.0, ge=0, le=1)
 
     @field_validator("routing")
     @classmethod
@@ -89,6 +111,25 @@ class ReachSettings(BaseSettings):
         if value not in allowed:
             raise ValueError(f"routing must be one of {', '.join(allowed)}")
         return value
+
+    @field_validator("log_format")
+    @classmethod
+    def _log_format(cls, value: str) -> str:
+        if value not in ("text", "json"):
+            raise ValueError("log_format must be text or json")
+        return value
+
+    @field_validator("trace_exporter")
+    @classmethod
+    def _trace_exporter(cls, value: str) -> str:
+        if value not in ("none", "console", "otlp"):
+            raise ValueError("trace_exporter must be none, console or otlp")
+        return value
+
+    @property
+    def stream_replicas(self) -> int:
+        """Replicas of the task streams and buckets."""
+        return self.task_replicas or self.replicas
 
     @field_validator("subject_prefix")
     @classmethod

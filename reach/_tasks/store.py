@@ -135,7 +135,7 @@ class TaskStore:
         """Create the streams and buckets when missing (idempotent; once per store)."""
         if self._ready:
             return
-        js, s, replicas = self.js, self.settings, self.settings.task_replicas
+        js, s, replicas = self.js, self.settings, self.settings.stream_replicas
         await _add_stream(
             js,
             StreamConfig(

@@ -1,0 +1,30 @@
+"""Telemetry: metrics read at scrape, spans only when a tracer provider is configured, and
+logs carrying ids. The public face is ``reach.Telemetry``."""
+
+from .catalogue import CATALOGUE, LAG_BUCKETS, LATENCY_BUCKETS, Spec
+from .cells import Histogram
+from .collector import Emitter, ReachCollector, Source
+from .logs import LOG_IDS, IdsFilter, JsonFormatter, LogIds, configure_logging
+from .server import MetricsServer
+from .setup import configure_tracing
+from .tracing import ATTR, resolve_tracer
+
+__all__ = [
+    "ATTR",
+    "CATALOGUE",
+    "LAG_BUCKETS",
+    "LATENCY_BUCKETS",
+    "LOG_IDS",
+    "Emitter",
+    "Histogram",
+    "IdsFilter",
+    "JsonFormatter",
+    "LogIds",
+    "MetricsServer",
+    "ReachCollector",
+    "Source",
+    "Spec",
+    "configure_logging",
+    "configure_tracing",
+    "resolve_tracer",
+]

@@ -1,0 +1,136 @@
+"""Every metric Reach exports: name, type, help and label names, in one place.
+
+The dashboard, the alert rules and their tests are checked against this table, and the
+collector describes exactly these names, so two collectors on one registry are refused.
+Labels are bounded: capability, policy, outcome, priority, status, agent name or instance
+id, never a request id, task id or payload.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, NamedTuple
+
+__all__ = ["CATALOGUE", "LAG_BUCKETS", "LATENCY_BUCKETS", "Spec"]
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+class Spec(NamedTuple):
+    kind: Kind
+    help: str
+    labels: tuple[str, ...]
+
+
+#: seconds, for request and handler latency (sub-millisecond to a slow LLM call)
+LATENCY_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+#: seconds, for heartbeat lag (send to receipt) and drains
+LAG_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_CAP = ("capability",)
+
+CATALOGUE: Final[dict[str, Spec]] = {
+    # -- clients (counter names without the _total suffix, as prometheus-client wants)
+    "reach_client_requests": Spec(
+        "counter",
+        "Requests by capability, routing policy and outcome.",
+        ("capability", "policy", "outcome"),
+    ),
+    "reach_client_request_duration_seconds": Spec(
+        "histogram", "Request latency as the caller saw it, all attempts included.", _CAP
+    ),
+    "reach_client_requests_in_flight": Spec("gauge", "Requests awaiting an answer.", _CAP),
+    "reach_client_attempts": Spec(
+        "counter",
+        "Request attempts by outcome (one request may make several).",
+        ("capability", "outcome"),
+    ),
+    "reach_client_retries": Spec("counter", "Attempts after the first.", _CAP),
+    "reach_client_failovers": Spec(
+        "counter", "Retries sent to another instance than the attempt before.", _CAP
+    ),
+    "reach_client_hedges": Spec("counter", "Second attempts sent by hedging.", _CAP),
+    "reach_client_retry_budget_exhausted": Spec(
+        "counter", "Retries refused because the retry budget was spent.", _CAP
+    ),
+    "reach_client_breaker_open": Spec(
+        "gauge",
+        "1 while this client's circuit breaker for the instance is open.",
+        ("agent_id",),
+    ),
+    "reach_client_breaker_openings": Spec(
+        "counter", "Times a circuit breaker opened, per instance.", ("agent_id",)
+    ),
+    "reach_client_tasks_submitted": Spec(
+        "counter", "Durable tasks submitted.", ("capability", "priority")
+    ),
+    "reach_client_tasks_finished": Spec(
+        "counter",
+        "Durable tasks this client saw end, by final state.",
+        ("capability", "state"),
+    ),
+    # -- agents
+    "reach_agent_info": Spec(
+        "gauge",
+        "1 per agent instance in the process, with its status.",
+        ("agent", "agent_id", "status"),
+    ),
+    "reach_agent_requests": Spec(
+        "counter",
+        "Requests handled by capability, priority and outcome.",
+        ("agent", "capability", "priority", "outcome"),
+    ),
+    "reach_agent_handler_duration_seconds": Spec(
+        "histogram", "Handler run time of answered requests.", ("agent", "capability")
+    ),
+    "reach_agent_queue_length": Spec(
+        "gauge", "Requests waiting for a worker, by priority.", ("agent", "priority")
+    ),
+    "reach_agent_requests_in_flight": Spec("gauge", "Requests being handled.", ("agent",)),
+    "reach_agent_requests_expired": Spec(
+        "counter", "Requests dropped because their deadline passed before they ran.", ("agent",)
+    ),
+    "reach_agent_requests_rejected": Spec(
+        "counter",
+        "Requests refused at intake (full, paused, draining, bad headers).",
+        ("agent", "reason"),
+    ),
+    "reach_agent_drain_duration_seconds": Spec(
+        "gauge", "How long the last drain took.", ("agent",)
+    ),
+    "reach_agent_task_attempts": Spec(
+        "counter",
+        "Durable task attempts by capability and outcome.",
+        ("agent", "capability", "outcome"),
+    ),
+    "reach_agent_task_redeliveries": Spec(
+        "counter", "Task deliveries that were not the first.", ("agent",)
+    ),
+    "reach_agent_tasks_dead_lettered": Spec(
+        "counter", "Tasks this agent moved to the dead-letter stream.", ("agent",)
+    ),
+    "reach_agent_tasks_running": Spec("gauge", "Durable tasks running now.", ("agent",)),
+    # -- registry
+    "reach_registry_agents": Spec(
+        "gauge", "Agent instances by capability and status.", ("capability", "status")
+    ),
+    "reach_registry_transitions": Spec(
+        "counter", "Agent status transitions, by new status and reason.", ("status", "reason")
+    ),
+    "reach_registry_heartbeats": Spec("counter", "Heartbeats received.", ()),
+    "reach_registry_heartbeats_dropped": Spec(
+        "counter", "Heartbeats dropped, by reason.", ("reason",)
+    ),
+    "reach_registry_heartbeat_lag_seconds": Spec(
+        "histogram", "Time from an agent sending a heartbeat to the registry reading it.", ()
+    ),
+    "reach_registry_probes": Spec("counter", "Liveness probes by outcome.", ("outcome",)),
+    "reach_registry_queries": Spec("counter", "Route and list queries.", ("kind",)),
+    "reach_registry_task_sweeps": Spec("counter", "Task recovery sweeps run.", ()),
+    "reach_registry_tasks_recovered": Spec(
+        "counter", "Tasks the sweeps and advisories put back on course.", ("action",)
+    ),
+    "reach_tasks": Spec("gauge", "Task records by state (as of the last sweep).", ("state",)),
+    "reach_dlq_messages": Spec("gauge", "Messages in the dead-letter stream.", ()),
+}
