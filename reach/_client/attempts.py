@@ -8,24 +8,24 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
 from .._routing import FAILOVER, Policy, Router, TableView, attempt_budget, backoff_delay
 from .._subjects import Subjects, validate_agent_id, validate_capability
 from ..errors import (
-    AgentUnavailable,
     Attempt,
-    CapabilityNotFound,
     CircuitOpen,
     ConfigurationError,
     RemoteError,
-    RequestTimeout,
     ResourceExhausted,
 )
 from ..settings import ReachSettings
 from ..wire import Header, Priority
+from .endings import exhausted, reap
 from .inbox import Call, Inbox, Reply
+from .metrics import ClientMetrics
+from .spans import traced_attempt
 
 __all__ = ["Requester"]
 
@@ -44,8 +44,12 @@ class Requester:
         inbox: Inbox,
         start_table: Callable[[], Awaitable[TableView]],
         routing: Policy,
+        metrics: ClientMetrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.subjects = subjects
+        self.metrics = metrics
+        self.tracer = tracer
         self.name = name
         self.router = router
         self.inbox = inbox
@@ -116,8 +120,12 @@ class Requester:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
         loop = asyncio.get_running_loop()
         now = loop.time()
+        cells = self.metrics.cap(capability) if self.metrics is not None else None
         refused = router.admit(capability, now)
         if refused is not None:
+            if cells is not None:
+                cells.inflight += 1
+                cells.finished(policy.value, refused, 0.0)
             cls = ResourceExhausted if refused == "resource_exhausted" else CircuitOpen
             raise cls(
                 f"{capability!r} refused by this client: "
@@ -134,8 +142,6 @@ class Requester:
             base[Header.CALLER] = self.name
         if request_id:
             base[Header.REQUEST_ID] = request_id
-        if trace.get_current_span().get_span_context().is_valid:
-            propagate.inject(base)
         call = Call(
             capability,
             data,
@@ -147,17 +153,65 @@ class Requester:
             prio,
             policy,
             table,
+            cells,
         )
+        if cells is not None:
+            cells.inflight += 1
+        outcome = "error"
+        try:
+            reply = await self._attempts(call, policy, agent_id, base, limit, deadline, wait, hedge)
+            outcome = "ok"
+            return reply
+        except RemoteError as exc:
+            outcome = exc.outcome
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            if cells is not None:
+                cells.finished(policy.value, outcome, loop.time() - now)
+
+    async def _attempts(
+        self,
+        call: Call,
+        policy: Policy,
+        agent_id: str | None,
+        base: dict[str, str],
+        limit: int,
+        deadline: float,
+        wait: float,
+        hedge: bool,
+    ) -> Reply:
+        """Attempt after attempt, within the deadline and the retry budget."""
+        router = self.router
+        loop = asyncio.get_running_loop()
+        capability, table, prio, affinity_key = (
+            call.capability,
+            call.table,
+            call.priority,
+            call.affinity_key,
+        )
+        cells = call.cells
         attempts: list[Attempt] = []
         tried: list[str] = []
-        router.budget.record_request(now)
+        router.budget.record_request(loop.time())
         last: RemoteError | None = None
+        target: str | None = None
         for n in range(1, limit + 1):
             remaining = deadline - loop.time()
-            if remaining <= 0 or (n > 1 and not router.budget.try_retry(loop.time())):
+            if remaining <= 0:
                 break
+            if n > 1:
+                if not router.budget.try_retry(loop.time()):
+                    if cells is not None:
+                        cells.budget_exhausted += 1
+                    break
+                if cells is not None:
+                    cells.retries += 1
+            previous = target
             if policy is Policy.DIRECT:
-                target: str | None = agent_id
+                target = agent_id
             elif table is None:
                 target = None  # no registry bucket (yet): the queue group decides
             else:
@@ -172,6 +226,8 @@ class Requester:
                     affinity_key,
                     loop.time(),
                 ).agent_id
+            if n > 1 and cells is not None and target != previous:
+                cells.failovers += 1
             headers = base if n == 1 else {**base, Header.ATTEMPT: str(n)}
             budget = attempt_budget(remaining, limit - n + 1)
             started = loop.time()
@@ -230,7 +286,12 @@ class Requester:
             else self.subjects.cap(call.capability)
         )
         try:
-            reply = await self.inbox.send(call, subject, headers, budget, target)
+            if self.tracer is None:
+                reply = await self.inbox.send(call, subject, headers, budget, target)
+            else:
+                reply = await traced_attempt(
+                    self.tracer, self.inbox, call, subject, headers, budget, target
+                )
             outcome = "ok"
             return reply
         except RemoteError as exc:
@@ -244,6 +305,8 @@ class Requester:
             raise
         finally:
             now = loop.time()
+            if call.cells is not None:
+                call.cells.attempted(outcome)
             router.finished(
                 target,
                 call.capability,
@@ -284,6 +347,8 @@ class Requester:
                     other = None  # nobody else to ask: wait for the first
                 if other is not None and other != target:
                     tried.append(other)
+                    if call.cells is not None:
+                        call.cells.hedges += 1
                     second = self.attempt(call, other, headers, budget - delay)
                     tasks.append(loop.create_task(second))
             pending = set(tasks)
@@ -298,52 +363,4 @@ class Requester:
             assert error is not None
             raise error
         finally:
-            await _reap(tasks)
-
-
-async def _reap(tasks: list[asyncio.Task[Reply]]) -> None:
-    """Cancel what still runs and wait until all of it has ended, even if cancelled
-    meanwhile (then re-raise): no attempt outlives its request."""
-    pending = [t for t in tasks if not t.done()]
-    for task in pending:
-        task.cancel()
-    interrupted = False
-    while pending:
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            interrupted = True
-        pending = [t for t in pending if not t.done()]
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved: a loser's error is not "never retrieved"
-    if interrupted:
-        raise asyncio.CancelledError
-
-
-def exhausted(
-    capability: str, attempts: list[Attempt], last: RemoteError | None, wait: float
-) -> RemoteError:
-    """The error for a request whose attempts all failed, saying what was tried."""
-    tried = "; ".join(
-        f"{a.agent_id or 'queue'}: {a.outcome} in {a.duration_ms:.0f} ms" for a in attempts
-    )
-    outcomes = {a.outcome for a in attempts}
-    cls: type[RemoteError]
-    if not attempts:
-        cls, why = RequestTimeout, f"no time left within {wait:g}s"
-    elif outcomes <= {"no_responders", "agent_unavailable"}:
-        cls = CapabilityNotFound if all(not a.agent_id for a in attempts) else AgentUnavailable
-        why = "no agent alive"
-    elif outcomes <= {"resource_exhausted", "circuit_open"}:
-        cls, why = ResourceExhausted, "all busy"
-    else:
-        cls, why = RequestTimeout, f"no answer within {wait:g}s"
-    detail = f"; last: {last.message}" if last is not None else ""
-    return cls(
-        f"{capability!r}: {why} after {len(attempts)} attempt(s) [{tried}]{detail}",
-        capability=capability,
-        agent_id=last.agent_id if last is not None else "",
-        request_id=last.request_id if last is not None else "",
-        attempts=attempts,
-    )
+            await reap(tasks)

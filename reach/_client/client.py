@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -23,11 +23,13 @@ from .._subjects import Subjects, validate_capability
 from .._tasks import Tasks
 from ..errors import NotStarted
 from ..settings import ReachSettings
+from ..telemetry import Telemetry
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
 from .config import ConfigSink, config_bucket
 from .durable import DurableTasks
 from .inbox import Inbox, Reply
+from .metrics import ClientMetrics
 from .table import RoutingTable
 from .topics import TopicSubscription, publish, subscribe
 from .watches import Watches
@@ -61,8 +63,11 @@ class Client(DurableTasks):
         settings: ReachSettings | None = None,
         name: str = "",
         routing: Policy | str | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings if settings is not None else ReachSettings()
+        #: metrics, spans and health of this client (its own unless one is passed in)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.url = url or self.settings.nats_url
         self.name = name
         self.subjects = Subjects(self.settings.subject_prefix)
@@ -82,6 +87,11 @@ class Client(DurableTasks):
         )
         self._inbox = Inbox(self.url, f"{self.subjects.prefix}.agent.")
         self._tasks = Tasks(self.settings, self.subjects, name or "reach-client")
+        self._metrics = ClientMetrics(self._router) if self.telemetry.metrics else None
+        self._tasks.tracer = self.telemetry.tracer
+        if self._metrics is not None:
+            self._tasks.on_final = self._metrics.task_final
+        self._unsource: Callable[[], None] | None = None
         self._requests = Requester(
             self.settings,
             self.subjects,
@@ -90,6 +100,8 @@ class Client(DurableTasks):
             self._inbox,
             self._start_table,
             Policy(routing or self.settings.routing),
+            self._metrics,
+            self.telemetry.tracer,
         )
 
     @property
@@ -126,6 +138,8 @@ class Client(DurableTasks):
 
     async def _open(self, nc: NatsConnection, *, owned: bool) -> None:
         self._nc, self._owns_nc = nc, owned
+        if self._metrics is not None and self._unsource is None:
+            self._unsource = self.telemetry.add_source(self._metrics.collect)
         self._watches.reopen()
         await self._inbox.open(nc)
 
@@ -244,6 +258,9 @@ class Client(DurableTasks):
     async def close(self) -> None:
         """Stop background work and fail pending requests; close the connection if it is
         ours (an adopted one stays open for its owner)."""
+        if self._unsource is not None:
+            self._unsource()
+            self._unsource = None
         await self._watches.close()
         await self._tasks.close()
         self._requests.table = None

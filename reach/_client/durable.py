@@ -14,6 +14,7 @@ from .._tasks.admin import DeadLetter
 from .._tasks.boundary import task_errors
 from ..errors import ConfigurationError, TaskNotFound
 from ..wire import Priority
+from .metrics import ClientMetrics
 
 __all__ = ["DurableTasks"]
 
@@ -24,6 +25,7 @@ class DurableTasks:
     """Mixed into ``Client``."""
 
     _tasks: Tasks
+    _metrics: ClientMetrics | None
 
     @property
     def nc(self) -> NatsConnection:
@@ -65,7 +67,10 @@ class DurableTasks:
             version=version,
         )
         with task_errors(f"submit to {capability}"):
-            return await self._tasks.submit(self.nc, sub)
+            ref = await self._tasks.submit(self.nc, sub)
+        if self._metrics is not None:
+            self._metrics.submitted(sub.capability, sub.priority.value)
+        return ref
 
     async def submit_batch(
         self,
@@ -105,7 +110,11 @@ class DurableTasks:
             for p, key in zip(payloads, keys, strict=True)
         ]
         with task_errors(f"submit to {capability}"):
-            return await self._tasks.submit_batch(self.nc, subs)
+            batch = await self._tasks.submit_batch(self.nc, subs)
+        if self._metrics is not None and subs:
+            for _ in range(batch.progress.total - batch.progress.failed):
+                self._metrics.submitted(subs[0].capability, subs[0].priority.value)
+        return batch
 
     async def task(self, task_id: str) -> TaskRef:
         """A handle on any task by id, submitted by any process; ``TaskNotFound`` for an

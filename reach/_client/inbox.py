@@ -28,6 +28,7 @@ from ..errors import (
     RequestTimeout,
 )
 from ..wire import Header, Priority
+from .metrics import CapCells
 
 __all__ = ["Call", "Inbox", "Reply"]
 
@@ -60,6 +61,7 @@ class Call:
     priority: Priority
     policy: Policy
     table: TableView | None  # None: the queue group
+    cells: CapCells | None = None  # metrics; None when they are off
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:

@@ -88,6 +88,8 @@ class Router:
         self.cap_latency: dict[str, LatencyWindow] = {}
         self.cap_typical: dict[str, float] = {}
         self.instance_breakers: dict[str, CircuitBreaker] = {}
+        #: times each instance's breaker opened (for metrics; dropped when it leaves)
+        self.breaker_openings: dict[str, int] = {}
         self.cap_breakers: dict[str, CircuitBreaker] = {}
         self.affinity: dict[tuple[str, str], str] = {}
         self._sessions: dict[str, set[tuple[str, str]]] = {}  # agent id -> its affinity keys
@@ -267,7 +269,10 @@ class Router:
                 breaker = self.instance_breakers[agent_id] = CircuitBreaker(
                     cooldown=self.breaker_cooldown
                 )
+            was_open = breaker.state is BreakerState.OPEN
             breaker.failure(now)
+            if not was_open and breaker.state is BreakerState.OPEN:
+                self.breaker_openings[agent_id] = self.breaker_openings.get(agent_id, 0) + 1
         elif breaker is not None:  # it answered (bad_request, ...): the instance works
             breaker.success(now)
             if breaker.clean():
@@ -301,6 +306,7 @@ class Router:
             self._departed[agent_id] = self._departed.get(agent_id, 0) + outstanding
         self.ewma.pop(agent_id, None)
         self.instance_breakers.pop(agent_id, None)
+        self.breaker_openings.pop(agent_id, None)
         for key in self._sessions.pop(agent_id, ()):
             if self.affinity.get(key) == agent_id:
                 del self.affinity[key]
@@ -311,6 +317,7 @@ class Router:
             "router.inflight": len(self.inflight),
             "router.ewma": len(self.ewma),
             "router.instance_breakers": len(self.instance_breakers),
+            "router.breaker_openings": len(self.breaker_openings),
             "router.affinity": len(self.affinity),
             "router.sessions": len(self._sessions),
             "router.departed": len(self._departed),

@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.nuid import NUID
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, Tracer
 
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects, validate_capability, validate_topic
+from .._telemetry import ATTR
 from ..errors import ConfigurationError, ConnectionFailed, NotStarted, ReachError
 from ..settings import ReachSettings
 from ..wire import Header, Priority
@@ -69,6 +72,8 @@ async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> i
     }
     if sub.idempotency_key:
         headers[Header.IDEMPOTENCY_KEY] = sub.idempotency_key
+    if sub.traceparent:
+        headers["traceparent"] = sub.traceparent
     subject = store.subjects.task(sub.task_id, sub.capability, sub.priority)
     return await store.publish(subject, _encode(sub), headers)
 
@@ -88,6 +93,9 @@ class Tasks:
         self._closed = False
         self._nuid = NUID()
         self.waiters: dict[str, set[asyncio.Future[TaskRecord]]] = {}
+        #: spans for submits (None: off); and who hears of our tasks' final records
+        self.tracer: Tracer | None = None
+        self.on_final: Callable[[TaskRecord], None] | None = None
 
     async def ready(self, nc: NatsConnection) -> TaskStore:
         """The store on ``nc`` (streams and buckets created when missing), and our notify
@@ -144,6 +152,8 @@ class Tasks:
         except msgspec.DecodeError:
             log.warning("tasks: an undecodable final record on %s", msg.subject)
             return
+        if self.on_final is not None:
+            self.on_final(rec)
         for fut in self.waiters.get(rec.task_id, ()):
             if not fut.done():
                 fut.set_result(rec)
@@ -221,6 +231,30 @@ class Tasks:
         self.check_size(nc, sub)
         store = await self.ready(nc)
         sub = msgspec.structs.replace(sub, notify=self.notify)
+        if self.tracer is not None:
+            return await self._traced_submit(store, sub, self.tracer)
+        return await self._submit(store, sub)
+
+    async def _traced_submit(self, store: TaskStore, sub: TaskSubmit, tracer: Tracer) -> TaskRef:
+        """A PRODUCER span around the submit; its context travels in the task."""
+        with tracer.start_as_current_span(
+            f"send {sub.capability}",
+            kind=SpanKind.PRODUCER,
+            attributes={
+                ATTR.SYSTEM: "nats",
+                ATTR.DESTINATION: store.subjects.task("*", sub.capability, sub.priority),
+                ATTR.OPERATION: "send",
+                ATTR.CAPABILITY: sub.capability,
+                ATTR.PRIORITY: sub.priority.value,
+                ATTR.TASK_ID: sub.task_id,
+            },
+        ):
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            sub = msgspec.structs.replace(sub, traceparent=carrier.get("traceparent", ""))
+            return await self._submit(store, sub)
+
+    async def _submit(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:
         try:
             return await self.claim_and_publish(store, sub)
         except ReachError:

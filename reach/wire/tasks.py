@@ -63,6 +63,8 @@ class TaskSubmit(_TaskWire, tag="reach.task.submit", frozen=True, kw_only=True):
     submitted_ms: int = 0
     #: set on a replay from the dead-letter stream: the task it replays
     replay_of: str = ""
+    #: W3C trace context of the submit, so each attempt's span joins the submitter's trace
+    traceparent: str = ""
 
 
 class TaskAttempt(_TaskWire, tag="reach.task.attempt", frozen=True, kw_only=True):

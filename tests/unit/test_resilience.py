@@ -432,8 +432,9 @@ def test_ten_thousand_instances_leave_no_trace_in_the_router():
     for n, agent_id in enumerate(ids):
         router.started(agent_id)
         router.finished(agent_id, "work.do", "ok", 1.0, 0.0, affinity_key=f"s-{n}")
-        router.started(agent_id)
-        router.finished(agent_id, "work.do", "timeout", 1.0, 0.0)
+        for _ in range(5):  # enough in a row to open its breaker
+            router.started(agent_id)
+            router.finished(agent_id, "work.do", "timeout", 1.0, 0.0)
         router.started(agent_id)  # still in flight when it leaves
     grown = router.footprint()
     for agent_id in ids:
@@ -446,6 +447,7 @@ def test_ten_thousand_instances_leave_no_trace_in_the_router():
         "router.inflight": 10_000,
         "router.ewma": 10_000,
         "router.instance_breakers": 10_000,
+        "router.breaker_openings": 10_000,
         "router.affinity": 10_000,
         "router.sessions": 10_000,
         "router.departed": 0,

@@ -1,0 +1,100 @@
+"""A client's metrics: plain numbers on per-capability cells, turned into Prometheus
+families only when scraped. The request path finds its cell once per request (one dict
+lookup) and adds to it; breaker states are read from the router at scrape time."""
+
+from __future__ import annotations
+
+from .._routing import Router
+from .._routing.resilience import BreakerState
+from .._tasks import TaskRecord
+from .._telemetry import LATENCY_BUCKETS, Emitter, Histogram
+
+__all__ = ["CapCells", "ClientMetrics"]
+
+_MAX_CAPS = 1000  # capability names are validated; past this many, one "_other" cell
+
+
+class CapCells:
+    """Everything a client counts about one capability."""
+
+    __slots__ = (
+        "attempts",
+        "budget_exhausted",
+        "failovers",
+        "hedges",
+        "inflight",
+        "latency",
+        "outcomes",
+        "retries",
+    )
+
+    def __init__(self) -> None:
+        self.outcomes: dict[tuple[str, str], int] = {}  # (policy, outcome) -> requests
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.inflight = 0
+        self.attempts: dict[str, int] = {}  # outcome -> attempts
+        self.retries = 0
+        self.failovers = 0
+        self.hedges = 0
+        self.budget_exhausted = 0
+
+    def finished(self, policy: str, outcome: str, seconds: float) -> None:
+        self.inflight -= 1
+        self.latency.observe(seconds)
+        key = (policy, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def attempted(self, outcome: str) -> None:
+        self.attempts[outcome] = self.attempts.get(outcome, 0) + 1
+
+
+class ClientMetrics:
+    """The cells of one client, and its scrape-time source."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.caps: dict[str, CapCells] = {}
+        self.tasks_submitted: dict[tuple[str, str], int] = {}
+        self.tasks_finished: dict[tuple[str, str], int] = {}
+
+    def cap(self, capability: str) -> CapCells:
+        cells = self.caps.get(capability)
+        if cells is None:
+            if len(self.caps) >= _MAX_CAPS:
+                capability = "_other"
+                cells = self.caps.get(capability)
+            if cells is None:
+                cells = self.caps[capability] = CapCells()
+        return cells
+
+    def submitted(self, capability: str, priority: str) -> None:
+        key = (capability, priority)
+        self.tasks_submitted[key] = self.tasks_submitted.get(key, 0) + 1
+
+    def task_final(self, rec: TaskRecord) -> None:
+        """The final record of a task this client submitted reached it."""
+        key = (rec.capability, rec.state.value)
+        self.tasks_finished[key] = self.tasks_finished.get(key, 0) + 1
+
+    def collect(self, out: Emitter) -> None:
+        for cap, c in list(self.caps.items()):
+            for (policy, outcome), n in c.outcomes.items():
+                out.counter("reach_client_requests", (cap, policy, outcome), n)
+            out.histogram("reach_client_request_duration_seconds", (cap,), c.latency)
+            out.gauge("reach_client_requests_in_flight", (cap,), c.inflight)
+            for outcome, n in c.attempts.items():
+                out.counter("reach_client_attempts", (cap, outcome), n)
+            out.counter("reach_client_retries", (cap,), c.retries)
+            out.counter("reach_client_failovers", (cap,), c.failovers)
+            out.counter("reach_client_hedges", (cap,), c.hedges)
+            out.counter("reach_client_retry_budget_exhausted", (cap,), c.budget_exhausted)
+        for agent_id, breaker in list(self.router.instance_breakers.items()):
+            out.gauge(
+                "reach_client_breaker_open", (agent_id,), breaker.state is BreakerState.OPEN
+            )
+        for agent_id, n in list(self.router.breaker_openings.items()):
+            out.counter("reach_client_breaker_openings", (agent_id,), n)
+        for (cap, prio), n in self.tasks_submitted.items():
+            out.counter("reach_client_tasks_submitted", (cap, prio), n)
+        for (cap, state), n in self.tasks_finished.items():
+            out.counter("reach_client_tasks_finished", (cap, state), n)

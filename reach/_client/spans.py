@@ -1,0 +1,53 @@
+"""The client's spans: one CLIENT span per request attempt, its context sent on in the
+``traceparent`` header. Only reached when a tracer provider is configured."""
+
+from __future__ import annotations
+
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from .._telemetry import ATTR
+from ..errors import RemoteError
+from ..wire import Header
+from .inbox import Call, Inbox, Reply
+
+__all__ = ["traced_attempt"]
+
+
+async def traced_attempt(
+    tracer: Tracer,
+    inbox: Inbox,
+    call: Call,
+    subject: str,
+    headers: dict[str, str],
+    budget: float,
+    target: str | None,
+) -> Reply:
+    with tracer.start_as_current_span(
+        f"send {call.capability}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            ATTR.SYSTEM: "nats",
+            ATTR.DESTINATION: subject,
+            ATTR.OPERATION: "send",
+            ATTR.CAPABILITY: call.capability,
+            ATTR.POLICY: call.policy.value,
+            ATTR.ATTEMPT: int(headers.get(Header.ATTEMPT, "1")),
+            ATTR.AGENT_ID: target or "",
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        carrier = dict(headers)  # the shared headers stay free of this attempt's span
+        propagate.inject(carrier)
+        try:
+            reply = await inbox.send(call, subject, carrier, budget, target)
+        except RemoteError as exc:
+            span.set_attribute(ATTR.OUTCOME, exc.outcome)
+            if exc.agent_id:
+                span.set_attribute(ATTR.AGENT_ID, exc.agent_id)
+            span.set_status(Status(StatusCode.ERROR, exc.code))
+            raise
+        span.set_attribute(ATTR.OUTCOME, "ok")
+        span.set_attribute(ATTR.AGENT_ID, reply.agent_id)
+        return reply
