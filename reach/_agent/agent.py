@@ -11,9 +11,8 @@ in-flight work, deregister, STOPPED.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -23,19 +22,22 @@ from .._client import Client
 from .._codec import now_ms
 from .._nats import TRANSIENT, NatsConnection, connect_nats, flush_nats
 from .._owner import TaskOwner
-from .._runtime import run_async
 from .._subjects import validate_agent_id
 from .._tasks import TaskRunner, TaskStats
+from .._telemetry import MetricsServer
 from ..errors import ConfigurationError
 from ..settings import ReachSettings
+from ..telemetry import Telemetry
 from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Status
 from . import srv
 from .control import ControlListeners
 from .declare import Declarations
+from .exposure import Exposure
 from .intake import Intake, topic_handler
 from .lifecycle import Lifecycle, State
 from .model import AgentStats, Served, TopicSpec
 from .presence import Presence
+from .process import Serving
 from .subscriptions import Subscriptions
 from .workers import Workers
 
@@ -44,7 +46,7 @@ __all__ = ["Agent"]
 log = logging.getLogger("reach.agent")
 
 
-class Agent(Declarations):
+class Agent(Declarations, Exposure, Serving):
     """One running instance of a named agent that serves capabilities.
 
     Capabilities are served on ``reach.cap.<cap>`` (queue group ``cap.<cap>``: one instance
@@ -66,8 +68,18 @@ class Agent(Declarations):
         settings: ReachSettings | None = None,
         url: str | None = None,
         reply_headers: bool = False,
+        telemetry: Telemetry | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.settings = settings if settings is not None else ReachSettings()
+        #: metrics, spans and health (shared with the agent's client); its own unless passed
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        #: serve /metrics and /healthz on this port while running (0: any free port)
+        self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
+        self._metrics_server: MetricsServer | None = None
+        self._unexpose: list[Callable[[], None]] = []
+        self._drain_started: float | None = None
+        self.last_drain_seconds: float | None = None
         try:
             validate_agent_id(name)
             self.agent_id = validate_agent_id(agent_id or f"{name}-{NUID().next().decode()}")
@@ -89,7 +101,9 @@ class Agent(Declarations):
         self.reply_headers = reply_headers
         self.stats = AgentStats()
         self._url = url or self.settings.nats_url
-        self._client = Client(self._url, settings=self.settings, name=self.agent_id)
+        self._client = Client(
+            self._url, settings=self.settings, name=self.agent_id, telemetry=self.telemetry
+        )
         self.subjects = self._client.subjects
         self._caps: dict[str, Served] = {}
         self._topics: list[TopicSpec] = []
@@ -221,6 +235,7 @@ class Agent(Declarations):
                 )
                 self._nc = nc
                 await self._client._adopt(nc)
+                await self._expose(self)
                 self._started_ms = now_ms()
                 self._work.reopen()
                 self._workers.start(nc, self._work)
@@ -289,18 +304,6 @@ class Agent(Declarations):
         """Return when a ``drain`` command arrived or the agent stopped."""
         await self._drain_requested.wait()
 
-    def _handler_exit(self, exc: BaseException) -> bool:
-        """A handler raised SystemExit or KeyboardInterrupt. Under ``serve_forever`` the
-        agent drains as on SIGTERM (other work in flight finishes) and ``serve_forever``
-        raises it; True then. Otherwise it propagates as Python would: asyncio ends the
-        loop abruptly, under everything still running."""
-        if not self._serving:
-            return False
-        if self._exit is None:
-            self._exit = exc
-        self.request_drain()
-        return True
-
     def _begin_stop(self, *, graceful: bool) -> asyncio.Task[None] | None:
         """Start the one stop task (or return the one already running)."""
         if self._stopping is None:
@@ -325,6 +328,7 @@ class Agent(Declarations):
                     await self._presence.send_heartbeat()  # routing stops before we do
                     await self._subs.leave_queues(self._nc)
             if graceful:
+                self._drain_began()
                 idle, tasks_done = await asyncio.gather(
                     self._workers.wait_idle(self.drain_timeout),
                     self._tasks.drain(self.drain_timeout),
@@ -335,6 +339,7 @@ class Agent(Declarations):
                         self.agent_id,
                         self.drain_timeout,
                     )
+                self._drain_ended()
                 # Routing stops before we do: deregister once the registry shows PAUSED.
                 await self._presence.seen_as(Status.PAUSED, self.settings.probe_timeout)
         finally:
@@ -353,6 +358,7 @@ class Agent(Declarations):
             self._presence.attach(None)
             await self._client.close()
         finally:
+            await self._hide()
             # Whatever failed above, the agent is stopped, not stuck in DRAINING.
             nc, self._nc = self._nc, None
             if nc is not None and nc.is_connected:
@@ -377,31 +383,3 @@ class Agent(Declarations):
         task = self._begin_stop(graceful=et is None)
         if task is not None:
             await asyncio.shield(task)
-
-    async def serve_forever(self) -> None:
-        """Start, serve until SIGTERM/SIGINT, ``$ctl drain`` or cancellation, then drain and
-        stop."""
-        loop = asyncio.get_running_loop()
-        installed: list[signal.Signals] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.request_drain)
-                installed.append(sig)
-        self._serving, self._exit = True, None
-        try:
-            await self.start()
-            await self._drain_requested.wait()
-            log.info("agent %s: draining", self.agent_id)
-        finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
-            await self.stop()
-            self._serving = False
-        if self._exit is not None:
-            raise self._exit
-
-    def run(self) -> None:
-        """Blocking entry point for a process that is one agent (uses uvloop when present)."""
-        if not logging.getLogger().handlers:
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        run_async(self.serve_forever())

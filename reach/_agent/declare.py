@@ -10,7 +10,7 @@ from ..errors import ConfigurationError
 from ..wire import CapabilityInfo
 from .handlers import Handler, inspect_handler
 from .lifecycle import Lifecycle
-from .model import Served, TopicSpec
+from .model import AgentCells, Served, TopicSpec
 
 __all__ = ["Declarations"]
 
@@ -22,6 +22,7 @@ class Declarations:
     _topics: list[TopicSpec]
     _life: Lifecycle
     _tasks: TaskRunner
+    _cells_for_new_capability: Callable[[], AgentCells | None]
 
     def _check_open(self, name: str, what: str) -> None:
         validate_capability(name)
@@ -40,7 +41,7 @@ class Declarations:
             self._check_open(name, "capabilities")
             spec = inspect_handler(fn, f"capability {name!r}")
             info = CapabilityInfo(name=name, version=version, description=description)
-            self._caps[name] = Served(info, spec)
+            self._caps[name] = Served(info, spec, cells=self._cells_for_new_capability())
             return fn
 
         return register

@@ -8,13 +8,32 @@ from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 
+from .._telemetry import LATENCY_BUCKETS, Histogram
 from ..wire import CapabilityInfo, Header, Priority
 from .handlers import Context, HandlerSpec
 
 if TYPE_CHECKING:
     from .._client import Client
 
-__all__ = ["AgentStats", "Job", "Served", "TopicSpec"]
+__all__ = ["AgentCells", "AgentStats", "Job", "Served", "TopicSpec"]
+
+_PRIORITIES = tuple(Priority)
+
+
+class AgentCells:
+    """Answers of one capability: successes by priority, errors by (priority, code), and
+    the handler time of successes."""
+
+    __slots__ = ("errors", "latency", "ok")
+
+    def __init__(self) -> None:
+        self.ok: dict[Priority, int] = dict.fromkeys(_PRIORITIES, 0)
+        self.errors: dict[tuple[Priority, str], int] = {}
+        self.latency = Histogram(LATENCY_BUCKETS)
+
+    def error(self, priority: Priority, code: str) -> None:
+        key = (priority, code)
+        self.errors[key] = self.errors.get(key, 0) + 1
 
 
 @dataclass(slots=True)
@@ -29,6 +48,7 @@ class Served:
     errors: int = 0
     processing_ns: int = 0
     last_error: str = ""
+    cells: AgentCells | None = None  # metrics; None when they are off
 
     def failed(self, reason: str) -> None:
         self.errors += 1

@@ -27,6 +27,10 @@ class PriorityQueue(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
+    def lengths(self) -> dict[Priority, int]:
+        """Items waiting per priority (for metrics)."""
+        return {p: len(q) for p, q in self._levels.items()}
+
     def push(self, priority: Priority, item: T, *, front: bool = False) -> bool:
         """Queue ``item``; False (and nothing queued) when the queue is full."""
         if self._size >= self.maxlen and not front:
@@ -63,6 +67,9 @@ class WorkQueue(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def lengths(self) -> dict[Priority, int]:
+        return self._queue.lengths()
 
     @property
     def idle(self) -> int:

@@ -17,14 +17,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, error_reply, now_ms, wire_error
 from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
+from .._telemetry import LOG_AGENT, LOG_WORK
 from ..errors import RemoteError
 from ..wire import Header
 from .lifecycle import Lifecycle, Reason, TimeoutWatch
 from .model import AgentStats, Job
+from .observe import traced_handler
 from .scheduler import WorkQueue
 
 if TYPE_CHECKING:
@@ -73,6 +76,7 @@ class Workers:
         self._client = client
         self._life = life
         self._on_exit = on_exit  # True: the agent takes a handler's SystemExit in hand
+        self.tracer: Tracer | None = None  # spans around handler runs; None: off
         self._nc: NatsConnection
         self._owner: TaskOwner | None = None
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
@@ -122,9 +126,11 @@ class Workers:
         task = asyncio.current_task()
         assert task is not None
         queue, stats = self.queue, self.stats
+        LOG_AGENT.set(self.agent_id)  # this worker's context, for the logs of its handlers
         while True:
             job = await queue.get()
             stats.inflight += 1
+            work = LOG_WORK.set(job)
             try:
                 await self._run(job, task)
             except asyncio.CancelledError:
@@ -137,6 +143,7 @@ class Workers:
             except Exception:
                 await self._internal_error(job)
             finally:
+                LOG_WORK.reset(work)
                 if not job.abandoned:
                     stats.inflight -= 1
                     self._done()
@@ -174,7 +181,10 @@ class Workers:
             if not self._armed.is_set():
                 self._armed.set()
         try:
-            result = await cap.spec.fn(*args)
+            if self.tracer is None:
+                result = await cap.spec.fn(*args)
+            else:
+                result = await traced_handler(self.tracer, self.agent_id, job, cap.spec.fn, args)
             body = encode_payload(result)
         except asyncio.CancelledError:
             if job.expired:
@@ -236,6 +246,10 @@ class Workers:
                 return
             log.warning("agent %s: reply to %s lost: %s", self.agent_id, job.request_id, exc)
         cap.processing_ns += elapsed
+        cells = cap.cells
+        if cells is not None:
+            cells.latency.observe(elapsed / 1e9)
+            cells.ok[job.priority] += 1
         s = self.stats
         s.served += 1
         s.latency_ewma_ms = (
@@ -303,6 +317,8 @@ class Workers:
         self, job: Job, code: str, message: str, *, status: int = 500, retryable: bool = False
     ) -> None:
         job.answered = True
+        if job.cap.cells is not None:
+            job.cap.cells.error(job.priority, code)
         await self.reply_error(job.msg, code, message, status=status, retryable=retryable)
 
     async def reply_error(

@@ -138,6 +138,7 @@ class Client(DurableTasks):
 
     async def _open(self, nc: NatsConnection, *, owned: bool) -> None:
         self._nc, self._owns_nc = nc, owned
+        self._requests.tracer = self._tasks.tracer = self.telemetry.tracer
         if self._metrics is not None and self._unsource is None:
             self._unsource = self.telemetry.add_source(self._metrics.collect)
         self._watches.reopen()

@@ -89,9 +89,7 @@ class ClientMetrics:
             out.counter("reach_client_hedges", (cap,), c.hedges)
             out.counter("reach_client_retry_budget_exhausted", (cap,), c.budget_exhausted)
         for agent_id, breaker in list(self.router.instance_breakers.items()):
-            out.gauge(
-                "reach_client_breaker_open", (agent_id,), breaker.state is BreakerState.OPEN
-            )
+            out.gauge("reach_client_breaker_open", (agent_id,), breaker.state is BreakerState.OPEN)
         for agent_id, n in list(self.router.breaker_openings.items()):
             out.counter("reach_client_breaker_openings", (agent_id,), n)
         for (cap, prio), n in self.tasks_submitted.items():

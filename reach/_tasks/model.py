@@ -39,6 +39,8 @@ class TaskStats:
     callbacks_delivered: int = 0
     callbacks_failed: int = 0
     running: int = 0
+    #: deliveries JetStream had made before (a lost agent, a nak, a timeout)
+    redelivered: int = 0
 
 
 @dataclass(slots=True)

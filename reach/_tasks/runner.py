@@ -22,17 +22,19 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import Tracer
 
-from .._codec import now_ms
-from .._handlers import HandlerSpec, TaskContext
+from .._handlers import HandlerSpec
 from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
 from .._subjects import Subjects
+from .._telemetry import LOG_AGENT, LOG_WORK
 from ..errors import BadRequest
 from ..settings import ReachSettings
 from ..wire import CapabilityInfo, Priority
 from ..wire.tasks import TaskSubmit
 from .execute import Executor
+from .handling import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
 from .leases import Leases
 from .model import Delivery, TaskStats
@@ -100,6 +102,9 @@ class TaskRunner(Leases):
         self._dispatcher: asyncio.Task[Any] | None = None
         #: a handler raised SystemExit: True when the agent stops in order for it
         self.on_exit: Callable[[BaseException], bool] = lambda exc: False
+        self.tracer: Tracer | None = None  # a CONSUMER span per attempt; None: off
+        #: attempts by (capability, outcome), for metrics
+        self.outcomes: dict[tuple[str, str], int] = {}
 
     @property
     def store(self) -> TaskStore | None:
@@ -295,6 +300,18 @@ class TaskRunner(Leases):
     # -- running -----------------------------------------------------------------------
 
     async def _run(self, d: Delivery, decl: TaskDecl) -> None:
+        """One delivery, in a task of its own (its log records name the task)."""
+        LOG_AGENT.set(self.agent_id)
+        LOG_WORK.set(d)
+        if redelivered(d):
+            self.stats.redelivered += 1
+        if self.tracer is None:
+            await self._attempt(d, decl)
+        else:
+            with task_span(self.tracer, self.agent_id, d):
+                await self._attempt(d, decl)
+
+    async def _attempt(self, d: Delivery, decl: TaskDecl) -> None:
         ex = self._exec
         assert ex is not None
         assert self._owner is not None
@@ -308,7 +325,9 @@ class TaskRunner(Leases):
             except (msgspec.DecodeError, ValueError, TypeError) as exc:
                 await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
                 return
-            call = self._call(decl, payload, self._context(d, timeout))
+            assert self._client is not None
+            ctx = task_context(self.agent_id, self._client, ex, d, timeout)
+            call = call_handler(decl, payload, ctx, self.on_exit)
             inner = self._owner.spawn(call, f"task {d.task_id} handler")
             d.runner = inner
             self.stats.started += 1
@@ -339,6 +358,10 @@ class TaskRunner(Leases):
         self, ex: Executor, d: Delivery, inner: asyncio.Task[Any], done: bool
     ) -> None:
         reason = d.stop_reason
+        ok = done and not inner.cancelled() and inner.result()[0]
+        outcome = reason or ("succeeded" if ok else "failed")
+        key = (d.sub.capability, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if reason == "fenced":
             await ex.fenced(d)  # a newer attempt owns the task: write nothing
             return
@@ -352,42 +375,6 @@ class TaskRunner(Leases):
             await ex.settle(d, "succeeded", value=value)
         else:
             await ex.settle(d, "failed", exc=value)
-
-    async def _call(self, decl: TaskDecl, payload: Any, ctx: TaskContext) -> tuple[bool, Any]:
-        """(True, result) or (False, the exception): a handler's failure is the task's
-        outcome, not a crash of ours."""
-        try:
-            if decl.spec.wants_context:
-                return True, await decl.spec.fn(payload, ctx)
-            return True, await decl.spec.fn(payload)
-        except Exception as exc:
-            return False, exc
-        except (KeyboardInterrupt, SystemExit) as stop:
-            if not self.on_exit(stop):
-                raise
-            return False, RuntimeError("the handler stopped the process")
-
-    def _context(self, d: Delivery, timeout: float) -> TaskContext:
-        assert self._client is not None
-        assert self._exec is not None
-        ex = self._exec
-
-        async def report(fraction: float, note: str) -> None:
-            await ex.progress(d, fraction, note)
-
-        return TaskContext(
-            agent_id=self.agent_id,
-            client=self._client,
-            capability=d.sub.capability,
-            request_id=d.task_id,
-            priority=d.sub.priority,
-            deadline_ms=now_ms() + int(timeout * 1000),
-            caller=d.sub.caller,
-            attempt=d.n,
-            headers=dict(d.msg.headers or {}),
-            task_id=d.task_id,
-            report=report,
-        )
 
 
 async def _nak(msg: Msg, delay: float | None = None) -> None:

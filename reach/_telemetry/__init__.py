@@ -4,7 +4,7 @@ logs carrying ids. The public face is ``reach.Telemetry``."""
 from .catalogue import CATALOGUE, LAG_BUCKETS, LATENCY_BUCKETS, Spec
 from .cells import Histogram
 from .collector import Emitter, ReachCollector, Source
-from .logs import LOG_IDS, IdsFilter, JsonFormatter, LogIds, configure_logging
+from .logs import LOG_AGENT, LOG_WORK, IdsFilter, JsonFormatter, configure_logging
 from .server import MetricsServer
 from .setup import configure_tracing
 from .tracing import ATTR, resolve_tracer
@@ -14,12 +14,12 @@ __all__ = [
     "CATALOGUE",
     "LAG_BUCKETS",
     "LATENCY_BUCKETS",
-    "LOG_IDS",
+    "LOG_AGENT",
+    "LOG_WORK",
     "Emitter",
     "Histogram",
     "IdsFilter",
     "JsonFormatter",
-    "LogIds",
     "MetricsServer",
     "ReachCollector",
     "Source",

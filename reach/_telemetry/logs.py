@@ -11,21 +11,18 @@ import logging
 import sys
 import time
 from contextvars import ContextVar
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 from opentelemetry import trace
 
-__all__ = ["LOG_IDS", "IdsFilter", "JsonFormatter", "LogIds", "configure_logging"]
+__all__ = ["LOG_AGENT", "LOG_WORK", "IdsFilter", "JsonFormatter", "configure_logging"]
 
-
-class LogIds(NamedTuple):
-    agent_id: str
-    request_id: str
-    task_id: str
-
-
-LOG_IDS: ContextVar[LogIds | None] = ContextVar("reach_log_ids", default=None)
+#: the agent whose task this is (set once per worker and task runner task)
+LOG_AGENT: ContextVar[str] = ContextVar("reach_log_agent", default="")
+#: what is being worked on: an object with ``request_id`` and/or ``task_id`` (a request's
+#: job, a task's delivery), set around each run; read only when a record is written
+LOG_WORK: ContextVar[Any] = ContextVar("reach_log_work", default=None)
 
 _FIELDS = ("agent_id", "request_id", "task_id", "trace_id", "span_id")
 
@@ -35,11 +32,13 @@ class IdsFilter(logging.Filter):
     unknown), for the JSON formatter and for text formats that name them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        ids = LOG_IDS.get()
-        if getattr(record, "agent_id", None) is None:
-            record.agent_id = ids.agent_id if ids else ""
-        record.request_id = getattr(record, "request_id", None) or (ids.request_id if ids else "")
-        record.task_id = getattr(record, "task_id", None) or (ids.task_id if ids else "")
+        work = LOG_WORK.get()
+        if not getattr(record, "agent_id", None):
+            record.agent_id = LOG_AGENT.get()
+        if not getattr(record, "request_id", None):
+            record.request_id = getattr(work, "request_id", "") or ""
+        if not getattr(record, "task_id", None):
+            record.task_id = getattr(work, "task_id", "") or ""
         ctx = trace.get_current_span().get_span_context()
         record.trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else ""
         record.span_id = format(ctx.span_id, "016x") if ctx.is_valid else ""

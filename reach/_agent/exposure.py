@@ -1,0 +1,95 @@
+"""The agent's side of telemetry: its metrics source, its health check and its own
+``/metrics`` and ``/healthz`` port (``Agent(metrics_port=...)`` or ``REACH_METRICS_PORT``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .._telemetry import MetricsServer
+from ..wire import Priority
+from .model import AgentCells, Served
+from .observe import agent_source
+
+if TYPE_CHECKING:
+    from .._nats import NatsConnection
+    from .._tasks import TaskRunner
+    from ..settings import ReachSettings
+    from ..telemetry import Telemetry
+    from .agent import Agent
+    from .workers import Workers
+
+__all__ = ["Exposure"]
+
+
+class Exposure:
+    """Mixed into ``Agent``."""
+
+    agent_id: str
+    settings: ReachSettings
+    telemetry: Telemetry
+    metrics_port: int | None
+    _caps: dict[str, Served]
+    _workers: Workers
+    _tasks: TaskRunner
+    _nc: NatsConnection | None
+    _metrics_server: MetricsServer | None
+    _unexpose: list[Callable[[], None]]
+    _drain_started: float | None
+    #: how long the last drain took (seconds); None before the first
+    last_drain_seconds: float | None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``/metrics`` and ``/healthz`` are served while the agent runs, if asked."""
+        server = self._metrics_server
+        return server.url if server is not None else None
+
+    def cells(self) -> dict[str, AgentCells]:
+        """Per capability, what the workers counted (empty when metrics are off)."""
+        return {name: c.cells for name, c in self._caps.items() if c.cells is not None}
+
+    def queue_lengths(self) -> dict[Priority, int]:
+        return self._workers.queue.lengths()
+
+    def task_outcomes(self) -> dict[tuple[str, str], int]:
+        """Task attempts by (capability, outcome)."""
+        return dict(self._tasks.outcomes)
+
+    def _cells_for_new_capability(self) -> AgentCells | None:
+        return AgentCells() if self.telemetry.metrics else None
+
+    async def _expose(self, agent: Agent) -> None:
+        """At start: spans on, the source and health check added, the port served."""
+        self._workers.tracer = self._tasks.tracer = self.telemetry.tracer
+        if not self._unexpose:
+            self._unexpose.append(self.telemetry.add_source(agent_source(agent)))
+            self._unexpose.append(
+                self.telemetry.add_health(f"agent {self.agent_id}", self._healthy)
+            )
+        if self.metrics_port is not None and self._metrics_server is None:
+            self._metrics_server = await self.telemetry.serve(
+                self.metrics_port, self.settings.metrics_host
+            )
+
+    def _healthy(self) -> bool:
+        nc = self._nc
+        return nc is not None and nc.is_connected
+
+    async def _hide(self) -> None:
+        """At stop: the port closed, the source and check removed."""
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            await server.close()
+        for undo in self._unexpose:
+            undo()
+        self._unexpose.clear()
+
+    def _drain_began(self) -> None:
+        self._drain_started = time.monotonic()
+
+    def _drain_ended(self) -> None:
+        if self._drain_started is not None:
+            self.last_drain_seconds = time.monotonic() - self._drain_started
+            self._drain_started = None

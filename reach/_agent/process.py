@@ -1,0 +1,93 @@
+"""An agent as a whole process: ``serve_forever`` (signals, drain, a handler's exit) and
+``run``, the blocking entry point that also sets up logs and tracing from settings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import TYPE_CHECKING
+
+from .._runtime import run_async
+from .._telemetry import configure_logging, configure_tracing
+
+if TYPE_CHECKING:
+    from ..settings import ReachSettings
+    from ..telemetry import Telemetry
+
+__all__ = ["Serving"]
+
+log = logging.getLogger("reach.agent")
+
+
+class Serving:
+    """Mixed into ``Agent``."""
+
+    agent_id: str
+    name: str
+    settings: ReachSettings
+    telemetry: Telemetry
+    _serving: bool
+    _exit: BaseException | None
+    _drain_requested: asyncio.Event
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    def request_drain(self) -> None:
+        raise NotImplementedError
+
+    def _handler_exit(self, exc: BaseException) -> bool:
+        """A handler raised SystemExit or KeyboardInterrupt. Under ``serve_forever`` the
+        agent drains as on SIGTERM (other work in flight finishes) and ``serve_forever``
+        raises it; True then. Otherwise it propagates as Python would: asyncio ends the
+        loop abruptly, under everything still running."""
+        if not self._serving:
+            return False
+        if self._exit is None:
+            self._exit = exc
+        self.request_drain()
+        return True
+
+    async def serve_forever(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, ``$ctl drain`` or cancellation, then drain and
+        stop."""
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_drain)
+                installed.append(sig)
+        self._serving, self._exit = True, None
+        try:
+            await self.start()
+            await self._drain_requested.wait()
+            log.info("agent %s: draining", self.agent_id)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.stop()
+            self._serving = False
+        if self._exit is not None:
+            raise self._exit
+
+    def run(self) -> None:
+        """Blocking entry point for a process that is one agent (uses uvloop when present).
+        Logs go to stderr as ``REACH_LOG_FORMAT`` says, unless logging is set up already;
+        spans are exported as ``REACH_TRACE_EXPORTER`` says, unless a tracer is set."""
+        if not logging.getLogger().handlers:
+            configure_logging(self.settings.log_format, self.settings.log_level)
+        provider = None
+        if self.telemetry.tracer is None:
+            provider = configure_tracing(self.settings, self.name)
+            if provider is not None:
+                self.telemetry.tracer = provider.get_tracer("reach")
+        try:
+            run_async(self.serve_forever())
+        finally:
+            if provider is not None:
+                provider.shutdown()  # export what is buffered

@@ -1,0 +1,92 @@
+"""Around a task handler: its context, the call that turns its failure into the task's
+outcome, and the CONSUMER span of the attempt (only with a tracer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, Tracer
+
+from .._codec import now_ms
+from .._handlers import TaskContext
+from .._telemetry import ATTR
+from .model import Delivery
+
+if TYPE_CHECKING:
+    from .._client import Client
+    from .execute import Executor
+    from .runner import TaskDecl
+
+__all__ = ["call_handler", "redelivered", "task_context", "task_span"]
+
+
+async def call_handler(
+    decl: TaskDecl, payload: Any, ctx: TaskContext, on_exit: Callable[[BaseException], bool]
+) -> tuple[bool, Any]:
+    """(True, result) or (False, the exception): a handler's failure is the task's
+    outcome, not a crash of ours."""
+    try:
+        if decl.spec.wants_context:
+            return True, await decl.spec.fn(payload, ctx)
+        return True, await decl.spec.fn(payload)
+    except Exception as exc:
+        return False, exc
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if not on_exit(stop):
+            raise
+        return False, RuntimeError("the handler stopped the process")
+
+
+def task_context(
+    agent_id: str, client: Client, ex: Executor, d: Delivery, timeout: float
+) -> TaskContext:
+    async def report(fraction: float, note: str) -> None:
+        await ex.progress(d, fraction, note)
+
+    return TaskContext(
+        agent_id=agent_id,
+        client=client,
+        capability=d.sub.capability,
+        request_id=d.task_id,
+        priority=d.sub.priority,
+        deadline_ms=now_ms() + int(timeout * 1000),
+        caller=d.sub.caller,
+        attempt=d.n,
+        headers=dict(d.msg.headers or {}),
+        task_id=d.task_id,
+        report=report,
+    )
+
+
+def redelivered(d: Delivery) -> bool:
+    """JetStream delivered this message before (to us or to another agent)."""
+    try:
+        return int(d.msg.metadata.num_delivered) > 1
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return False  # not a JetStream reply subject (cannot happen for a pulled task)
+
+
+@contextmanager
+def task_span(tracer: Tracer, agent_id: str, d: Delivery) -> Iterator[None]:
+    """The attempt's span, child of the submit's (its context rides in the task), current
+    while the handler runs and the result and callback are written."""
+    carrier = {"traceparent": d.sub.traceparent} if d.sub.traceparent else {}
+    with tracer.start_as_current_span(
+        f"process {d.sub.capability}",
+        context=propagate.extract(carrier),
+        kind=SpanKind.CONSUMER,
+        attributes={
+            ATTR.SYSTEM: "nats",
+            ATTR.DESTINATION: d.msg.subject,
+            ATTR.OPERATION: "process",
+            ATTR.CAPABILITY: d.sub.capability,
+            ATTR.AGENT_ID: agent_id,
+            ATTR.TASK_ID: d.task_id,
+            ATTR.PRIORITY: d.sub.priority.value,
+        },
+    ) as span:
+        yield
+        span.set_attribute(ATTR.ATTEMPT, d.n)
