@@ -40,6 +40,7 @@ from .errors import (
     Unauthorized,
 )
 from .settings import ReachSettings as ReachSettings
+from .telemetry import Telemetry as Telemetry
 from .wire import AgentEvent as AgentEvent
 from .wire import AgentRecord as AgentRecord
 from .wire import Priority as Priority
@@ -87,6 +88,7 @@ __all__ = [
     "TaskRef",
     "TaskState",
     "TaskStats",
+    "Telemetry",
     "TopicMessage",
     "TopicSubscription",
     "Unauthorized",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import runpy
 import signal
@@ -28,6 +29,7 @@ from ._codec import now_ms
 from ._registry import Registry
 from ._runtime import run_async
 from ._server import NatsServer, config_with_store
+from ._telemetry import configure_logging
 from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
 from .wire import AgentEvent, Control, ControlReply, Priority
@@ -251,14 +253,17 @@ async def _control(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 
 async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
-    registry = Registry(settings=settings)
+    if not logging.getLogger().handlers:
+        configure_logging(settings.log_format, settings.log_level)
+    registry = Registry(settings=settings, metrics_port=args.metrics_port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with registry:
         print(
-            f"# registry {registry.registry_id} on {registry.url}, bucket {registry.bucket_name}",
+            f"# registry {registry.registry_id} on {registry.url}, bucket {registry.bucket_name}"
+            + (f", metrics {registry.metrics_url}/metrics" if registry.metrics_url else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -332,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=_control, is_async=True, command=command)
 
     p = with_url(sub.add_parser("registry", help="run a registry replica until Ctrl-C"))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics and /healthz on this port (0: any; default REACH_METRICS_PORT)",
+    )
     p.set_defaults(run=_registry, is_async=True)
 
     p = sub.add_parser("demo", help="the customer-service desk (sdk/examples/demo.py)")

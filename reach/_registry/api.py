@@ -174,6 +174,7 @@ class Api:
         return b"{}"
 
     async def _on_list(self, query: ListQuery) -> bytes:
+        self.core.cells.queries["list"] += 1
         agents = [
             r
             for r in self.core.entries.records().values()
@@ -206,6 +207,7 @@ class Api:
         return encode_json(ListReply(agents=page, next_after=next_after))
 
     async def _on_route(self, query: RouteQuery) -> bytes:
+        self.core.cells.queries["route"] += 1
         records = list(self.core.entries.records().values())
         ranked = rank(records, query.capability, query.version, query.tags, query.priority)
         subjects = self.core.subjects

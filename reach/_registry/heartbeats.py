@@ -98,6 +98,8 @@ class Heartbeats:
             return
         if clamped:
             stats.clamped += 1
+        if checked.sent_ms > 0:  # wall clocks of two hosts: a skew below zero counts as 0
+            self.core.cells.lag.observe(max(0, now_ms() - checked.sent_ms) / 1000)
         write = self._busy.get(agent_id)
         if write is not None:
             waiting = write.newest

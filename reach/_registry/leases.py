@@ -113,6 +113,7 @@ class Leases:
 
     async def announce(self, agent_id: str, transition: Transition, *, removed: bool) -> None:
         """Publish a status transition on ``evt.agent.<id>`` (best effort)."""
+        self.core.cells.transition(transition.new.value, transition.reason)
         event = AgentEvent(
             agent_id=agent_id,
             old=transition.old,

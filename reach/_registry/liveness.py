@@ -152,10 +152,14 @@ class Liveness:
             reply = await core.conn().request(
                 core.subjects.ping(agent_id), b"", timeout=core.settings.probe_timeout
             )
-            return _pong.decode(reply.data), "probe answered"
+            answer = _pong.decode(reply.data)
+            core.cells.probed("answered")
+            return answer, "probe answered"
         except _NO_ANSWER as exc:
             if is_no_responders(exc):
+                core.cells.probed("no_responders")
                 return None, "probe failed: no responders"
+            core.cells.probed("timeout")
             return None, "probe failed: timeout"
 
     async def _forget(self, agent_id: str, marker_revision: int, previous: AgentRecord) -> None:

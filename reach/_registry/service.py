@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -29,13 +30,16 @@ from .._nats import TRANSIENT, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
+from .._telemetry import MetricsServer
 from ..errors import ConnectionFailed
 from ..settings import ReachSettings
+from ..telemetry import Telemetry
 from ..wire import AgentRecord
 from .api import Api
 from .heartbeats import Heartbeats
 from .leases import Leases
 from .liveness import Liveness
+from .observe import RegistryCells, registry_source
 from .state import Core, Entries, RegistryStats, Throttle
 
 __all__ = ["Registry"]
@@ -56,8 +60,16 @@ class Registry:
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
         tasks: bool = True,
+        telemetry: Telemetry | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.settings = settings if settings is not None else ReachSettings()
+        #: metrics and health of this replica (its own unless one is passed in)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        #: serve /metrics and /healthz on this port while running (0: any free port)
+        self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
+        self._metrics_server: MetricsServer | None = None
+        self._unexpose: list[Callable[[], None]] = []
         self.url = url or self.settings.nats_url
         self.subjects = Subjects(self.settings.subject_prefix)
         self.bucket_name = self.subjects.bucket("agents")
@@ -91,6 +103,21 @@ class Registry:
         self._lifecycle = asyncio.Lock()
 
     # -- what anyone may read ------------------------------------------------------------
+
+    @property
+    def cells(self) -> RegistryCells:
+        """Counters by label (transitions, probes, queries, heartbeat lag) for metrics."""
+        return self._core.cells
+
+    @property
+    def recovery_stats(self) -> RecoveryStats:
+        return self._recovery_stats
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``/metrics`` and ``/healthz`` are served while running, if asked."""
+        server = self._metrics_server
+        return server.url if server is not None else None
 
     @property
     def stats(self) -> RegistryStats:
@@ -136,6 +163,7 @@ class Registry:
             self._liveness.reset()
             try:
                 await self._open()
+                await self._expose()
             except BaseException:
                 await self._close()
                 raise
@@ -218,6 +246,21 @@ class Registry:
             ) from exc
         self._owner.keep(self._liveness.housekeeping, "housekeeping")
 
+    async def _expose(self) -> None:
+        if not self._unexpose:
+            self._unexpose.append(self.telemetry.add_source(registry_source(self)))
+            self._unexpose.append(
+                self.telemetry.add_health(f"registry {self.registry_id}", self._healthy)
+            )
+        if self.metrics_port is not None and self._metrics_server is None:
+            self._metrics_server = await self.telemetry.serve(
+                self.metrics_port, self.settings.metrics_host
+            )
+
+    def _healthy(self) -> bool:
+        nc = self._core.nc
+        return nc is not None and nc.is_connected and not (self._mirror and self._mirror.stale)
+
     async def _bind(self) -> KeyValue:
         # The bucket lives in memory: after a server restart it may have to be created again.
         return await _kv.agents_bucket(self._core.jsc(), self.bucket_name, create=True)
@@ -243,6 +286,12 @@ class Registry:
     async def _close(self) -> None:
         """Stop taking work, finish what was taken, end every task, then disconnect."""
         core = self._core
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            await server.close()
+        for undo in self._unexpose:
+            undo()
+        self._unexpose.clear()
         subs, self._subs = self._subs, []
         try:
             async with asyncio.timeout(self.stop_timeout):

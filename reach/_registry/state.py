@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -23,6 +23,7 @@ from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord
+from .observe import RegistryCells
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsConnection
@@ -260,6 +261,7 @@ class Core:
     owner: TaskOwner
     nc: NatsConnection | None = None
     js: JetStreamContext | None = None
+    cells: RegistryCells = field(default_factory=RegistryCells)
 
     @property
     def lease_ttl(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+from opentelemetry import propagate
 
 from .._nats import TRANSIENT, NatsConnection
 from ..wire import Header
@@ -32,9 +33,13 @@ async def deliver_callback(
     s = store.settings
     body = _encode(rec)
     error = ""
+    trace: dict[str, str] = {}
+    propagate.inject(trace)  # the attempt's span, when tracing: the callback continues it
     for i in range(1, s.callback_attempts + 1):
         try:
-            reply = await nc.request(rec.callback, body, timeout=s.callback_timeout)
+            reply = await nc.request(
+                rec.callback, body, timeout=s.callback_timeout, headers=trace or None
+            )
             status = (reply.headers or {}).get(Header.SERVICE_ERROR_CODE)
             if not status:
                 state = "delivered"

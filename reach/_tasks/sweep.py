@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.js.errors
@@ -66,6 +66,9 @@ class RecoveryStats:
     max_deliveries: int = 0
     #: advisories, sweeps or records that could not be handled (logged; tried again later)
     errors: int = 0
+    #: task records by state and messages in the DLQ, as of this replica's last sweep
+    states: dict[str, int] = field(default_factory=dict)
+    dlq_messages: int | None = None
 
 
 def submit_of(rec: TaskRecord) -> TaskSubmit:
@@ -149,7 +152,15 @@ class Sweeper:
         looked up in the task stream ``_PARALLEL`` at a time; those whose message is gone
         are recovered one by one."""
         self.stats.sweeps += 1
-        ids = [m.task_id for m in await record_index(self.store) if not _final(m)]
+        index = await record_index(self.store)
+        states: dict[str, int] = {}
+        for m in index:
+            if m.state is not None:
+                states[m.state.value] = states.get(m.state.value, 0) + 1
+        self.stats.states = states
+        info = await self.store.js.stream_info(self.store.dlq_stream)
+        self.stats.dlq_messages = info.state.messages
+        ids = [m.task_id for m in index if not _final(m)]
         gone: list[str] = []
         for i in range(0, len(ids), _PARALLEL):
             batch = ids[i : i + _PARALLEL]

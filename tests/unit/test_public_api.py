@@ -57,6 +57,7 @@ def test_public_api_is_pinned():
             "TaskRef",
             "TaskState",
             "TaskStats",
+            "Telemetry",
             "TopicMessage",
             "TopicSubscription",
             "Unauthorized",
