@@ -18,6 +18,14 @@ decoding the reply:
   `loop.call_later` timer per request instead of `wait_for` (the technique reach's Client
   uses): the tightest raw baseline.
 
+Telemetry variants, same fleet: each instance process also runs an agent with
+`Telemetry.off()` (capability `bench.echo.off`) and one tracing every request at sample
+ratio 1.0 (`bench.echo.traced`, SDK tracer provider, batch processor, an exporter that
+drops the spans); the client side of each uses the same telemetry setting.
+- `reach` is the default: metrics on (scrape-time counters), no tracer provider.
+- `reach telemetry off`: no metrics, no spans. Goal: `reach` >= 0.95x of it.
+- `reach traced`: metrics and a span per attempt and per handler run, at 1.0 sampling.
+
 Rounds interleave every variant (rotating their order), sequentially and with N in flight;
 ratios reach/raw are computed within each round and the median over rounds is reported.
 
@@ -43,7 +51,23 @@ from reach.testing import NatsServer, eventually
 
 RAW = "bench.raw"
 CAP = "bench.echo"
+CAP_OFF = "bench.echo.off"
+CAP_TRACED = "bench.echo.traced"
 SIZE = 256
+
+
+def tracer_provider() -> Any:
+    """Every span sampled and batched, then dropped: the cost of tracing, not of a collector."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Drop(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Drop()))
+    return provider
 
 
 def payload() -> bytes:
@@ -84,13 +108,33 @@ def run_instance(url: str, index: int, served: Any, ready: Any, stop: Any) -> No
         await nc.subscribe(RAW, queue="raw", cb=raw)
         await nc.flush()
         agent = reach.Agent("bench", f"bench-{index}", settings=defaults(url))
+        off = reach.Agent(
+            "bench-off",
+            f"bench-off-{index}",
+            settings=defaults(url),
+            telemetry=reach.Telemetry.off(),
+        )
+        traced = reach.Agent(
+            "bench-traced",
+            f"bench-traced-{index}",
+            settings=defaults(url),
+            telemetry=reach.Telemetry(tracer_provider=tracer_provider()),
+        )
 
         @agent.capability(CAP)
         async def echo(value: dict[str, Any]) -> dict[str, Any]:
             count["reach"] += 1
             return value
 
-        async with agent:
+        @off.capability(CAP_OFF)
+        async def echo_off(value: dict[str, Any]) -> dict[str, Any]:
+            return value
+
+        @traced.capability(CAP_TRACED)
+        async def echo_traced(value: dict[str, Any]) -> dict[str, Any]:
+            return value
+
+        async with agent, off, traced:
             ready.set()
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await nc.close()
@@ -161,13 +205,26 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     nc = await nats.connect(url)
     mux = Mux(nc)
     await mux.start()
-    async with reach.Client(settings=settings, name="bench") as client:
+    off_client = reach.Client(settings=settings, name="bench-off", telemetry=reach.Telemetry.off())
+    traced_client = reach.Client(
+        settings=settings,
+        name="bench-traced",
+        telemetry=reach.Telemetry(tracer_provider=tracer_provider()),
+    )
+    async with (
+        reach.Client(settings=settings, name="bench") as client,
+        off_client,
+        traced_client,
+    ):
 
         async def both_known() -> bool:
-            records = await client.agents(CAP)
-            return len(records) == 2 and all(
-                r.status == reach.Status.UP and r.heartbeat for r in records
-            )
+            for c, cap in ((client, CAP), (off_client, CAP_OFF), (traced_client, CAP_TRACED)):
+                records = await c.agents(cap)
+                if len(records) != 2 or not all(
+                    r.status == reach.Status.UP and r.heartbeat for r in records
+                ):
+                    return False
+            return True
 
         await eventually(both_known, timeout=60)
         # Status changes while measuring (an instance whose queue passes 80% of max_queue
@@ -185,6 +242,12 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         async def reach_call() -> None:
             await client.request(CAP, body, timeout=5)
 
+        async def reach_off() -> None:
+            await off_client.request(CAP_OFF, body, timeout=5)
+
+        async def reach_traced() -> None:
+            await traced_client.request(CAP_TRACED, body, timeout=5)
+
         async def raw_request() -> None:
             msg = await nc.request(RAW, body, timeout=5)
             msgspec.json.decode(msg.data)
@@ -195,6 +258,8 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
         variants: dict[str, Call] = {
             "reach": reach_call,
+            "reach telemetry off": reach_off,
+            "reach traced": reach_traced,
             "raw nc.request": raw_request,
             "raw mux": raw_mux,
         }
@@ -224,6 +289,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "variants": {},
         "ratios": {},
+        "telemetry": {},
         "rounds": per_round,
         "status_changes": changes,
     }
@@ -242,6 +308,11 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             mode: statistics.median(r["reach"][mode] / r[raw][mode] for r in per_round)
             for mode in ("seq", "conc")
         }
+    for a, b in (("reach", "reach telemetry off"), ("reach traced", "reach telemetry off")):
+        out["telemetry"][f"{a} / {b}"] = {
+            mode: statistics.median(r[a][mode] / r[b][mode] for r in per_round)
+            for mode in ("seq", "conc")
+        }
     return out
 
 
@@ -258,6 +329,8 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
         )
     for raw, r in out["ratios"].items():
         rows.append(f"| **reach / {raw}** | **{r['seq']:.2f}x** | | **{r['conc']:.2f}x** | |")
+    for pair, r in out["telemetry"].items():
+        rows.append(f"| **{pair}** | **{r['seq']:.2f}x** | | **{r['conc']:.2f}x** | |")
     return "\n".join(rows)
 
 
