@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+from opentelemetry import trace
 
 from ._cli_common import parse_json as _parse_json
 from ._cli_common import print_value as _print_value
@@ -29,7 +30,7 @@ from ._codec import now_ms
 from ._registry import Registry
 from ._runtime import run_async
 from ._server import NatsServer, config_with_store
-from ._telemetry import configure_logging
+from ._telemetry import configure_logging, configure_tracing
 from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
 from .wire import AgentEvent, Control, ControlReply, Priority
@@ -356,10 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = _settings(args)  # once, before anything starts: bad values stop us here
-        if args.is_async:
-            code: int = run_async(args.run(args, settings))
-        else:
-            code = args.run(args, settings)
+        # The program's edge: spans go where REACH_TRACE_EXPORTER says, for every Reach
+        # object this command makes (they read OpenTelemetry's provider when made).
+        provider = configure_tracing(settings, f"reach-{args.command}")
+        if provider is not None:
+            trace.set_tracer_provider(provider)
+        try:
+            if args.is_async:
+                code: int = run_async(args.run(args, settings))
+            else:
+                code = args.run(args, settings)
+        finally:
+            if provider is not None:
+                provider.shutdown()
     except ReachError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

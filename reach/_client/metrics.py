@@ -19,6 +19,8 @@ class CapCells:
 
     __slots__ = (
         "attempts",
+        "attempts_ok",
+        "ok",
         "budget_exhausted",
         "failovers",
         "hedges",
@@ -29,10 +31,12 @@ class CapCells:
     )
 
     def __init__(self) -> None:
-        self.outcomes: dict[tuple[str, str], int] = {}  # (policy, outcome) -> requests
+        self.ok: dict[str, int] = {}  # policy -> requests answered (the common case)
+        self.outcomes: dict[tuple[str, str], int] = {}  # (policy, outcome) -> other requests
         self.latency = Histogram(LATENCY_BUCKETS)
         self.inflight = 0
-        self.attempts: dict[str, int] = {}  # outcome -> attempts
+        self.attempts_ok = 0
+        self.attempts: dict[str, int] = {}  # outcome -> attempts that were not answered
         self.retries = 0
         self.failovers = 0
         self.hedges = 0
@@ -41,11 +45,18 @@ class CapCells:
     def finished(self, policy: str, outcome: str, seconds: float) -> None:
         self.inflight -= 1
         self.latency.observe(seconds)
-        key = (policy, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        if outcome == "ok":
+            ok = self.ok
+            ok[policy] = ok.get(policy, 0) + 1
+        else:
+            key = (policy, outcome)
+            self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
     def attempted(self, outcome: str) -> None:
-        self.attempts[outcome] = self.attempts.get(outcome, 0) + 1
+        if outcome == "ok":
+            self.attempts_ok += 1
+        else:
+            self.attempts[outcome] = self.attempts.get(outcome, 0) + 1
 
 
 class ClientMetrics:
@@ -78,10 +89,14 @@ class ClientMetrics:
 
     def collect(self, out: Emitter) -> None:
         for cap, c in list(self.caps.items()):
+            for policy, n in c.ok.items():
+                out.counter("reach_client_requests", (cap, policy, "ok"), n)
             for (policy, outcome), n in c.outcomes.items():
                 out.counter("reach_client_requests", (cap, policy, outcome), n)
             out.histogram("reach_client_request_duration_seconds", (cap,), c.latency)
             out.gauge("reach_client_requests_in_flight", (cap,), c.inflight)
+            if c.attempts_ok:
+                out.counter("reach_client_attempts", (cap, "ok"), c.attempts_ok)
             for outcome, n in c.attempts.items():
                 out.counter("reach_client_attempts", (cap, outcome), n)
             out.counter("reach_client_retries", (cap,), c.retries)
