@@ -20,12 +20,12 @@ class CapCells:
     __slots__ = (
         "attempts",
         "attempts_ok",
-        "ok",
         "budget_exhausted",
         "failovers",
         "hedges",
         "inflight",
         "latency",
+        "ok",
         "outcomes",
         "retries",
     )
