@@ -181,69 +181,89 @@ def _by_status() -> dict[str, int]:
     return {s.value: 0 for s in Status}
 
 
+class _Table:
+    """The routing table added up: per capability, how it is served, its instances by
+    status and their in-flight and queued work; the same for the fleet."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, set[str]] = {}
+        self.instances: dict[str, dict[str, int]] = {}
+        self.load: dict[str, tuple[int, int]] = {}
+        self.fleet = _by_status()
+        self.inflight = self.queue = 0
+
+    def offered(self, rec: AgentRecord) -> set[str]:
+        """The capabilities ``rec`` serves, noting how."""
+        for c in rec.info.tasks:
+            self.kinds.setdefault(c.name, set()).add("task")
+        for c in rec.info.capabilities:
+            self.kinds.setdefault(c.name, set()).add("request")
+        return {c.name for c in (*rec.info.capabilities, *rec.info.tasks)}
+
+    def add(self, rec: AgentRecord) -> None:
+        self.fleet[rec.status.value] += 1
+        hb = rec.heartbeat
+        busy, waiting = (hb.inflight, hb.queue_len) if hb is not None else (0, 0)
+        self.inflight += busy
+        self.queue += waiting
+        for name in self.offered(rec):
+            self.instances.setdefault(name, _by_status())[rec.status.value] += 1
+            was = self.load.get(name, (0, 0))
+            self.load[name] = (was[0] + busy, was[1] + waiting)
+
+
+def _traffic(before: Sample, after: Sample) -> tuple[dict[str, _Acc], _Acc]:
+    """Per capability and in all, what the agents read at both samples counted between."""
+    per_cap: dict[str, _Acc] = {}
+    total = _Acc()
+    for agent_id, cur in after.counters.items():
+        got = deltas(before.counters.get(agent_id), cur)
+        if got is None:
+            continue
+        seconds, by_cap = got
+        for name, delta in by_cap.items():
+            per_cap.setdefault(name, _Acc()).add(delta, seconds)
+            total.add(delta, seconds)
+    return per_cap, total
+
+
 def summarize(before: Sample | None, after: Sample, remembered: Iterable[str] = ()) -> Summary:
     """The summary of ``after``, with rates since ``before`` (None: no rates). A capability
     in ``before``, in ``remembered`` (names seen earlier, as ``reach top`` keeps them) or in
     the task census is listed even when no instance offers it any more, flagged."""
-    kinds: dict[str, set[str]] = {}
-    instances: dict[str, dict[str, int]] = {}
-    load: dict[str, list[int]] = {}
-    fleet = _by_status()
-    inflight = queue = unmeasured = 0
-    for rec in after.records:
-        fleet[rec.status.value] += 1
-        hb = rec.heartbeat
-        busy, waiting = (hb.inflight, hb.queue_len) if hb is not None else (0, 0)
-        inflight += busy
-        queue += waiting
-        for c in rec.info.tasks:
-            kinds.setdefault(c.name, set()).add("task")
-        for c in rec.info.capabilities:
-            kinds.setdefault(c.name, set()).add("request")
-        for name in {c.name for c in (*rec.info.capabilities, *rec.info.tasks)}:
-            instances.setdefault(name, _by_status())[rec.status.value] += 1
-            cell = load.setdefault(name, [0, 0])
-            cell[0] += busy
-            cell[1] += waiting
-        agent_id = rec.info.agent_id
-        if before is not None and rec.status in LIVE:
-            unmeasured += agent_id not in before.counters or agent_id not in after.counters
-    per_cap: dict[str, _Acc] = {}
-    total = _Acc()
-    if before is not None:
-        for agent_id, cur in after.counters.items():
-            got = deltas(before.counters.get(agent_id), cur)
-            if got is None:
-                continue
-            seconds, by_cap = got
-            for name, delta in by_cap.items():
-                per_cap.setdefault(name, _Acc()).add(delta, seconds)
-                total.add(delta, seconds)
-    names = set(kinds) | set(remembered)
+    table = _Table()
+    names = set(remembered)
+    unmeasured = 0
     if before is not None:
         for rec in before.records:
-            names.update(c.name for c in rec.info.capabilities)
-            names.update(c.name for c in rec.info.tasks)
+            names |= table.offered(rec)
+    for rec in after.records:
+        table.add(rec)
+        if before is not None and rec.status in LIVE:
+            agent_id = rec.info.agent_id
+            unmeasured += agent_id not in before.counters or agent_id not in after.counters
+    per_cap, total = _traffic(before, after) if before is not None else ({}, _Acc())
     census = after.tasks.capabilities if after.tasks is not None else {}
-    names.update(census)
+    for name in census:
+        table.kinds.setdefault(name, set()).add("task")
     rows = []
-    for name in names:
-        counts = instances.get(name, _by_status())
+    for name in names | table.kinds.keys():
+        counts = table.instances.get(name, _by_status())
         live = sum(counts[s.value] for s in LIVE)
-        kind = kinds.get(name) or ({"task"} if name in census else set())
-        busy, waiting = load.get(name, (0, 0))
+        kinds = table.kinds.get(name, set())
+        busy, waiting = table.load.get(name, (0, 0))
         acc = per_cap.get(name)
         rows.append(
             CapabilityStatus(
                 name=name,
-                kinds=tuple(sorted(kind)),
+                kinds=tuple(sorted(kinds)),
                 instances=counts,
                 live=live,
                 no_live=live == 0,
                 traffic=acc.traffic() if acc is not None else Traffic(),
                 inflight=busy,
                 queue=waiting,
-                tasks=census.get(name, CapabilityTasks()) if "task" in kind else None,
+                tasks=census.get(name, CapabilityTasks()) if "task" in kinds else None,
             )
         )
     rows.sort(key=lambda r: (not r.no_live, r.name))
@@ -252,10 +272,10 @@ def summarize(before: Sample | None, after: Sample, remembered: Iterable[str] = 
         interval=after.at - before.at if before is not None else None,
         fleet=FleetStatus(
             agents=len(after.records),
-            instances=fleet,
+            instances=table.fleet,
             traffic=_fleet_traffic(total, before is not None and unmeasured == 0),
-            inflight=inflight,
-            queue=queue,
+            inflight=table.inflight,
+            queue=table.queue,
             unmeasured=unmeasured,
         ),
         capabilities=rows,

@@ -123,9 +123,9 @@ def test_a_capability_with_no_live_instance_is_flagged_and_listed_first():
 def test_a_capability_that_vanished_or_is_remembered_stays_listed_without_instances():
     before = sample(0.0, [record("old-1", caps=("cap.old",))])
     s = summarize(before, sample(1.0, []), remembered=["cap.older"])
-    assert {c.name: (c.no_live, sum(c.instances.values())) for c in s.capabilities} == {
-        "cap.old": (True, 0),
-        "cap.older": (True, 0),
+    assert {c.name: (c.no_live, sum(c.instances.values()), c.kinds) for c in s.capabilities} == {
+        "cap.old": (True, 0, ("request",)),
+        "cap.older": (True, 0, ()),
     }
 
 
