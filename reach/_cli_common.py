@@ -10,7 +10,7 @@ import msgspec
 
 from .errors import ConfigurationError
 
-__all__ = ["json_or_text", "parse_json", "plain", "print_value", "status", "table"]
+__all__ = ["json_or_text", "parse_json", "plain", "print_value", "status", "table", "tint"]
 
 _COLOURS = {"UP": "32", "DEGRADED": "33", "PAUSED": "36", "UNKNOWN": "35", "DOWN": "31"}
 
@@ -43,7 +43,12 @@ def print_value(data: bytes) -> None:
 
 
 def status(text: str, colour: bool) -> str:
-    return f"\033[{_COLOURS.get(text, '0')}m{text}\033[0m" if colour else text
+    return tint(text, text, colour)
+
+
+def tint(text: str, status: str, colour: bool) -> str:
+    """``text`` in the colour of ``status`` (an agent status name)."""
+    return f"\033[{_COLOURS.get(status, '0')}m{text}\033[0m" if colour else text
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

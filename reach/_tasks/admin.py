@@ -45,9 +45,11 @@ __all__ = [
     "dead_letters",
     "list_records",
     "record_index",
+    "record_meta",
     "replay",
     "replay_capability",
     "scan",
+    "scan_page",
 ]
 
 log = logging.getLogger("reach.tasks")
@@ -118,6 +120,20 @@ async def scan(
 ) -> list[Seen]:
     """Every message of ``stream`` on ``subject`` (or the newest one of each subject),
     headers only, through a short-lived consumer; [] when the stream does not exist."""
+    seen, _ = await scan_page(js, stream, subject, last_per_subject=last_per_subject)
+    return seen
+
+
+async def scan_page(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    last_per_subject: bool,
+    limit: int | None = None,
+) -> tuple[list[Seen], int]:
+    """``scan``, stopping after ``limit`` messages (None: all), in stream order; also the
+    number of messages there were to see when it started."""
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL,
         ack_policy=AckPolicy.NONE,
@@ -129,10 +145,13 @@ async def scan(
     try:
         psub = await js.pull_subscribe(subject, stream=stream, config=config)
     except nats.js.errors.NotFoundError:
-        return []
+        return [], 0
     seen: list[Seen] = []
+    total = 0
     try:
-        pending = (await psub.consumer_info()).num_pending or 0
+        total = pending = (await psub.consumer_info()).num_pending or 0
+        if limit is not None:
+            pending = min(pending, limit)
         while pending > 0:
             try:
                 msgs = await psub.fetch(min(_BATCH, pending), timeout=_SCAN_TIMEOUT)
@@ -143,6 +162,8 @@ async def scan(
                 at = int(md.timestamp.timestamp() * 1000)
                 seen.append(Seen(m.subject, md.sequence.stream, dict(m.headers or {}), at))
                 pending = md.num_pending
+            if limit is not None:
+                pending = min(pending, limit - len(seen))
     finally:
         try:
             await psub.unsubscribe()
@@ -150,7 +171,7 @@ async def scan(
                 await js.delete_consumer(stream, config.name)
         except TRANSIENT as exc:  # it goes by itself after inactive_threshold
             log.debug("scan of %s: cleanup: %s", stream, exc)
-    return seen
+    return seen, total
 
 
 # -- task records --------------------------------------------------------------------------
@@ -159,16 +180,20 @@ async def scan(
 async def record_index(store: TaskStore) -> list[RecordMeta]:
     """Every live record's state, agent and revision, from headers only."""
     prefix = f"$KV.{store.bucket}."
-    out: list[RecordMeta] = []
-    for s in await scan(store.js, f"KV_{store.bucket}", f"{prefix}>", last_per_subject=True):
-        if KV_OP in s.headers or MARKER_REASON in s.headers:
-            continue  # deleted or expired
-        raw = s.headers.get(STATE_HEADER, "")
-        state = TaskState(raw) if raw in TaskState.__members__ else None
-        agent = s.headers.get(AGENT_HEADER, "-")
-        task_id = s.subject[len(prefix) :]
-        out.append(RecordMeta(task_id, s.seq, state, "" if agent == "-" else agent, s.at_ms))
-    return out
+    seen = await scan(store.js, f"KV_{store.bucket}", f"{prefix}>", last_per_subject=True)
+    return [m for m in (record_meta(prefix, s) for s in seen) if m is not None]
+
+
+def record_meta(prefix: str, s: Seen) -> RecordMeta | None:
+    """What the headers of a record's last message say (None: deleted or expired)."""
+    if KV_OP in s.headers or MARKER_REASON in s.headers:
+        return None
+    raw = s.headers.get(STATE_HEADER, "")
+    state = TaskState(raw) if raw in TaskState.__members__ else None
+    agent = s.headers.get(AGENT_HEADER, "-")
+    return RecordMeta(
+        s.subject[len(prefix) :], s.seq, state, "" if agent == "-" else agent, s.at_ms
+    )
 
 
 async def list_records(
