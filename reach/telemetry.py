@@ -18,9 +18,17 @@ from collections.abc import Callable
 from opentelemetry.trace import Tracer, TracerProvider
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ._telemetry import MetricsServer, ReachCollector, Source, resolve_tracer
+from ._telemetry import (
+    IdsFilter,
+    JsonFormatter,
+    MetricsServer,
+    ReachCollector,
+    Source,
+    configure_logging,
+    resolve_tracer,
+)
 
-__all__ = ["Telemetry"]
+__all__ = ["IdsFilter", "JsonFormatter", "MetricsServer", "Telemetry", "configure_logging"]
 
 HealthCheck = Callable[[], bool]
 

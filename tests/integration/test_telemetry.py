@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 import reach
 from reach import Agent, Client, Registry, Telemetry
-from reach._telemetry import IdsFilter, JsonFormatter
+from reach.telemetry import IdsFilter, JsonFormatter
 from reach.testing import eventually
 
 from .registry_wire import fast_settings
