@@ -7,6 +7,7 @@ everything the dashboard and the alerts query must resolve to an entry of it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from reach._telemetry import CATALOGUE, LAG_BUCKETS, LATENCY_BUCKETS, Emitter, Histogram
+from reach.wire import Status
 
 ROOT = Path(__file__).parents[1]
 PROMETHEUS_DIR = ROOT / "services" / "prometheus"
@@ -29,7 +31,12 @@ NOT_REACH = {"up"}
 #: labels Prometheus adds to every scraped series
 TARGET_LABELS = {"job", "instance"}
 
-_SUFFIXES = {"_total": "counter", "_bucket": "histogram", "_sum": "histogram", "_count": "histogram"}
+_SUFFIXES = {
+    "_total": "counter",
+    "_bucket": "histogram",
+    "_sum": "histogram",
+    "_count": "histogram",
+}
 _METRIC = re.compile(r"\breach_[a-z0-9_]+")
 _SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 _MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
@@ -62,8 +69,15 @@ def dashboard_exprs(dash: dict[str, Any]) -> list[tuple[str, str]]:
     for var in dash["templating"]["list"]:
         if var["type"] == "query":
             query = var["query"]
-            out.append((f"variable {var['name']}", query["query"] if isinstance(query, dict) else query))
+            out.append(
+                (f"variable {var['name']}", query["query"] if isinstance(query, dict) else query)
+            )
     return out
+
+
+def substitute(expr: str) -> str:
+    """A dashboard query as Grafana sends it with every capability selected."""
+    return expr.replace("$__rate_interval", "1m").replace("$capability", ".*")
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -103,7 +117,11 @@ def label_problems(expr: str) -> list[str]:
             if name not in NOT_REACH:
                 problems.append(f"{name} is neither in the catalogue nor one of {NOT_REACH}")
             continue
-        own = {*CATALOGUE[base].labels, *TARGET_LABELS, *(["le"] if name.endswith("_bucket") else [])}
+        own = {
+            *CATALOGUE[base].labels,
+            *TARGET_LABELS,
+            *(["le"] if name.endswith("_bucket") else []),
+        }
         problems += [
             f"{name} has no label {label!r}"
             for label, _, _ in _MATCHER.findall(matchers)
@@ -138,30 +156,32 @@ def tool(name: str) -> str:
 
 
 def emit_catalogue(out: Emitter) -> None:
-    """One sample of every catalogue entry, every label set to a plausible value.
+    """Samples of every catalogue entry: a ``Telemetry`` source.
 
-    A ``Telemetry`` source: gauges are 1 (so a ``> 0`` in a panel still has data),
-    counters 3, histograms one observation.
+    Every status and an error outcome get a series of their own, so that each dashboard
+    query finds data (one filters on DOWN, another on outcomes other than ok). Gauges are 1
+    (a ``> 0`` still matches), counters 3, histograms hold one observation.
     """
     for name, spec in CATALOGUE.items():
-        labels = [_SAMPLE_LABELS.get(label, f"{label}-1") for label in spec.labels]
-        if spec.kind == "counter":
-            out.counter(name, labels, 3)
-        elif spec.kind == "gauge":
-            out.gauge(name, labels, 1)
-        else:
-            hist = Histogram(LAG_BUCKETS if "lag" in name else LATENCY_BUCKETS)
-            hist.observe(0.02)
-            out.histogram(name, labels, hist)
+        values = [_SAMPLE_LABELS.get(label, [f"{label}-1"]) for label in spec.labels]
+        for labels in itertools.product(*values):
+            if spec.kind == "counter":
+                out.counter(name, labels, 3)
+            elif spec.kind == "gauge":
+                out.gauge(name, labels, 1)
+            else:
+                hist = Histogram(LAG_BUCKETS if "lag" in name else LATENCY_BUCKETS)
+                hist.observe(0.02)
+                out.histogram(name, labels, hist)
 
 
 _SAMPLE_LABELS = {
-    "capability": "geo.route",
-    "status": "UP",
-    "outcome": "ok",
-    "priority": "normal",
-    "policy": "balanced",
-    "agent": "router",
-    "agent_id": "router-1",
-    "state": "completed",
+    "capability": ["geo.route"],
+    "status": [s.value for s in Status],
+    "outcome": ["ok", "timeout"],
+    "priority": ["normal"],
+    "policy": ["balanced"],
+    "agent": ["router"],
+    "agent_id": ["router-1"],
+    "state": ["completed"],
 }

@@ -62,8 +62,13 @@ def test_family_resolves_only_exposed_names(series, expected):
 
 
 def test_label_check_catches_wrong_labels():
-    assert label_problems('sum by (capability) (rate(reach_client_requests_total{outcome="ok"}[5m]))') == []
-    assert label_problems("sum by (le) (rate(reach_registry_heartbeat_lag_seconds_bucket[5m]))") == []
+    assert (
+        label_problems('sum by (capability) (rate(reach_client_requests_total{outcome="ok"}[5m]))')
+        == []
+    )
+    assert (
+        label_problems("sum by (le) (rate(reach_registry_heartbeat_lag_seconds_bucket[5m]))") == []
+    )
     assert label_problems("sum by (agent) (reach_client_requests_in_flight)") != []
     assert label_problems('reach_registry_agents{state="UP"}') != []
     assert label_problems('reach_registry_agent{status="UP"}') != []
@@ -105,19 +110,21 @@ def test_dashboard_covers_every_metric_family():
 
 
 def test_dashboard_is_a_provisionable_grafana_dashboard():
-    assert isinstance(DASH["schemaVersion"], int) and DASH["schemaVersion"] >= 36
+    assert isinstance(DASH["schemaVersion"], int)
+    assert DASH["schemaVersion"] >= 36
     assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", DASH["uid"])
     assert DASH["title"]
     ids = [p["id"] for p in panels(DASH)]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for p in panels(DASH):
         pos = p["gridPos"]
-        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
+        assert (pos["x"] >= 0, pos["x"] + pos["w"] <= 24, pos["h"] > 0) == (True,) * 3, p["title"]
         if p["type"] == "row":
             continue
         assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
         refs = [t["refId"] for t in p["targets"]]
-        assert refs and len(refs) == len(set(refs)), p["title"]
+        assert refs, p["title"]
+        assert len(refs) == len(set(refs)), p["title"]
         assert p.get("description"), f"panel {p['title']!r} says what it shows"
 
 
@@ -126,7 +133,9 @@ def test_dashboard_has_capability_and_datasource_variables():
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
     cap = variables["capability"]
-    assert cap["type"] == "query" and cap["includeAll"] and cap["multi"]
+    assert cap["type"] == "query"
+    assert cap["includeAll"]
+    assert cap["multi"]
     assert "capability" in cap["definition"]
 
 
@@ -168,7 +177,8 @@ def test_every_alert_has_severity_and_explains_itself():
     assert len(RULES) >= 5
     for rule in RULES:
         assert rule["labels"]["severity"] in {"critical", "warning"}, rule["alert"]
-        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        assert rule["annotations"]["summary"]
+        assert rule["annotations"]["description"]
 
 
 def test_the_alerts_the_issue_asks_for_exist():
@@ -201,7 +211,8 @@ def test_scrape_config_loads_the_rules_and_names_the_jobs_the_rules_use():
     assert config["rule_files"] == ["alerts.yml"]
     jobs = {job["job_name"] for job in config["scrape_configs"]}
     used = {v for _, e in RULE_EXPRS for v in matched_values(e, "job")}
-    assert used and used <= jobs
+    assert used
+    assert used <= jobs
 
 
 def test_scrape_config_covers_every_reach_service_on_the_metrics_port():
