@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from reach._telemetry import Emitter, Histogram
+import reach
 from reach.telemetry import Telemetry
 from reach.testing import eventually
 
@@ -31,14 +31,6 @@ from ..observability import (
 )
 
 _LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
-
-
-def stand_in(out: Emitter) -> None:
-    """What a registry with one agent registered and the agent report, until they do."""
-    out.gauge("reach_registry_agents", ["geo.route", "UP"], 1)
-    out.counter("reach_registry_heartbeats", [], 4)
-    out.histogram("reach_registry_heartbeat_lag_seconds", [], Histogram((0.01, 0.1)))
-    out.gauge("reach_agent_info", ["router", "router-1", "UP"], 1)
 
 
 class Prometheus:
@@ -130,17 +122,24 @@ def netloc(url: str) -> str:
     return urllib.parse.urlsplit(url).netloc
 
 
-async def test_prometheus_scrapes_reach_and_answers_every_dashboard_query(tmp_path):
-    # -- the Reach processes Prometheus scrapes --------------------------------------------
-    # Stand-in until the registry and agent report metrics. Then: start a real
-    # `Registry(settings=reach_settings, telemetry=Telemetry(), metrics_port=0)` and
-    # `Agent(..., settings=reach_settings, telemetry=Telemetry(), metrics_port=0)` with one
-    # capability (fixtures nats_server/reach_settings), drop `stand_in`, and set
-    # `processes = [netloc(registry.metrics_url), netloc(agent.metrics_url)]`.
-    process_telemetry = Telemetry()
-    process_telemetry.add_source(stand_in)
-    process_server = await process_telemetry.serve(port=0)
-    processes = [netloc(process_server.url)]
+async def test_prometheus_scrapes_reach_and_answers_every_dashboard_query(
+    tmp_path, reach_settings
+):
+    # -- the Reach processes Prometheus scrapes: a real registry and agent ------------------
+    registry = reach.Registry(settings=reach_settings, telemetry=Telemetry(), metrics_port=0)
+    agent = reach.Agent(
+        "router", "router-1", settings=reach_settings, telemetry=Telemetry(), metrics_port=0
+    )
+
+    @agent.capability("geo.route")
+    async def route(req: dict[str, Any]) -> dict[str, Any]:
+        return req
+
+    await registry.start()
+    await agent.start()
+    assert registry.metrics_url
+    assert agent.metrics_url
+    processes = [netloc(registry.metrics_url), netloc(agent.metrics_url)]
     # -- every catalogue family, so that every dashboard query has data -------------------
     catalogue_telemetry = Telemetry()
     catalogue_telemetry.add_source(emit_catalogue)
@@ -211,9 +210,9 @@ async def test_prometheus_scrapes_reach_and_answers_every_dashboard_query(tmp_pa
             )
 
         await eventually(agent_down_fires, timeout=90)
-        assert process_server.served > 0
         assert catalogue_server.served > 0
     finally:
         await prometheus.stop()
-        await process_server.close()
+        await agent.stop()
+        await registry.stop()
         await catalogue_server.close()
