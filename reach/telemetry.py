@@ -28,7 +28,14 @@ from ._telemetry import (
     resolve_tracer,
 )
 
-__all__ = ["IdsFilter", "JsonFormatter", "MetricsServer", "Telemetry", "configure_logging"]
+__all__ = [
+    "Attachment",
+    "IdsFilter",
+    "JsonFormatter",
+    "MetricsServer",
+    "Telemetry",
+    "configure_logging",
+]
 
 HealthCheck = Callable[[], bool]
 
@@ -88,3 +95,39 @@ class Telemetry:
         server = MetricsServer(self.registry, self.health)
         await server.start(host, port)
         return server
+
+    async def attach(
+        self, name: str, source: Source, healthy: HealthCheck, port: int | None, host: str
+    ) -> Attachment:
+        """What an Agent or Registry does at start: its source and health check added, and
+        its own port served when ``port`` is not None. ``Attachment.close()`` undoes it."""
+        undo = [self.add_source(source), self.add_health(name, healthy)]
+        server = None
+        if port is not None:
+            try:
+                server = await self.serve(port, host)
+            except BaseException:
+                for u in undo:
+                    u()
+                raise
+        return Attachment(undo, server)
+
+
+class Attachment:
+    """One part's presence in a ``Telemetry`` (and its metrics port, if it has one)."""
+
+    def __init__(self, undo: list[Callable[[], None]], server: MetricsServer | None) -> None:
+        self._undo = undo
+        self.server = server
+
+    @property
+    def url(self) -> str | None:
+        return self.server.url if self.server is not None else None
+
+    async def close(self) -> None:
+        server, self.server = self.server, None
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        if server is not None:
+            await server.close()

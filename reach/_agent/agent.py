@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -24,10 +23,9 @@ from .._nats import TRANSIENT, NatsConnection, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import validate_agent_id
 from .._tasks import TaskRunner, TaskStats
-from .._telemetry import MetricsServer
 from ..errors import ConfigurationError
 from ..settings import ReachSettings
-from ..telemetry import Telemetry
+from ..telemetry import Attachment, Telemetry
 from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Status
 from . import srv
 from .control import ControlListeners
@@ -76,8 +74,7 @@ class Agent(Declarations, Exposure, Serving):
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         #: serve /metrics and /healthz on this port while running (0: any free port)
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
-        self._metrics_server: MetricsServer | None = None
-        self._unexpose: list[Callable[[], None]] = []
+        self._attachment: Attachment | None = None
         self._drain_started: float | None = None
         self.last_drain_seconds: float | None = None
         try:

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._telemetry import MetricsServer
 from ..wire import Priority
 from .model import AgentCells, Served
 from .observe import agent_source
@@ -16,7 +14,7 @@ if TYPE_CHECKING:
     from .._nats import NatsConnection
     from .._tasks import TaskRunner
     from ..settings import ReachSettings
-    from ..telemetry import Telemetry
+    from ..telemetry import Attachment, Telemetry
     from .agent import Agent
     from .workers import Workers
 
@@ -34,8 +32,7 @@ class Exposure:
     _workers: Workers
     _tasks: TaskRunner
     _nc: NatsConnection | None
-    _metrics_server: MetricsServer | None
-    _unexpose: list[Callable[[], None]]
+    _attachment: Attachment | None
     _drain_started: float | None
     #: how long the last drain took (seconds); None before the first
     last_drain_seconds: float | None
@@ -43,8 +40,7 @@ class Exposure:
     @property
     def metrics_url(self) -> str | None:
         """Where ``/metrics`` and ``/healthz`` are served while the agent runs, if asked."""
-        server = self._metrics_server
-        return server.url if server is not None else None
+        return self._attachment.url if self._attachment is not None else None
 
     def cells(self) -> dict[str, AgentCells]:
         """Per capability, what the workers counted (empty when metrics are off)."""
@@ -63,14 +59,13 @@ class Exposure:
     async def _expose(self, agent: Agent) -> None:
         """At start: spans on, the source and health check added, the port served."""
         self._workers.tracer = self._tasks.tracer = self.telemetry.tracer
-        if not self._unexpose:
-            self._unexpose.append(self.telemetry.add_source(agent_source(agent)))
-            self._unexpose.append(
-                self.telemetry.add_health(f"agent {self.agent_id}", self._healthy)
-            )
-        if self.metrics_port is not None and self._metrics_server is None:
-            self._metrics_server = await self.telemetry.serve(
-                self.metrics_port, self.settings.metrics_host
+        if self._attachment is None:
+            self._attachment = await self.telemetry.attach(
+                f"agent {self.agent_id}",
+                agent_source(agent),
+                self._healthy,
+                self.metrics_port,
+                self.settings.metrics_host,
             )
 
     def _healthy(self) -> bool:
@@ -79,12 +74,9 @@ class Exposure:
 
     async def _hide(self) -> None:
         """At stop: the port closed, the source and check removed."""
-        server, self._metrics_server = self._metrics_server, None
-        if server is not None:
-            await server.close()
-        for undo in self._unexpose:
-            undo()
-        self._unexpose.clear()
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            await attachment.close()
 
     def _drain_began(self) -> None:
         self._drain_started = time.monotonic()

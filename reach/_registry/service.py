@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -30,10 +29,9 @@ from .._nats import TRANSIENT, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
-from .._telemetry import MetricsServer
 from ..errors import ConnectionFailed
 from ..settings import ReachSettings
-from ..telemetry import Telemetry
+from ..telemetry import Attachment, Telemetry
 from ..wire import AgentRecord
 from .api import Api
 from .heartbeats import Heartbeats
@@ -68,8 +66,7 @@ class Registry:
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         #: serve /metrics and /healthz on this port while running (0: any free port)
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
-        self._metrics_server: MetricsServer | None = None
-        self._unexpose: list[Callable[[], None]] = []
+        self._attachment: Attachment | None = None
         self.url = url or self.settings.nats_url
         self.subjects = Subjects(self.settings.subject_prefix)
         self.bucket_name = self.subjects.bucket("agents")
@@ -116,8 +113,7 @@ class Registry:
     @property
     def metrics_url(self) -> str | None:
         """Where ``/metrics`` and ``/healthz`` are served while running, if asked."""
-        server = self._metrics_server
-        return server.url if server is not None else None
+        return self._attachment.url if self._attachment is not None else None
 
     @property
     def stats(self) -> RegistryStats:
@@ -247,14 +243,13 @@ class Registry:
         self._owner.keep(self._liveness.housekeeping, "housekeeping")
 
     async def _expose(self) -> None:
-        if not self._unexpose:
-            self._unexpose.append(self.telemetry.add_source(registry_source(self)))
-            self._unexpose.append(
-                self.telemetry.add_health(f"registry {self.registry_id}", self._healthy)
-            )
-        if self.metrics_port is not None and self._metrics_server is None:
-            self._metrics_server = await self.telemetry.serve(
-                self.metrics_port, self.settings.metrics_host
+        if self._attachment is None:
+            self._attachment = await self.telemetry.attach(
+                f"registry {self.registry_id}",
+                registry_source(self),
+                self._healthy,
+                self.metrics_port,
+                self.settings.metrics_host,
             )
 
     def _healthy(self) -> bool:
@@ -286,12 +281,9 @@ class Registry:
     async def _close(self) -> None:
         """Stop taking work, finish what was taken, end every task, then disconnect."""
         core = self._core
-        server, self._metrics_server = self._metrics_server, None
-        if server is not None:
-            await server.close()
-        for undo in self._unexpose:
-            undo()
-        self._unexpose.clear()
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            await attachment.close()
         subs, self._subs = self._subs, []
         try:
             async with asyncio.timeout(self.stop_timeout):
