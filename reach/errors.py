@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from .wire import ERROR_CODES
 
 # The protocol's codes (section 3.2); any other code is the handler's own refusal.
-_PROTOCOL_CODES = frozenset(str(code) for code in ERROR_CODES)
+#: the codes of the protocol; any other is an application's own
+PROTOCOL_CODES = frozenset(str(code) for code in ERROR_CODES)
 
 __all__ = [
     "AgentUnavailable",
@@ -165,7 +166,7 @@ class RemoteError(ReachError):
         self.attempts: list[Attempt] = list(attempts or [])
         #: what happened, finer than ``code``: e.g. "no_responders" for a NATS 503; an
         #: application code is always "refused", so it can never pose as a client outcome
-        self.outcome: str = self.code if self.code in _PROTOCOL_CODES else "refused"
+        self.outcome: str = self.code if self.code in PROTOCOL_CODES else "refused"
         if retryable is not None:
             self.retryable = retryable
         super().__init__(message)

@@ -23,9 +23,9 @@ from .._nats import TRANSIENT, NatsConnection, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import validate_agent_id
 from .._tasks import TaskRunner, TaskStats
+from .._telemetry.core import Attachment, Telemetry
 from ..errors import ConfigurationError
 from ..settings import ReachSettings
-from ..telemetry import Attachment, Telemetry
 from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Status
 from . import srv
 from .control import ControlListeners

@@ -13,8 +13,8 @@ from .observe import agent_source
 if TYPE_CHECKING:
     from .._nats import NatsConnection
     from .._tasks import TaskRunner
+    from .._telemetry.core import Attachment, Telemetry
     from ..settings import ReachSettings
-    from ..telemetry import Attachment, Telemetry
     from .agent import Agent
     from .workers import Workers
 

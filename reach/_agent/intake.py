@@ -55,6 +55,7 @@ class Intake:
     async def _accept(self, msg: Msg, cap: Served) -> None:
         if not msg.reply:
             self.stats.invalid += 1
+            self._refused("no_reply_subject")
             return
         priority = _NORMAL
         deadline: int | None = None
@@ -85,11 +86,13 @@ class Intake:
             # Without Reach-Request-Id the reply subject names the request (PROTOCOL.md).
             request_id = msg.reply.removeprefix("_INBOX.")
         if not self.accepting:
+            self._refused("stopping")
             await self.workers.reply_error(msg, "agent_unavailable", "agent is stopping")
             return
         life = self.life
         if priority is _HIGH and life.refuse_high:
             self.stats.rejected += 1
+            self._refused("degraded")
             await self.workers.reply_error(
                 msg,
                 "resource_exhausted",
@@ -98,6 +101,7 @@ class Intake:
             return
         if life.refuse_direct and msg.subject == cap.direct:
             # Out of the queue groups already; direct callers must go elsewhere too.
+            self._refused("paused")
             await self.workers.reply_error(
                 msg, "agent_unavailable", f"agent {self.agent_id} is {life.state.lower()}"
             )
@@ -106,6 +110,7 @@ class Intake:
         queue = workers.queue
         if not queue.offer(priority, Job(msg, cap, priority, deadline, request_id)):
             self.stats.rejected += 1
+            self._refused("full")
             await workers.reply_error(
                 msg,
                 "resource_exhausted",
@@ -118,8 +123,13 @@ class Intake:
             workers.overloaded = True
             life.degrade(Reason.OVERLOAD)
 
+    def _refused(self, reason: str) -> None:
+        refusals = self.stats.refusals
+        refusals[reason] = refusals.get(reason, 0) + 1
+
     async def _bad_header(self, msg: Msg, reason: str) -> None:
         self.stats.invalid += 1
+        self._refused("bad_header")
         await self.workers.reply_error(msg, "bad_request", reason)
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 
 from .._telemetry import LATENCY_BUCKETS, Histogram
+from ..errors import PROTOCOL_CODES
 from ..wire import CapabilityInfo, Header, Priority
 from .handlers import Context, HandlerSpec
 
@@ -32,7 +33,9 @@ class AgentCells:
         self.latency = Histogram(LATENCY_BUCKETS)
 
     def error(self, priority: Priority, code: str) -> None:
-        key = (priority, code)
+        """Protocol codes as they are; a handler's own code (it may hold anything, a tenant
+        id say) is "refused", as callers see it, so the label stays bounded."""
+        key = (priority, code if code in PROTOCOL_CODES else "refused")
         self.errors[key] = self.errors.get(key, 0) + 1
 
 
@@ -114,3 +117,6 @@ class AgentStats:
     stuck: int = 0
     #: topic handlers that raised (logged; the topic keeps being delivered)
     topic_errors: int = 0
+    #: requests refused at intake, by reason (full, degraded, paused, stopping,
+    #: bad_header, no_reply_subject)
+    refusals: dict[str, int] = field(default_factory=dict)

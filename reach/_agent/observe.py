@@ -3,6 +3,7 @@ handler runs (only with a tracer), and the scrape-time source of its metrics."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,9 @@ async def traced_handler(
     ) as span:
         try:
             result = await fn(*args)
+        except asyncio.CancelledError:
+            span.set_attribute(ATTR.OUTCOME, "cancelled")  # its deadline, or a stop
+            raise
         except RemoteError as exc:
             span.set_attribute(ATTR.OUTCOME, exc.code)
             span.set_status(Status(StatusCode.ERROR, exc.code))
@@ -75,9 +79,9 @@ def agent_source(agent: Agent) -> Callable[[Emitter], None]:
     def collect(out: Emitter) -> None:
         out.gauge("reach_agent_info", (name, aid, agent.status.value), 1)
         for cap, cells in agent.cells().items():
-            for prio, n in cells.ok.items():
+            for prio, n in list(cells.ok.items()):
                 out.counter("reach_agent_requests", (name, cap, prio.value, "ok"), n)
-            for (prio, code), n in cells.errors.items():
+            for (prio, code), n in list(cells.errors.items()):
                 out.counter("reach_agent_requests", (name, cap, prio.value, code), n)
             out.histogram("reach_agent_handler_duration_seconds", (name, cap), cells.latency)
         for prio, n in agent.queue_lengths().items():
@@ -85,12 +89,12 @@ def agent_source(agent: Agent) -> Callable[[Emitter], None]:
         s = agent.stats
         out.gauge("reach_agent_requests_in_flight", (name,), s.inflight)
         out.counter("reach_agent_requests_expired", (name,), s.expired)
-        out.counter("reach_agent_requests_rejected", (name, "refused"), s.rejected)
-        out.counter("reach_agent_requests_rejected", (name, "invalid"), s.invalid)
+        for reason, n in list(s.refusals.items()):
+            out.counter("reach_agent_requests_rejected", (name, reason), n)
         if agent.last_drain_seconds is not None:
             out.gauge("reach_agent_drain_duration_seconds", (name,), agent.last_drain_seconds)
         t = agent.task_stats
-        for (cap, outcome), n in agent.task_outcomes().items():
+        for (cap, outcome), n in agent.task_outcomes().items():  # a copy
             out.counter("reach_agent_task_attempts", (name, cap, outcome), n)
         out.counter("reach_agent_task_redeliveries", (name,), t.redelivered)
         out.counter("reach_agent_tasks_dead_lettered", (name,), t.dead_lettered)

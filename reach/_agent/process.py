@@ -13,8 +13,8 @@ from .._runtime import run_async
 from .._telemetry import configure_logging, configure_tracing
 
 if TYPE_CHECKING:
+    from .._telemetry.core import Telemetry
     from ..settings import ReachSettings
-    from ..telemetry import Telemetry
 
 __all__ = ["Serving"]
 
@@ -82,7 +82,7 @@ class Serving:
         if not logging.getLogger().handlers:
             configure_logging(self.settings.log_format, self.settings.log_level)
         provider = None
-        if self.telemetry.tracer is None:
+        if self.telemetry.tracer is None and self.telemetry.tracing:
             provider = configure_tracing(self.settings, self.name)
             if provider is not None:
                 self.telemetry.tracer = provider.get_tracer("reach")

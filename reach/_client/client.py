@@ -21,9 +21,9 @@ from .._nats import TRANSIENT, connect_nats, flush_nats
 from .._routing import Policy, Router, Weights
 from .._subjects import Subjects, validate_capability
 from .._tasks import Tasks
+from .._telemetry.core import Telemetry
 from ..errors import NotStarted
 from ..settings import ReachSettings
-from ..telemetry import Telemetry
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
 from .config import ConfigSink, config_bucket

@@ -11,7 +11,7 @@ from .._telemetry import LATENCY_BUCKETS, Emitter, Histogram
 
 __all__ = ["CapCells", "ClientMetrics"]
 
-_MAX_CAPS = 1000  # capability names are validated; past this many, one "_other" cell
+_MAX_CAPS = 256  # capability names are validated; past this many, one "_other" cell
 
 
 class CapCells:
@@ -78,26 +78,31 @@ class ClientMetrics:
                 cells = self.caps[capability] = CapCells()
         return cells
 
+    def _bounded(self, capability: str, counts: dict[tuple[str, str], int]) -> str:
+        if len(counts) >= 3 * _MAX_CAPS and not any(k[0] == capability for k in counts):
+            return "_other"
+        return capability
+
     def submitted(self, capability: str, priority: str) -> None:
-        key = (capability, priority)
+        key = (self._bounded(capability, self.tasks_submitted), priority)
         self.tasks_submitted[key] = self.tasks_submitted.get(key, 0) + 1
 
     def task_final(self, rec: TaskRecord) -> None:
         """The final record of a task this client submitted reached it."""
-        key = (rec.capability, rec.state.value)
+        key = (self._bounded(rec.capability, self.tasks_finished), rec.state.value)
         self.tasks_finished[key] = self.tasks_finished.get(key, 0) + 1
 
     def collect(self, out: Emitter) -> None:
         for cap, c in list(self.caps.items()):
-            for policy, n in c.ok.items():
+            for policy, n in list(c.ok.items()):
                 out.counter("reach_client_requests", (cap, policy, "ok"), n)
-            for (policy, outcome), n in c.outcomes.items():
+            for (policy, outcome), n in list(c.outcomes.items()):
                 out.counter("reach_client_requests", (cap, policy, outcome), n)
             out.histogram("reach_client_request_duration_seconds", (cap,), c.latency)
             out.gauge("reach_client_requests_in_flight", (cap,), c.inflight)
             if c.attempts_ok:
                 out.counter("reach_client_attempts", (cap, "ok"), c.attempts_ok)
-            for outcome, n in c.attempts.items():
+            for outcome, n in list(c.attempts.items()):
                 out.counter("reach_client_attempts", (cap, outcome), n)
             out.counter("reach_client_retries", (cap,), c.retries)
             out.counter("reach_client_failovers", (cap,), c.failovers)
@@ -107,7 +112,7 @@ class ClientMetrics:
             out.gauge("reach_client_breaker_open", (agent_id,), breaker.state is BreakerState.OPEN)
         for agent_id, n in list(self.router.breaker_openings.items()):
             out.counter("reach_client_breaker_openings", (agent_id,), n)
-        for (cap, prio), n in self.tasks_submitted.items():
+        for (cap, prio), n in list(self.tasks_submitted.items()):
             out.counter("reach_client_tasks_submitted", (cap, prio), n)
-        for (cap, state), n in self.tasks_finished.items():
+        for (cap, state), n in list(self.tasks_finished.items()):
             out.counter("reach_client_tasks_finished", (cap, state), n)

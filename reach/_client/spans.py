@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
@@ -42,6 +44,9 @@ async def traced_attempt(
         propagate.inject(carrier)
         try:
             reply = await inbox.send(call, subject, carrier, budget, target)
+        except asyncio.CancelledError:
+            span.set_attribute(ATTR.OUTCOME, "cancelled")  # a hedge loser, a caller gone
+            raise
         except RemoteError as exc:
             span.set_attribute(ATTR.OUTCOME, exc.outcome)
             if exc.agent_id:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._tasks import TaskState
 from .._telemetry import LAG_BUCKETS, Emitter, Histogram
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def registry_source(registry: Registry) -> Callable[[Emitter], None]:
                 fleet[key] = fleet.get(key, 0) + 1
         for (name, status), n in fleet.items():
             out.gauge("reach_registry_agents", (name, status), n)
-        for (status, reason), n in cells.transitions.items():
+        for (status, reason), n in list(cells.transitions.items()):
             out.counter("reach_registry_transitions", (status, reason), n)
         s = registry.stats
         out.counter("reach_registry_heartbeats", (), s.heartbeats)
@@ -54,16 +55,17 @@ def registry_source(registry: Registry) -> Callable[[Emitter], None]:
         ):
             out.counter("reach_registry_heartbeats_dropped", (reason,), n)
         out.histogram("reach_registry_heartbeat_lag_seconds", (), cells.lag)
-        for outcome, n in cells.probes.items():
+        for outcome, n in list(cells.probes.items()):
             out.counter("reach_registry_probes", (outcome,), n)
-        for kind, n in cells.queries.items():
+        for kind, n in list(cells.queries.items()):
             out.counter("reach_registry_queries", (kind,), n)
         out.counter("reach_registry_task_sweeps", (), s.sweeps)
         out.counter("reach_registry_tasks_recovered", ("republished",), s.tasks_recovered)
         out.counter("reach_registry_tasks_recovered", ("dead_lettered",), s.max_deliveries)
         rs = registry.recovery_stats
-        for state, n in rs.states.items():
-            out.gauge("reach_tasks", (state,), n)
+        if rs.states is not None:
+            for state in TaskState:  # a state no record is in reads 0, not "no data"
+                out.gauge("reach_tasks", (state.value,), rs.states.get(state.value, 0))
         if rs.dlq_messages is not None:
             out.gauge("reach_dlq_messages", (), rs.dlq_messages)
 

@@ -29,9 +29,9 @@ from .._nats import TRANSIENT, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
+from .._telemetry.core import Attachment, Telemetry
 from ..errors import ConnectionFailed
 from ..settings import ReachSettings
-from ..telemetry import Attachment, Telemetry
 from ..wire import AgentRecord
 from .api import Api
 from .heartbeats import Heartbeats

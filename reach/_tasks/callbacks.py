@@ -34,7 +34,8 @@ async def deliver_callback(
     body = _encode(rec)
     error = ""
     trace: dict[str, str] = {}
-    propagate.inject(trace)  # the attempt's span, when tracing: the callback continues it
+    if d.traced:
+        propagate.inject(trace)  # the attempt's span: the callback continues its trace
     for i in range(1, s.callback_attempts + 1):
         try:
             reply = await nc.request(

@@ -71,9 +71,15 @@ def redelivered(d: Delivery) -> bool:
 
 @contextmanager
 def task_span(tracer: Tracer, agent_id: str, d: Delivery) -> Iterator[None]:
-    """The attempt's span, child of the submit's (its context rides in the task), current
-    while the handler runs and the result and callback are written."""
-    carrier = {"traceparent": d.sub.traceparent} if d.sub.traceparent else {}
+    """The attempt's span, child of the submit's, current while the handler runs and the
+    result and callback are written. The context comes from the message's headers (W3C
+    ``traceparent``/``tracestate``, as any SDK sends it), else from the task body (a task
+    republished by a recovery sweep or replayed from the DLQ keeps its trace that way)."""
+    headers = d.msg.headers or {}
+    if "traceparent" in headers:
+        carrier = headers
+    else:
+        carrier = {"traceparent": d.sub.traceparent} if d.sub.traceparent else {}
     with tracer.start_as_current_span(
         f"process {d.sub.capability}",
         context=propagate.extract(carrier),
@@ -88,5 +94,8 @@ def task_span(tracer: Tracer, agent_id: str, d: Delivery) -> Iterator[None]:
             ATTR.PRIORITY: d.sub.priority.value,
         },
     ) as span:
-        yield
-        span.set_attribute(ATTR.ATTEMPT, d.n)
+        try:
+            yield
+        finally:
+            span.set_attribute(ATTR.ATTEMPT, d.n)
+            span.set_attribute(ATTR.OUTCOME, d.outcome or "not_run")

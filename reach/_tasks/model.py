@@ -55,6 +55,8 @@ class Delivery:
     claim_rev: int = 0
     runner: asyncio.Task[Any] | None = None
     stop_reason: str = ""  # why the handler was cancelled: cancelled, fenced, drained
+    outcome: str = ""  # how the attempt ended (for metrics and its span)
+    traced: bool = False  # in a span: its context goes on with the callback
 
     @property
     def task_id(self) -> str:

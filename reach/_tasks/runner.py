@@ -308,6 +308,7 @@ class TaskRunner(Leases):
         if self.tracer is None:
             await self._attempt(d, decl)
         else:
+            d.traced = True
             with task_span(self.tracer, self.agent_id, d):
                 await self._attempt(d, decl)
 
@@ -359,7 +360,7 @@ class TaskRunner(Leases):
     ) -> None:
         reason = d.stop_reason
         ok = done and not inner.cancelled() and inner.result()[0]
-        outcome = reason or ("succeeded" if ok else "failed")
+        d.outcome = outcome = reason or ("succeeded" if ok else "failed")
         key = (d.sub.capability, outcome)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if reason == "fenced":

@@ -93,7 +93,8 @@ CATALOGUE: Final[dict[str, Spec]] = {
     ),
     "reach_agent_requests_rejected": Spec(
         "counter",
-        "Requests refused at intake (full, paused, draining, bad headers).",
+        "Requests refused at intake, by reason (full, degraded, paused, stopping, bad_header,"
+        " no_reply_subject).",
         ("agent", "reason"),
     ),
     "reach_agent_drain_duration_seconds": Spec(

@@ -1,5 +1,10 @@
 """One prometheus-client collector per ``Telemetry``: it asks every source (an agent, a
-client, a registry) for its numbers at scrape time and merges them into families."""
+client, a registry) for its numbers at scrape time and merges them into families.
+
+Sources sharing a ``Telemetry`` may report the same series (two agents of one name, an
+application's client and an agent's own): their samples are summed (histograms merged),
+so every series appears once.
+"""
 
 from __future__ import annotations
 
@@ -23,32 +28,44 @@ log = logging.getLogger("reach.telemetry")
 
 
 class Emitter:
-    """What a source writes its samples into during one scrape."""
+    """What sources write their samples into during one scrape."""
 
     def __init__(self) -> None:
-        self.families: dict[str, Metric] = {}
-
-    def _family(self, name: str) -> Metric:
-        family = self.families.get(name)
-        if family is None:
-            family = _empty(name)
-            self.families[name] = family
-        return family
+        self.values: dict[str, dict[tuple[str, ...], float]] = {}
+        self.histograms: dict[str, dict[tuple[str, ...], Histogram]] = {}
 
     def counter(self, name: str, labels: Sequence[str], value: float) -> None:
-        family = self._family(name)
-        assert isinstance(family, CounterMetricFamily), name
-        family.add_metric(labels, value)
+        self._add(name, labels, value)
 
     def gauge(self, name: str, labels: Sequence[str], value: float) -> None:
-        family = self._family(name)
-        assert isinstance(family, GaugeMetricFamily), name
-        family.add_metric(labels, value)
+        self._add(name, labels, value)
+
+    def _add(self, name: str, labels: Sequence[str], value: float) -> None:
+        series = self.values.setdefault(name, {})
+        key = tuple(labels)
+        series[key] = series.get(key, 0.0) + value
 
     def histogram(self, name: str, labels: Sequence[str], hist: Histogram) -> None:
-        family = self._family(name)
-        assert isinstance(family, HistogramMetricFamily), name
-        family.add_metric(labels, list(hist.cumulative()), hist.sum)
+        series = self.histograms.setdefault(name, {})
+        key = tuple(labels)
+        merged = series.get(key)
+        if merged is None:
+            merged = series[key] = Histogram(hist.bounds)
+        merged.merge(hist)
+
+    def families(self) -> Iterator[Metric]:
+        for name, series in self.values.items():
+            family = _empty(name)
+            assert isinstance(family, CounterMetricFamily | GaugeMetricFamily), name
+            for labels, value in series.items():
+                family.add_metric(labels, value)
+            yield family
+        for name, hists in self.histograms.items():
+            family = _empty(name)
+            assert isinstance(family, HistogramMetricFamily), name
+            for labels, hist in hists.items():
+                family.add_metric(labels, list(hist.cumulative()), hist.sum)
+            yield family
 
 
 Source = Callable[[Emitter], None]
@@ -68,7 +85,7 @@ class ReachCollector(Collector):
 
     def __init__(self) -> None:
         self.sources: dict[int, Source] = {}
-        self.errors = 0  # sources that raised during a scrape (logged, skipped)
+        self.errors = 0  # sources that raised during a scrape (logged)
 
     def add(self, source: Source) -> Callable[[], None]:
         key = id(source)
@@ -86,6 +103,6 @@ class ReachCollector(Collector):
             try:
                 source(out)
             except Exception:
-                self.errors += 1
-                log.exception("metrics source %r failed; its samples are left out", source)
-        yield from out.families.values()
+                self.errors += 1  # what it wrote before failing stays in
+                log.exception("metrics source %r failed during a scrape", source)
+        yield from out.families()

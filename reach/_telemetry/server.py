@@ -68,21 +68,25 @@ class MetricsServer:
         try:
             async with asyncio.timeout(_READ_TIMEOUT):
                 head = await reader.readuntil(b"\r\n\r\n")
-            status, ctype, body = self._route(head)
+                try:
+                    status, ctype, body = self._route(head)
+                except Exception:
+                    log.exception("metrics server: %r failed", head.split(b"\r\n", 1)[0])
+                    status, ctype, body = "500 Internal Server Error", "text/plain", b"failed\n"
+                if head.startswith(b"HEAD "):
+                    body, length = b"", len(body)
+                else:
+                    length = len(body)
+                writer.write(
+                    f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {length}\r\nConnection: close\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
+            self.refused += 1  # too slow, cut short or too large: no answer
         except ConnectionError:
-            writer.close()
-            return
-        try:
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-        except ConnectionError:
-            pass  # the scraper hung up; nothing to answer
+            pass  # the scraper hung up
         finally:
             writer.close()
 

@@ -11,7 +11,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import ProxyTracerProvider, SpanKind
 from prometheus_client import CollectorRegistry
 
 import reach
@@ -67,6 +67,12 @@ async def test_metrics_carry_the_outcome_of_each_request(settings):
         with pytest.raises(reach.BadRequest):
             await client.request("tel.echo", [1, 2])
         await client.request("tel.echo", {"n": 1}, priority="high")
+        refused = await client.nc.request(
+            client.subjects.cap("tel.echo"), b"{}", headers={"Reach-Priority": "urgent"}
+        )
+        assert refused.headers["Nats-Service-Error-Code"] == "400"
+        rejected = "reach_agent_requests_rejected_total"
+        assert sample(registry, rejected, agent="tel", reason="bad_header") == 1
 
         c = "reach_client_requests_total"
         assert sample(registry, c, capability="tel.echo", policy="balanced", outcome="ok") == 4
@@ -86,7 +92,7 @@ async def test_metrics_carry_the_outcome_of_each_request(settings):
         labels = {"agent": "tel", "capability": "tel.echo"}
         assert sample(registry, a, **labels, priority="normal", outcome="ok") == 3
         assert sample(registry, a, **labels, priority="high", outcome="ok") == 1
-        assert sample(registry, a, **labels, priority="normal", outcome="busy_now") == 1
+        assert sample(registry, a, **labels, priority="normal", outcome="refused") == 1
         assert sample(registry, a, **labels, priority="normal", outcome="failed") == 1
         assert sample(registry, a, **labels, priority="normal", outcome="bad_request") == 1
         handled = "reach_agent_handler_duration_seconds_count"
@@ -266,7 +272,7 @@ async def test_telemetry_off_creates_no_span_objects(settings):
     """A provider exists, but this telemetry has tracing off: nothing starts a span, on the
     request path, in handlers or for tasks; and no provider at all means no tracer."""
     provider, exporter, counting = tracing()
-    assert Telemetry().tracer is None  # OpenTelemetry's global provider is not set here
+    assert Telemetry(tracer_provider=ProxyTracerProvider()).tracer is None  # none configured
     off = Telemetry(tracer_provider=provider, tracing=False)
     agent = echo_agent(settings, off)
 
@@ -388,3 +394,61 @@ async def test_a_broken_health_check_says_503(settings):
         assert msgspec.json.decode(body)["checks"] == {"always down": False}
     finally:
         await server.close()
+
+
+async def test_healthz_answers_even_when_a_check_raises():
+    telemetry = Telemetry()
+
+    def boom() -> bool:
+        raise RuntimeError("check broke")
+
+    telemetry.add_health("broken", boom)
+    server = await telemetry.serve()
+    try:
+        async with asyncio.timeout(10):
+            status, body = await http_get(server.url, "/healthz")
+        assert status == 503
+        assert msgspec.json.decode(body)["checks"] == {"broken": False}
+    finally:
+        await server.close()
+
+
+async def test_two_agents_on_one_telemetry_share_its_metrics_port(settings):
+    """Each reads REACH_METRICS_PORT: the second joins the first's server, and a port
+    taken by someone else is a ConfigurationError, not a raw OSError."""
+    telemetry = Telemetry()
+    first = echo_agent(settings, telemetry, "tel-a", metrics_port=0)
+    async with first:
+        port = int(first.metrics_url.rsplit(":", 1)[1])
+        second = echo_agent(settings, telemetry, "tel-b", metrics_port=port)
+        async with second:
+            assert second.metrics_url == first.metrics_url
+            status, text = await http_get(first.metrics_url, "/metrics")
+            assert status == 200
+            assert 'agent_id="tel-a"' in text
+            assert 'agent_id="tel-b"' in text
+        assert (await http_get(first.metrics_url, "/metrics"))[0] == 200  # still first's
+        other = echo_agent(settings, Telemetry(), "tel-c", metrics_port=port)
+        with pytest.raises(reach.ConfigurationError, match=str(port)):
+            await other.start()
+        assert other.metrics_url is None
+
+
+async def test_an_application_error_code_is_not_a_metric_label(settings):
+    """Codes come from handlers (and could carry ids): the agent counts them as refused."""
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry)
+    agent = Agent("tel", "tel-codes", settings=settings, telemetry=telemetry)
+
+    @agent.capability("tel.codes")
+    async def codes(req: dict) -> dict:
+        raise reach.RemoteError("no quota", code=f"quota_{req['tenant']}")
+
+    async with agent, Client(settings=settings, telemetry=telemetry) as client:
+        for tenant in ("a", "b", "c"):
+            with pytest.raises(reach.HandlerFailed):
+                await client.call("tel.codes", {"tenant": tenant}, agent_id="tel-codes")
+        text = telemetry.exposition().decode()
+        assert "quota_" not in text
+        labels = {"agent": "tel", "capability": "tel.codes", "priority": "normal"}
+        assert sample(registry, "reach_agent_requests_total", **labels, outcome="refused") == 3

@@ -123,3 +123,36 @@ def test_tracing_from_settings():
         ReachSettings(trace_exporter="zipkin")
     with pytest.raises(ValueError, match="log_format"):
         ReachSettings(log_format="xml")
+
+
+def test_samples_with_the_same_labels_are_merged_not_repeated():
+    """Two agents of one name, or two clients, on one Telemetry: one series each, summed."""
+    telemetry = Telemetry()
+    for inflight in (0, 5):
+        telemetry.add_source(
+            lambda out, n=inflight: out.gauge("reach_agent_requests_in_flight", ("billing",), n)
+        )
+    for latency in (0.001, 2.0):
+        h = Histogram((0.01, 1.0))
+        h.observe(latency)
+        telemetry.add_source(
+            lambda out, h=h: out.histogram("reach_client_request_duration_seconds", ("c",), h)
+        )
+    text = telemetry.exposition().decode()
+    assert text.count("reach_agent_requests_in_flight{") == 1
+    assert 'reach_agent_requests_in_flight{agent="billing"} 5.0' in text
+    assert 'reach_client_request_duration_seconds_count{capability="c"} 2.0' in text
+    assert 'reach_client_request_duration_seconds_bucket{capability="c",le="0.01"} 1.0' in text
+
+
+def test_a_raising_health_check_counts_as_unhealthy():
+    telemetry = Telemetry()
+
+    def boom() -> bool:
+        raise RuntimeError("check broke")
+
+    telemetry.add_health("broken", boom)
+    telemetry.add_health("fine", lambda: True)
+    ok, details = telemetry.health()
+    assert not ok
+    assert details["checks"] == {"broken": False, "fine": True}
