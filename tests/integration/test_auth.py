@@ -25,6 +25,8 @@ from reach import (
     TaskRef,
     Unauthorized,
 )
+from reach._nats import connect_nats
+from reach._tasks.jsapi import JsApi
 from reach.testing import NatsServer, config_with_store, eventually
 
 CONFIG = Path(__file__).parents[2] / "services" / "nats" / "nats-server.conf"
@@ -202,6 +204,52 @@ async def test_a_forbidden_request_raises_unauthorized_not_a_timeout(secured: Na
         with pytest.raises(Unauthorized, match="subscribe"):
             await c.subscribe("order.*")
         assert c.stats.permission_violations == 3
+
+
+async def test_a_refusal_ends_only_the_request_it_belongs_to(secured: NatsServer):
+    """A request in flight when the server refuses another publish on the same connection
+    checks, finds it was not its own, and gets its answer."""
+    release = asyncio.Event()
+    started = asyncio.Event()
+    agent = Agent("logistics", "logistics-1", settings=as_user(secured, "logistics-1"))
+
+    @agent.capability("logistics.track")
+    async def track(ref: OrderRef) -> str:
+        started.set()
+        await release.wait()
+        return ref.order_id
+
+    async with agent, Client(settings=as_user(secured, "client"), name="shopper") as client:
+        call = asyncio.ensure_future(
+            client.request("logistics.track", {"order_id": "A-9"}, agent_id="logistics-1")
+        )
+        await asyncio.wait_for(started.wait(), 10)
+        await client.nc.publish("reach.hb.logistics-1", b"{}")  # not the client's to send
+        with pytest.raises(Unauthorized):
+            await client.flush()
+        release.set()
+        assert await asyncio.wait_for(call, 10) == "A-9"
+
+
+async def test_a_refused_jetstream_call_fails_alone_and_at_once(secured: NatsServer, admin: Client):
+    """The JetStream API inbox (task records, task publishes) does the same: the refused
+    call raises Unauthorized, the one beside it still gets its answer."""
+    nc = await connect_nats(as_user(secured, "registry"), secured.url, "registry-api")
+    asked = await admin.nc.subscribe("reach.evt.agent.probe")
+    await admin.flush()
+    api = JsApi(nc, timeout=60.0)
+    await api.open()
+    try:
+        waiting = asyncio.ensure_future(api.request("reach.evt.agent.probe", b"?"))
+        question = await asked.next_msg(timeout=10)
+        with pytest.raises(Unauthorized) as info:
+            await api.publish("reach.cap.logistics.track", b"{}", {})
+        assert info.value.subject == "reach.cap.logistics.track"
+        await question.respond(b"answer")
+        assert (await asyncio.wait_for(waiting, 10)).data == b"answer"
+    finally:
+        await api.close()
+        await nc.close()
 
 
 async def test_a_user_without_task_rights_cannot_submit(secured: NatsServer):
