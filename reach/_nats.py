@@ -116,7 +116,7 @@ async def connect_nats(
         # nats-py retries the first connect forever when reconnects are unlimited; bound it.
         async with asyncio.timeout(settings.connect_timeout * 3):
             await nc.connect(
-                url,
+                [u.strip() for u in url.split(",")],  # a cluster: nats://a:4222,nats://b:4222
                 name=name,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
