@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -19,17 +22,24 @@ import nats.js.errors
 from nats.aio.client import Client as NatsConnection
 from nats.aio.subscription import Subscription
 
-from .errors import ConnectionFailed
+from ._permissions import Permissions, auth_refused
+from .errors import ConnectionFailed, Unauthorized
 from .settings import ReachSettings
 
 __all__ = [
     "CONNECTION_LOST",
     "TRANSIENT",
     "NatsConnection",
+    "ReachConnection",
+    "check_refused",
     "connect_nats",
+    "credentials",
     "flush_nats",
     "is_no_responders",
     "leave",
+    "permissions_of",
+    "redact",
+    "refusals",
     "translate",
 ]
 
@@ -66,26 +76,155 @@ async def connect_nats(
     name: str,
     reconnected: Callable[[], Awaitable[None]] | None = None,
 ) -> NatsConnection:
-    """Open a NATS connection that reconnects forever; ConnectionFailed if the first fails."""
+    """Open a NATS connection that reconnects forever, with the settings' credentials.
+
+    Raises ``Unauthorized`` at once when the server refuses the credentials (none given,
+    or wrong), ``ConnectionFailed`` when the first connect fails otherwise. The server's
+    permission violations on the connection go to its ``Permissions``
+    (``permissions_of(nc)``), which logs and counts them.
+    """
+    perms = Permissions(name)
+    state = {"connecting": True, "auth_warned": False}
 
     async def on_error(exc: Exception) -> None:
+        if perms.record(exc):
+            return
+        if auth_refused(exc):
+            if state["connecting"]:
+                # Raised inside nats-py's first-connect loop, it ends it: retrying the same
+                # credentials forever would only turn a clear refusal into a timeout.
+                raise _Refused(str(exc))
+            if not state["auth_warned"]:
+                state["auth_warned"] = True
+                log.warning("nats connection %s: credentials refused on reconnect: %s", name, exc)
+            return
         log.warning("nats connection %s: %s", name, exc)
 
+    async def on_reconnect() -> None:
+        state["auth_warned"] = False
+        if reconnected is not None:
+            await reconnected()
+
+    # nats-py types these seconds as int; it uses them as float (as nats.connect passes them)
+    options: dict[str, Any] = {
+        "connect_timeout": settings.connect_timeout,
+        "reconnect_time_wait": 0.25,
+        **credentials(settings, url),
+    }
+    nc = ReachConnection(perms)
     try:
         # nats-py retries the first connect forever when reconnects are unlimited; bound it.
         async with asyncio.timeout(settings.connect_timeout * 3):
-            return await nats.connect(
-                url,
+            await nc.connect(
+                [u.strip() for u in url.split(",")],  # a cluster: nats://a:4222,nats://b:4222
                 name=name,
-                connect_timeout=settings.connect_timeout,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
                 error_cb=on_error,
-                reconnected_cb=reconnected,
+                reconnected_cb=on_reconnect,
+                **options,
             )
+    except _Refused as exc:
+        await _abandon(nc)
+        who = _user(settings, url)
+        raise Unauthorized(
+            f"NATS at {redact(url)} refused the credentials {who}({exc}); set "
+            "REACH_NATS_USER and REACH_NATS_PASSWORD (or REACH_NATS_TOKEN, REACH_NATS_CREDS, "
+            "or user:password in REACH_NATS_URL) to a user of its nats-server.conf"
+        ) from None
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-        raise ConnectionFailed(f"cannot reach NATS at {url}: {exc}", url=url) from exc
+        await _abandon(nc)
+        raise ConnectionFailed(f"cannot reach NATS at {redact(url)}: {exc}", url=url) from exc
+    state["connecting"] = False
+    return nc
+
+
+class ReachConnection(NatsConnection):
+    """A nats-py connection that carries what the server refused on it."""
+
+    def __init__(self, permissions: Permissions) -> None:
+        super().__init__()
+        self.permissions = permissions
+
+
+def permissions_of(nc: NatsConnection) -> Permissions | None:
+    """The refusals of a connection made by ``connect_nats`` (None for any other)."""
+    return nc.permissions if isinstance(nc, ReachConnection) else None
+
+
+def check_refused(
+    nc: NatsConnection | None, what: str, failure: BaseException | None = None, since: int = 0
+) -> None:
+    """Raise Unauthorized naming what the server refused on ``nc`` after its ``count`` was
+    ``since`` (nothing if it refused nothing). A refused SUB or PUB is answered before the
+    PONG of a later flush, so after ``flush_nats`` this tells all about what was sent
+    before it. With ``failure`` (what ``what`` failed with), only an ordinary error is
+    explained so (a timeout of a refused JetStream call, say), never a cancellation."""
+    if failure is not None and (
+        not isinstance(failure, Exception) or isinstance(failure, Unauthorized)
+    ):
+        return
+    permissions = permissions_of(nc) if nc is not None else None
+    if permissions is not None:
+        permissions.check(since, what)
+
+
+def refusals(nc: NatsConnection) -> int:
+    """How many refusals ``nc`` has had so far: a mark for ``check_refused``."""
+    permissions = permissions_of(nc)
+    return permissions.count if permissions is not None else 0
+
+
+class _Refused(Exception):
+    """The server refused the credentials during the first connect."""
+
+
+async def _abandon(nc: NatsConnection) -> None:
+    """Close a connection whose first connect failed (its socket may still be open)."""
+    try:
+        await nc.close()
+    except TRANSIENT as exc:
+        log.debug("closing a failed connection: %s", exc)
+
+
+def _has_userinfo(url: str) -> bool:
+    return any("@" in urlsplit(u.strip()).netloc for u in url.split(","))
+
+
+def credentials(settings: ReachSettings, url: str) -> dict[str, Any]:
+    """nats-py's connect arguments for the settings' credentials. A ``user:password@`` in
+    the URL wins over ``nats_user``/``nats_password``/``nats_token`` (it is the more
+    specific); a ``nats_creds`` file is always used when set."""
+    kwargs: dict[str, Any] = {}
+    if settings.nats_creds:
+        kwargs["user_credentials"] = settings.nats_creds
+    if _has_userinfo(url):
+        return kwargs
+    if settings.nats_user:
+        kwargs["user"] = settings.nats_user
+        kwargs["password"] = settings.nats_password
+    elif settings.nats_token:
+        kwargs["token"] = settings.nats_token
+    return kwargs
+
+
+def _user(settings: ReachSettings, url: str) -> str:
+    for u in url.split(","):
+        user = urlsplit(u.strip()).username
+        if user:
+            return f"of user {user!r} "
+    if settings.nats_user:
+        return f"of user {settings.nats_user!r} "
+    if settings.nats_token:
+        return "(a token) "
+    if settings.nats_creds:
+        return f"in {settings.nats_creds} "
+    return "(none were given) "
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    return re.sub(r"(://[^:/@,]*):[^@/,]*@", r"\1:***@", url)
 
 
 async def flush_nats(nc: NatsConnection) -> None:

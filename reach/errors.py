@@ -178,8 +178,13 @@ class BadRequest(RemoteError, ValueError):
 
 
 class Unauthorized(RemoteError):
+    """The other side refused us: an agent answered ``unauthorized``, the NATS server
+    refused the credentials, or it refused this user a subject (nats-server.conf's
+    permissions), which ``subject`` then names (lowercased, as the server reports it)."""
+
     code = "unauthorized"
     status = 401
+    subject: str = ""
 
 
 class CapabilityNotFound(RemoteError, LookupError):

@@ -19,7 +19,7 @@ from nats.nuid import NUID
 
 from .._client import Client
 from .._codec import now_ms
-from .._nats import TRANSIENT, NatsConnection, connect_nats, flush_nats
+from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import validate_agent_id
 from .._tasks import TaskRunner, TaskStats
@@ -226,6 +226,7 @@ class Agent(Declarations, Exposure, Serving):
             self._stopping = None
             self._drain_requested.clear()
             self._build()
+            nc: NatsConnection | None = None
             try:
                 nc = await connect_nats(
                     self.settings, self._url, self.agent_id, reconnected=self._client.on_reconnect
@@ -260,9 +261,11 @@ class Agent(Declarations, Exposure, Serving):
                 # One registration attempt now (no-responders answers at once when no
                 # registry runs); the presence loop retries with backoff and heartbeats.
                 await self._presence.register()
+                check_refused(nc, f"agent {self.agent_id} start")  # SUBs and PUBs so far
                 self._presence.start(self._work)
-            except BaseException:
+            except BaseException as exc:
                 await self._close(deregister=False)
+                check_refused(nc, f"agent {self.agent_id} start", exc)  # the cause, if it was
                 raise
         log.info("agent %s serving %s", self.agent_id, ", ".join(self._caps) or "no capabilities")
 

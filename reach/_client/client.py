@@ -17,7 +17,7 @@ from typing import Any, Self
 import msgspec
 from nats.aio.client import Client as NatsConnection
 
-from .._nats import TRANSIENT, connect_nats, flush_nats
+from .._nats import TRANSIENT, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
 from .._subjects import Subjects, validate_capability
 from .._tasks import Tasks
@@ -51,6 +51,7 @@ class ClientStats:
     heartbeats_clamped: int = 0  # records whose heartbeat numbers were out of range
     records_ignored: int = 0  # agent records that did not decode or named another key
     config_ignored: int = 0  # config keys whose value could not be used
+    permission_violations: int = 0  # publishes and subscriptions the server refused
 
 
 class Client(DurableTasks):
@@ -73,6 +74,7 @@ class Client(DurableTasks):
         self.subjects = Subjects(self.settings.subject_prefix)
         self._nc: NatsConnection | None = None
         self._owns_nc = True
+        self._flushed = 0  # permission violations already reported by flush()
         self._router = Router(
             breaker_cooldown=self.settings.breaker_cooldown,
             retry_ratio=self.settings.retry_budget,
@@ -137,7 +139,7 @@ class Client(DurableTasks):
         await self._open(nc, owned=False)
 
     async def _open(self, nc: NatsConnection, *, owned: bool) -> None:
-        self._nc, self._owns_nc = nc, owned
+        self._nc, self._owns_nc, self._flushed = nc, owned, 0
         self._requests.tracer = self._tasks.tracer = self.telemetry.tracer
         if self._metrics is not None and self._unsource is None:
             self._unsource = self.telemetry.add_source(self._metrics.collect)
@@ -243,6 +245,7 @@ class Client(DurableTasks):
     @property
     def stats(self) -> ClientStats:
         """Counters: dropped changes, background failures, cancelled attempts, ..."""
+        perms = permissions_of(self._nc) if self._nc is not None else None
         return ClientStats(
             changes_dropped=self._table.dropped,
             background_failures=self._watches.owner.failures,
@@ -252,6 +255,7 @@ class Client(DurableTasks):
             heartbeats_clamped=self._table.clamped,
             records_ignored=self._table.undecodable,
             config_ignored=self._config.ignored,
+            permission_violations=perms.count if perms is not None else 0,
         )
 
     # -- closing -----------------------------------------------------------------------
@@ -381,5 +385,12 @@ class Client(DurableTasks):
         return await subscribe(self.nc, self.subjects, self.url, topic)
 
     async def flush(self) -> None:
-        """Wait until the server has everything this client sent (e.g. after publish)."""
-        await flush_nats(self.nc)
+        """Wait until the server has everything this client sent (e.g. after publish);
+        ``Unauthorized`` naming what it refused on this connection since the last flush
+        (a subject the user's permissions in nats-server.conf do not allow)."""
+        nc = self.nc
+        await flush_nats(nc)
+        permissions = permissions_of(nc)
+        if permissions is not None and permissions.count != self._flushed:
+            mark, self._flushed = self._flushed, permissions.count
+            permissions.check(mark, f"flush of {self.name or 'reach-client'}")

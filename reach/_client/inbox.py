@@ -16,7 +16,8 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
-from .._nats import CONNECTION_LOST, TRANSIENT, flush_nats
+from .._nats import CONNECTION_LOST, TRANSIENT, flush_nats, permissions_of
+from .._permissions import Permissions, Recheck, Violation, rearm, unauthorized
 from .._routing import Policy, TableView
 from ..errors import (
     AgentUnavailable,
@@ -83,12 +84,21 @@ class Inbox:
         self._seq = 0
         self._sub: Subscription | None = None
         self._nuid = NUID()
+        self._permissions: Permissions | None = None
 
     async def open(self, nc: NatsConnection) -> None:
         self.nc = nc
         self._prefix = f"_INBOX.{self._nuid.next().decode()}."
+        self._permissions = permissions = permissions_of(nc)
+        if permissions is not None:
+            permissions.listen(self._on_violation)
         self._sub = await nc.subscribe(self._prefix + "*", cb=self._on_reply)
         await flush_nats(nc)
+
+    def _on_violation(self, violation: Violation) -> None:
+        """The server refused a publish: every pending call checks whether it was its own
+        (the error path only; a request carries nothing extra for it)."""
+        rearm(self.pending, violation)
 
     async def _on_reply(self, msg: Msg) -> None:
         fut = self.pending.get(msg.subject[len(self._prefix) :])
@@ -101,6 +111,9 @@ class Inbox:
             if not fut.done():
                 fut.set_exception(ConnectionFailed("client closed", url=self.url))
         sub, self._sub, self.nc = self._sub, None, None
+        if self._permissions is not None:
+            self._permissions.unlisten(self._on_violation)
+            self._permissions = None
         if unsubscribe and sub is not None:
             try:
                 await sub.unsubscribe()
@@ -140,6 +153,8 @@ class Inbox:
             ) from None
         except CONNECTION_LOST as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
+        except Recheck as exc:
+            msg = await self._recheck(exc, subject, wait, started, call, agent_id, rid)
         finally:
             expiry.cancel()
             del self.pending[token]
@@ -170,6 +185,44 @@ class Inbox:
                 except ValueError:
                     duration = None
         return Reply(value, msg.data, served_by, rid, latency_ms, duration)
+
+    async def _recheck(
+        self,
+        exc: Recheck,
+        subject: str,
+        wait: float,
+        started: float,
+        call: Call,
+        agent_id: str | None,
+        rid: str,
+    ) -> Msg:
+        """A publish was refused while this call waited: Unauthorized if it was this
+        call's, else wait on for the reply in the time left."""
+        own = subject.lower()
+        loop = asyncio.get_running_loop()
+        while True:
+            if exc.violation.subject == own:
+                conn = self._permissions.name if self._permissions is not None else ""
+                err = unauthorized(exc.violation, conn, capability=call.capability)
+                err.agent_id, err.request_id = agent_id or "", rid
+                raise err from None
+            fut = exc.fresh
+            left = wait - (time.perf_counter() - started)
+            timer = loop.call_later(max(0.0, left), _expire, fut)
+            try:
+                result: Msg = await fut
+                return result
+            except Recheck as again:
+                exc = again
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"{call.capability!r} got no answer within {wait:.3g}s",
+                    capability=call.capability,
+                    agent_id=agent_id or "",
+                    request_id=rid,
+                ) from None
+            finally:
+                timer.cancel()
 
 
 def _no_responders(capability: str, agent_id: str | None, rid: str) -> RemoteError:

@@ -13,7 +13,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from .._codec import decoder_for, encode_payload
-from .._nats import TRANSIENT, flush_nats, translate
+from .._nats import TRANSIENT, flush_nats, permissions_of, translate
+from .._permissions import Violation
 from .._subjects import Subjects, validate_topic
 from ..errors import RequestTimeout
 from ..wire import Header
@@ -41,17 +42,31 @@ async def publish(
 ) -> None:
     validate_topic(topic)
     headers = {Header.CALLER: caller} if caller else None
+    subject = subjects.topic(topic)
+    permissions = permissions_of(nc)
+    if permissions is not None and permissions.publish_refused(subject):
+        # refused before: say so now (the first refusal only shows at the next flush)
+        raise permissions.error(Violation("publish", subject.lower()))
     with translate(url):
-        await nc.publish(subjects.topic(topic), encode_payload(payload), headers=headers)
+        await nc.publish(subject, encode_payload(payload), headers=headers)
 
 
 async def subscribe(
     nc: NatsConnection, subjects: Subjects, url: str, topic: str
 ) -> TopicSubscription:
+    """Subscribe and flush; Unauthorized when the server refused the subscription."""
     validate_topic(topic, wildcards=True)
+    subject = subjects.topic(topic)
+    permissions = permissions_of(nc)
+    mark = permissions.count if permissions is not None else 0
     with translate(url):
-        sub = await nc.subscribe(subjects.topic(topic))
+        sub = await nc.subscribe(subject)
         await flush_nats(nc)
+    if permissions is not None:
+        refused = Violation("subscribe", subject.lower())
+        if refused in permissions.since(mark):
+            await TopicSubscription(subjects, sub).unsubscribe()
+            raise permissions.error(refused)
     return TopicSubscription(subjects, sub)
 
 

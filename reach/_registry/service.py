@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 
 from .. import _kv
-from .._nats import TRANSIENT, connect_nats, flush_nats
+from .._nats import TRANSIENT, check_refused, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
@@ -213,6 +213,7 @@ class Registry:
                     connected=lambda: nc.is_connected,
                 )
                 if not await self._mirror.start(self.start_timeout):
+                    check_refused(nc, f"registry {self.registry_id}: watch of {self.bucket_name}")
                     raise ConnectionFailed(
                         f"registry {self.registry_id}: no snapshot of bucket "
                         f"{self.bucket_name!r} within {self.start_timeout:g}s on {self.url}",
@@ -232,7 +233,9 @@ class Registry:
                     )
                     self._recovery.start()
                 await flush_nats(nc)
+                check_refused(nc, f"registry {self.registry_id} start")
         except TRANSIENT as exc:
+            check_refused(nc, f"registry {self.registry_id} start ({step})", exc)
             if step == "bind":
                 raise ConnectionFailed(self._unavailable(exc), url=self.url) from exc
             raise ConnectionFailed(

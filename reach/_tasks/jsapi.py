@@ -17,7 +17,8 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .._nats import NatsConnection
+from .._nats import NatsConnection, permissions_of
+from .._permissions import Permissions, Recheck, Violation, rearm, unauthorized
 
 __all__ = ["JsApi"]
 
@@ -47,14 +48,24 @@ class JsApi:
         self._seq = 0
         self._pending: dict[str, asyncio.Future[Msg]] = {}
         self._sub: Subscription | None = None
+        self._permissions: Permissions | None = None
 
     async def open(self) -> None:
         if self._sub is None:
             self._prefix = self.nc.new_inbox() + "."
             self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply)
+            self._permissions = permissions_of(self.nc)
+            if self._permissions is not None:
+                self._permissions.listen(self._on_violation)
+
+    def _on_violation(self, violation: Violation) -> None:
+        rearm(self._pending, violation)  # a refused publish: each call checks if it was its
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None
+        if self._permissions is not None:
+            self._permissions.unlisten(self._on_violation)
+            self._permissions = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(nats.errors.ConnectionClosedError())
@@ -81,12 +92,31 @@ class JsApi:
         try:
             await self.nc.publish(subject, data, reply=self._prefix + token, headers=headers)
             msg = await fut
+        except Recheck as exc:
+            msg = await self._recheck(exc, subject)
         finally:
             timer.cancel()
             self._pending.pop(token, None)  # close() may have cleared it already
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
             raise nats.errors.NoRespondersError
         return msg
+
+    async def _recheck(self, exc: Recheck, subject: str) -> Msg:
+        """A publish was refused meanwhile: Unauthorized if it was ours, else wait on (the
+        new future's own timer: the time left is not tracked on this path)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if exc.violation.subject == subject.lower():
+                conn = self._permissions.name if self._permissions is not None else ""
+                raise unauthorized(exc.violation, conn) from None
+            timer = loop.call_later(self.timeout, _expire, exc.fresh)
+            try:
+                result: Msg = await exc.fresh
+                return result
+            except Recheck as again:
+                exc = again
+            finally:
+                timer.cancel()
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
         """A JetStream publish; the stream sequence, or nats-py's APIError on refusal."""

@@ -30,7 +30,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Tracer
 
 from .._codec import encode_payload, now_ms
-from .._nats import TRANSIENT, NatsConnection
+from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
 from .._subjects import Subjects, validate_capability, validate_topic
 from .._telemetry import ATTR
 from ..errors import ConfigurationError, ConnectionFailed, NotStarted, ReachError
@@ -104,13 +104,18 @@ class Tasks:
             return self._store
         async with self._lock:
             if self._store is None or self._nc is not nc:
+                mark = refusals(nc)
                 with task_errors("task streams"):
-                    api = JsApi(nc)
-                    await api.open()
-                    store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
-                    await store.ensure()
-                    notify = self.subjects.task_done(self._nuid.next().decode())
-                    self._sub = await nc.subscribe(notify, cb=self._on_final)
+                    try:
+                        api = JsApi(nc)
+                        await api.open()
+                        store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
+                        await store.ensure()
+                        notify = self.subjects.task_done(self._nuid.next().decode())
+                        self._sub = await nc.subscribe(notify, cb=self._on_final)
+                    except Exception as exc:  # a timeout may be a refusal: say which
+                        check_refused(nc, "durable tasks", exc, since=mark)
+                        raise
                 self._nc, self._store, self.notify = nc, store, notify
                 self._closed = False
         return self._store

@@ -122,9 +122,7 @@ def netloc(url: str) -> str:
     return urllib.parse.urlsplit(url).netloc
 
 
-async def test_prometheus_scrapes_reach_and_answers_every_dashboard_query(
-    tmp_path, reach_settings
-):
+async def test_prometheus_scrapes_reach_and_answers_every_dashboard_query(tmp_path, reach_settings):
     # -- the Reach processes Prometheus scrapes: a real registry and agent ------------------
     registry = reach.Registry(settings=reach_settings, telemetry=Telemetry(), metrics_port=0)
     agent = reach.Agent(

@@ -1,0 +1,307 @@
+"""The shipped secured config (services/nats/nats-server.conf) on a real nats-server: each
+user can do its job and nothing else, and every refusal reaches the caller as
+``reach.Unauthorized``, at once, never as a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import nats.js.errors
+import pytest
+
+from reach import (
+    Agent,
+    Client,
+    ConnectionFailed,
+    Context,
+    ReachSettings,
+    Registry,
+    TaskContext,
+    TaskRecord,
+    TaskRef,
+    Unauthorized,
+)
+from reach._nats import connect_nats
+from reach._tasks.jsapi import JsApi
+from reach.testing import NatsServer, config_with_store, eventually
+
+CONFIG = Path(__file__).parents[2] / "services" / "nats" / "nats-server.conf"
+USERS = {
+    "registry": "NATS_REGISTRY_PASSWORD",
+    "client": "NATS_CLIENT_PASSWORD",
+    "logistics-1": "NATS_LOGISTICS_1_PASSWORD",
+    "aftersales-1": "NATS_AFTERSALES_1_PASSWORD",
+    "admin": "NATS_ADMIN_PASSWORD",
+    "system": "NATS_SYSTEM_PASSWORD",
+}
+PASSWORDS = {user: secrets.token_hex(8) for user in USERS}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """nats-server on the shipped config; its passwords from the environment, as deployed."""
+    config = config_with_store(CONFIG, tmp_path_factory.mktemp("secured"))
+    with pytest.MonkeyPatch.context() as env:
+        for user, var in USERS.items():
+            env.setenv(var, PASSWORDS[user])
+        server = NatsServer(config_file=config, extra_args=("-m", "-1")).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def as_user(server: NatsServer, user: str | None, **extra: float) -> ReachSettings:
+    """Settings of one user (prefix ``reach``: the config's), short intervals for tests."""
+    creds = {"nats_user": user, "nats_password": PASSWORDS[user]} if user else {}
+    return ReachSettings(
+        nats_url=server.url, heartbeat_interval=0.2, lease_ttl=2.0, **creds, **extra
+    )
+
+
+def violations(server: NatsServer) -> list[str]:
+    return [line for line in server.log_file.read_text().splitlines() if "Violation" in line]
+
+
+class OrderRef(msgspec.Struct):
+    order_id: str
+
+
+def logistics(settings: ReachSettings) -> Agent:
+    """The shape of sdk/examples/logistics.py (its user's permissions are made for it)."""
+    agent = Agent("logistics", "logistics-1", settings=settings)
+
+    @agent.capability("logistics.track")
+    async def track(ref: OrderRef, ctx: Context) -> dict[str, str]:
+        await ctx.client.publish("order.status", {"order_id": ref.order_id})
+        return {"order_id": ref.order_id, "by": agent.agent_id}
+
+    @agent.task("logistics.reroute")
+    async def reroute(ref: OrderRef, ctx: TaskContext) -> dict[str, str]:
+        await ctx.progress(0.5, "booking")
+        return {"order_id": ref.order_id, "booked_by": ctx.agent_id}
+
+    return agent
+
+
+def aftersales(settings: ReachSettings, heard: asyncio.Queue[str]) -> Agent:
+    agent = Agent("aftersales", "aftersales-1", settings=settings)
+
+    @agent.capability("aftersales.refund")
+    async def refund(ref: OrderRef) -> dict[str, str]:
+        return {"order_id": ref.order_id, "refund": "approved"}
+
+    @agent.on_topic("order.*")
+    async def on_status(update: dict[str, str], topic: str) -> None:
+        heard.put_nowait(topic)
+
+    return agent
+
+
+@pytest.fixture
+async def admin(secured: NatsServer) -> AsyncIterator[Client]:
+    async with Client(settings=as_user(secured, "admin"), name="admin") as client:
+        yield client
+
+
+# -- who may connect -------------------------------------------------------------------------
+
+
+async def test_a_connection_without_credentials_is_refused(secured: NatsServer):
+    with pytest.raises(Unauthorized, match="refused the credentials") as info:
+        await Client(settings=as_user(secured, None)).connect()
+    assert not isinstance(info.value, ConnectionFailed)
+
+
+async def test_a_wrong_password_is_refused_and_never_shown(secured: NatsServer):
+    wrong = as_user(secured, "client").model_copy(update={"nats_password": "not-it"})
+    with pytest.raises(Unauthorized, match="user 'client'"):
+        await Client(settings=wrong).connect()
+    host = secured.url.removeprefix("nats://")
+    with pytest.raises(Unauthorized) as info:
+        await Client(f"nats://client:not-it@{host}", settings=wrong).connect()
+    assert "not-it" not in str(info.value)
+
+
+async def test_user_and_password_in_the_url_still_work(secured: NatsServer):
+    host = secured.url.removeprefix("nats://")
+    url = f"nats://client:{PASSWORDS['client']}@{host}"
+    async with Client(url, settings=as_user(secured, None)) as client:
+        await client.flush()
+        assert client.connected
+
+
+# -- an agent is only itself -----------------------------------------------------------------
+
+
+async def test_an_agent_user_cannot_heartbeat_as_another_agent(secured: NatsServer, admin: Client):
+    """The server drops the false heartbeat (the registry never hears it) and Reach says
+    so with Unauthorized; the agent's own heartbeat goes through."""
+    heard = await admin.nc.subscribe("reach.hb.>")
+    await admin.flush()
+    async with Client(settings=as_user(secured, "logistics-1"), name="logistics-1") as own:
+        await own.nc.publish("reach.hb.aftersales-1", b"{}")
+        with pytest.raises(Unauthorized) as info:
+            await own.flush()
+        assert info.value.subject == "reach.hb.aftersales-1"
+        await own.nc.publish("reach.hb.logistics-1", b"{}")
+        await own.flush()
+        assert own.stats.permission_violations == 1
+    first = await heard.next_msg(timeout=5)  # the false one would have come first
+    assert first.subject == "reach.hb.logistics-1"
+
+
+async def test_an_agent_user_cannot_take_another_agents_direct_subjects(secured: NatsServer):
+    impostor = Agent("aftersales", "aftersales-1", settings=as_user(secured, "logistics-1"))
+
+    @impostor.capability("aftersales.refund")
+    async def refund(ref: OrderRef) -> str:
+        return "stolen"
+
+    with pytest.raises(Unauthorized) as info:
+        await impostor.start()
+    assert info.value.subject.startswith("reach.agent.aftersales-1.")
+    assert "subscribe" in str(info.value)
+    assert impostor.status.value == "DOWN"
+
+
+# -- a client reads the fleet, never writes it -------------------------------------------------
+
+
+async def test_a_client_cannot_write_the_agents_bucket(secured: NatsServer, admin: Client):
+    async with Registry(settings=as_user(secured, "registry")):  # makes reach_agents
+        async with Client(settings=as_user(secured, "client"), name="shopper") as client:
+            await client.nc.publish("$KV.reach_agents.logistics-1", b'{"forged": true}')
+            with pytest.raises(Unauthorized) as info:
+                await client.flush()
+            assert info.value.subject == "$kv.reach_agents.logistics-1"  # as the server says
+        kv = await admin.nc.jetstream().key_value("reach_agents")
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get("logistics-1")
+
+
+async def test_a_forbidden_request_raises_unauthorized_not_a_timeout(secured: NatsServer):
+    """The registry's user may not call capabilities: the refusal ends the request at once
+    (a timeout would take the whole minute); a broadcast it may not send says so at the
+    next flush, and at once the time after."""
+    async with Client(settings=as_user(secured, "registry"), name="registry-as-caller") as c:
+        with pytest.raises(Unauthorized) as info:
+            await c.request(
+                "logistics.track", {"order_id": "A-1"}, agent_id="logistics-1", timeout=60
+            )
+        assert info.value.subject == "reach.agent.logistics-1.logistics.track"
+        assert info.value.capability == "logistics.track"
+        await c.publish("order.status", {"order_id": "A-1"})
+        with pytest.raises(Unauthorized):
+            await c.flush()
+        with pytest.raises(Unauthorized) as again:
+            await c.publish("order.status", {"order_id": "A-1"})
+        assert again.value.subject == "reach.topic.order.status"
+        with pytest.raises(Unauthorized, match="subscribe"):
+            await c.subscribe("order.*")
+        assert c.stats.permission_violations == 3
+
+
+async def test_a_refusal_ends_only_the_request_it_belongs_to(secured: NatsServer):
+    """A request in flight when the server refuses another publish on the same connection
+    checks, finds it was not its own, and gets its answer."""
+    release = asyncio.Event()
+    started = asyncio.Event()
+    agent = Agent("logistics", "logistics-1", settings=as_user(secured, "logistics-1"))
+
+    @agent.capability("logistics.track")
+    async def track(ref: OrderRef) -> str:
+        started.set()
+        await release.wait()
+        return ref.order_id
+
+    async with agent, Client(settings=as_user(secured, "client"), name="shopper") as client:
+        call = asyncio.ensure_future(
+            client.request("logistics.track", {"order_id": "A-9"}, agent_id="logistics-1")
+        )
+        await asyncio.wait_for(started.wait(), 10)
+        await client.nc.publish("reach.hb.logistics-1", b"{}")  # not the client's to send
+        with pytest.raises(Unauthorized):
+            await client.flush()
+        release.set()
+        assert await asyncio.wait_for(call, 10) == "A-9"
+
+
+async def test_a_refused_jetstream_call_fails_alone_and_at_once(secured: NatsServer, admin: Client):
+    """The JetStream API inbox (task records, task publishes) does the same: the refused
+    call raises Unauthorized, the one beside it still gets its answer."""
+    nc = await connect_nats(as_user(secured, "registry"), secured.url, "registry-api")
+    asked = await admin.nc.subscribe("reach.evt.agent.probe")
+    await admin.flush()
+    api = JsApi(nc, timeout=60.0)
+    await api.open()
+    try:
+        waiting = asyncio.ensure_future(api.request("reach.evt.agent.probe", b"?"))
+        question = await asked.next_msg(timeout=10)
+        with pytest.raises(Unauthorized) as info:
+            await api.publish("reach.cap.logistics.track", b"{}", {})
+        assert info.value.subject == "reach.cap.logistics.track"
+        await question.respond(b"answer")
+        assert (await asyncio.wait_for(waiting, 10)).data == b"answer"
+    finally:
+        await api.close()
+        await nc.close()
+
+
+async def test_a_user_without_task_rights_cannot_submit(secured: NatsServer):
+    async with Client(settings=as_user(secured, "aftersales-1"), name="aftersales-1") as c:
+        with pytest.raises(Unauthorized, match="durable tasks"):
+            await c.submit("logistics.reroute", {"order_id": "A-1"})
+
+
+# -- and everyone can do their job ----------------------------------------------------------
+
+
+async def test_registry_agents_and_client_work_with_their_own_users(secured: NatsServer):
+    """Requests (queue group, routed, direct), a broadcast, a durable task with its watch:
+    all through the shipped permissions, with no refusal anywhere (server log included)."""
+    before = len(violations(secured))
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    async with Registry(settings=as_user(secured, "registry")):
+        track = logistics(as_user(secured, "logistics-1"))
+        refund = aftersales(as_user(secured, "aftersales-1"), heard)
+        async with track, refund:
+            async with Client(settings=as_user(secured, "client"), name="shopper") as client:
+                assert (await client.request("aftersales.refund", {"order_id": "A-1"}))[
+                    "refund"
+                ] == "approved"
+                await eventually(_fleet_of(client, 2), 10)
+                reply = await client.call("logistics.track", {"order_id": "A-2"})
+                assert reply.agent_id == "logistics-1"
+                direct = await client.request(
+                    "logistics.track", {"order_id": "A-3"}, agent_id="logistics-1"
+                )
+                assert direct["by"] == "logistics-1"
+                assert await asyncio.wait_for(heard.get(), 10) == "order.status"
+                ref = await client.submit("logistics.reroute", {"order_id": "A-4"})
+                states = [rec.state.value async for rec in _until_final(ref)]
+                assert states[-1] == "SUCCEEDED"
+                assert (await ref.result(timeout=10))["booked_by"] == "logistics-1"
+                await client.flush()
+                assert client.stats.permission_violations == 0
+            for agent in (track, refund):
+                assert agent.client.stats.permission_violations == 0
+    assert violations(secured)[before:] == []
+
+
+def _fleet_of(client: Client, n: int):
+    async def known() -> bool:
+        return len(await client.agents()) == n
+
+    return known
+
+
+async def _until_final(ref: TaskRef) -> AsyncIterator[TaskRecord]:
+    async for rec in ref.watch():
+        yield rec
+        if rec.final:
+            return
