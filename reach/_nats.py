@@ -30,6 +30,7 @@ __all__ = [
     "flush_nats",
     "is_no_responders",
     "leave",
+    "server_list",
     "translate",
 ]
 
@@ -60,6 +61,12 @@ CONNECTION_LOST: tuple[type[BaseException], ...] = (
 )
 
 
+def server_list(url: str) -> list[str]:
+    """The servers in ``url``: one URL, or several comma-separated (the nodes of a cluster;
+    nats-py takes a list, and reads a comma-joined string as one broken URL)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 async def connect_nats(
     settings: ReachSettings,
     url: str,
@@ -75,7 +82,7 @@ async def connect_nats(
         # nats-py retries the first connect forever when reconnects are unlimited; bound it.
         async with asyncio.timeout(settings.connect_timeout * 3):
             return await nats.connect(
-                url,
+                server_list(url),
                 name=name,
                 connect_timeout=settings.connect_timeout,
                 allow_reconnect=True,
