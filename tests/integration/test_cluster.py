@@ -7,9 +7,14 @@ own subject prefix, so its streams and buckets are its own.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -135,6 +140,45 @@ async def test_streams_and_buckets_made_at_r1_are_left_as_they_are_and_named_in_
     prefix, upper = r1.subject_prefix, r1.subject_prefix.upper()
     for stream in (f"KV_{prefix}_agents", f"KV_{prefix}_tasks", f"{upper}_TASKS"):
         assert f"stream {stream} has 1 replica(s) but REACH_REPLICAS asks for 3" in warned
+
+
+async def test_reach_up_cluster_runs_three_routed_nodes_and_a_registry_at_r3(tmp_path: Path):
+    up = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "reach.cli", "up", "--cluster", "3", "--port", "-1"),
+        *("--data-dir", str(tmp_path / "data")),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=tmp_path,  # no nats-server.conf here: the nodes run on defaults
+    )
+    assert up.stdout is not None
+    assert up.stderr is not None
+    pids: list[int] = []
+    try:
+        async with asyncio.timeout(60):
+            url = (await up.stdout.readline()).decode().strip()
+            while not pids:
+                line = (await up.stderr.readline()).decode()
+                assert line, "reach up ended before it named its servers"
+                if "nats-servers (pids" in line:
+                    pids = [int(p) for p in line.split("pids ")[1].split(")")[0].split(", ")]
+        settings = ReachSettings(nats_url=url, replicas=3)
+        async with Client(settings=settings) as client:
+            # the registry answered before the URL was printed, so its bucket is there
+            shape = await replica_peers(client.nc.jetstream(), "KV_reach_agents")
+            servers = len(client.nc.servers)
+    finally:
+        if up.returncode is None:
+            up.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            await up.wait()
+    assert len(url.split(",")) == 3
+    assert servers == 3
+    assert shape[0] == 3
+    assert len(shape[1]) == 2
+    assert up.returncode == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 async def lead_elsewhere(client: Client, streams: list[str], victim: str, heir: str) -> None:
