@@ -217,7 +217,11 @@ class NatsCluster:
                     node.kill()
                 if attempt == _STARTS - 1:
                     raise
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except ConnectionFailed:
+            self.stop()  # nothing half-started outlives a failed start
+            raise
         return self
 
     async def astart(self, timeout: float = 30.0) -> Self:
@@ -233,7 +237,11 @@ class NatsCluster:
                     await node.akill()
                 if attempt == _STARTS - 1:
                     raise
-        await self.await_ready(timeout)
+        try:
+            await self.await_ready(timeout)
+        except ConnectionFailed:
+            await self.astop()
+            raise
         return self
 
     def kill_node(self, i: int) -> None:

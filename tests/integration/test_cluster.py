@@ -21,7 +21,7 @@ import nats.errors
 import pytest
 from nats.js import JetStreamContext
 
-from reach import Agent, Client, ReachSettings, Registry, Status, TaskContext, TaskState
+from reach import Agent, Client, ReachError, ReachSettings, Registry, Status, TaskContext, TaskState
 from reach.testing import NatsCluster, eventually, unique_prefix
 
 
@@ -220,7 +220,15 @@ async def test_requests_and_tasks_go_on_while_a_follower_node_is_down(
     streams = [s for s in stream_names(settings) if not s.endswith("_config")]
     await lead_elsewhere(client, streams, victim, heir)
     await cluster.akill_node(cluster.names.index(victim))
+
+    async def answered() -> bool:
+        try:
+            return (await client.call("cl.ping", {"n": -1}, timeout=5)).value == {"pong": -1}
+        except ReachError:
+            return False  # both agents were on the dead node and are still reconnecting
+
     try:
+        await eventually(answered, timeout=30)
         replies = [await client.call("cl.ping", {"n": n}, timeout=10) for n in range(4)]
         ref = await client.submit("cl.work", {"n": 8})
         result = await ref.result(timeout=60)
