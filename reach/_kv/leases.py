@@ -16,6 +16,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from .._nats import TRANSIENT
+
 log = logging.getLogger("reach.kv")
 
 KV_OP = "KV-Operation"
@@ -38,17 +40,22 @@ class Latest:
 
 
 async def check_replicas(js: JetStreamContext, stream: str, wanted: int) -> int:
-    """The replicas ``stream`` has; a warning when it has fewer than ``wanted``.
+    """The replicas ``stream`` has (0: could not look); a warning when fewer than ``wanted``.
 
     An existing stream is never changed: moving data between servers is the operator's call,
     and processes with different settings would otherwise undo each other's changes.
     """
-    info = await js.stream_info(stream)
+    try:
+        info = await js.stream_info(stream)
+    except TRANSIENT as exc:  # a check, not a reason to fail a start (no right to look, say)
+        log.warning("replicas of stream %s not checked: %s: %s", stream, type(exc).__name__, exc)
+        return 0
     have = info.config.num_replicas or 1
     if have < wanted:
         log.warning(
-            "stream %s has %d replica(s) but REACH_REPLICAS asks for %d; it was made before "
-            "with fewer and Reach leaves it as it is (scale it: nats stream edit %s --replicas %d)",
+            "stream %s has %d replica(s), the settings ask for %d (REACH_REPLICAS, "
+            "REACH_TASK_REPLICAS): it was made before with fewer and Reach leaves it as it is "
+            "(to scale it: nats stream edit %s --replicas %d)",
             stream,
             have,
             wanted,

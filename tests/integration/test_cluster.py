@@ -139,7 +139,7 @@ async def test_streams_and_buckets_made_at_r1_are_left_as_they_are_and_named_in_
     assert shapes == [(1, [])] * 6  # not changed
     prefix, upper = r1.subject_prefix, r1.subject_prefix.upper()
     for stream in (f"KV_{prefix}_agents", f"KV_{prefix}_tasks", f"{upper}_TASKS"):
-        assert f"stream {stream} has 1 replica(s) but REACH_REPLICAS asks for 3" in warned
+        assert f"stream {stream} has 1 replica(s), the settings ask for 3" in warned
 
 
 async def test_reach_up_cluster_runs_three_routed_nodes_and_a_registry_at_r3(tmp_path: Path):
