@@ -40,6 +40,7 @@ __all__ = [
     "permissions_of",
     "redact",
     "refusals",
+    "server_list",
     "translate",
 ]
 
@@ -68,6 +69,12 @@ CONNECTION_LOST: tuple[type[BaseException], ...] = (
     nats.errors.StaleConnectionError,
     nats.errors.ConnectionReconnectingError,
 )
+
+
+def server_list(url: str) -> list[str]:
+    """The servers in ``url``: one URL, or several comma-separated (the nodes of a cluster;
+    nats-py takes a list, and reads a comma-joined string as one broken URL)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 async def connect_nats(
@@ -116,7 +123,7 @@ async def connect_nats(
         # nats-py retries the first connect forever when reconnects are unlimited; bound it.
         async with asyncio.timeout(settings.connect_timeout * 3):
             await nc.connect(
-                [u.strip() for u in url.split(",")],  # a cluster: nats://a:4222,nats://b:4222
+                server_list(url),  # a cluster: nats://a:4222,nats://b:4222
                 name=name,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,

@@ -91,6 +91,8 @@ class NatsServer:
         self.log_file = Path(log_file) if log_file else self.work_dir / "nats-server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        #: the monitoring URL (``http://host:port``) when monitoring is on, else ""
+        self.monitor_url = ""
         self._starting = False  # an astart is spawning or awaiting readiness
 
     @property
@@ -137,11 +139,13 @@ class NatsServer:
         assert self.proc is not None
         if ports_file.exists():
             try:
-                self.url = json.loads(ports_file.read_text())["nats"][0]
+                ports = json.loads(ports_file.read_text())
+                self.url = ports["nats"][0]
             except (ValueError, KeyError, IndexError):
                 pass  # written but not complete yet
             else:
                 self.port = int(self.url.rsplit(":", 1)[1])
+                self.monitor_url = (ports.get("monitoring") or [""])[0]
                 return True
         if self.proc.poll() is not None:
             raise ConnectionFailed(

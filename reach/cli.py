@@ -10,7 +10,6 @@ import logging
 import os
 import runpy
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +25,11 @@ from ._cli_common import status as _status
 from ._cli_common import table as _table
 from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
+from ._cli_up import up
 from ._client import Client
 from ._codec import now_ms
 from ._registry import Registry
 from ._runtime import run_async
-from ._server import NatsServer, config_with_store
 from ._telemetry import configure_logging, configure_tracing
 from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
@@ -87,81 +86,6 @@ async def _listen(args: argparse.Namespace, settings: ReachSettings) -> int:
                 count += 1
                 if args.count and count >= args.count:
                     break
-    return 0
-
-
-async def _wait_for_registry(settings: ReachSettings, timeout: float = 15.0) -> None:
-    """So that the URL is printed only once a registry answers."""
-    async with Client(settings=settings, name="reach-up") as client:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                await client.nc.request(client.subjects.registry("list"), b"{}", timeout=1)
-                return
-            except nats.errors.NoRespondersError:
-                await asyncio.sleep(0.05)
-            except nats.errors.TimeoutError:
-                continue
-    print("# registry did not answer yet; agents will register when it does", file=sys.stderr)
-
-
-def _up(args: argparse.Namespace, settings: ReachSettings) -> int:
-    """Run the wheel's nats-server in the foreground until Ctrl-C or SIGTERM."""
-    config = args.config
-    if config is None and Path("nats-server.conf").is_file():
-        config = "nats-server.conf"
-    data_dir = Path(args.data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        config = str(config_with_store(config, data_dir))
-    server = NatsServer(
-        store_dir=data_dir / "jetstream",
-        port=args.port,
-        config_file=config,
-        log_file=data_dir / "nats-server.log",
-        extra_args=("-m", str(args.monitor_port)) if args.monitor_port is not None else (),
-    )
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    server.start()
-    registry: subprocess.Popen[bytes] | None = None
-    try:
-        if not args.no_registry:
-            registry = subprocess.Popen(
-                [sys.executable, "-m", "reach.cli", "registry", "--url", server.url],
-                stdin=subprocess.DEVNULL,
-            )
-            run_async(_wait_for_registry(settings.model_copy(update={"nats_url": server.url})))
-        print(server.url, flush=True)
-        print(
-            f"# nats-server pid {server.pid}, JetStream in {data_dir}, log {server.log_file}",
-            file=sys.stderr,
-            flush=True,
-        )
-        print(f"# export REACH_NATS_URL={server.url}", file=sys.stderr, flush=True)
-        if registry is not None:
-            print(f"# registry pid {registry.pid}", file=sys.stderr, flush=True)
-        while not stop:
-            if server.proc is not None and server.proc.poll() is not None:
-                print(f"nats-server exited with {server.proc.returncode}", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-    finally:
-        if registry is not None and registry.poll() is None:
-            registry.terminate()  # by PID
-            try:
-                registry.wait(10)
-            except subprocess.TimeoutExpired:
-                registry.kill()
-                registry.wait()
-        server.close()
-    print("# stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -314,13 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=0, help="exit after this many messages")
     p.set_defaults(run=_listen, is_async=True)
 
-    p = sub.add_parser("up", help="run a local nats-server (JetStream on) until Ctrl-C")
+    p = sub.add_parser("up", help="run local nats-server(s) and a registry until Ctrl-C")
     p.add_argument("--config", default=None, help="config file (default ./nats-server.conf)")
     p.add_argument("--data-dir", default=os.environ.get("REACH_DATA_DIR", ".reach-data"))
     p.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
     p.add_argument("--monitor-port", type=int, default=None)
     p.add_argument("--no-registry", action="store_true", help="do not start a registry")
-    p.set_defaults(run=_up, is_async=False)
+    p.add_argument("--cluster", type=int, default=0, metavar="N", help="N nodes, one cluster")
+    p.set_defaults(run=up, is_async=False)
 
     p = with_url(sub.add_parser("agents", help="the routing table: every known agent"))
     p.add_argument("--capability", default=None)

@@ -15,6 +15,10 @@ A test that needs a server of its own (to kill or restart it) uses the async sid
         await server.akill()
         await server.astart()  # same port and store
 
+``NatsCluster(3)`` runs a JetStream cluster of three nodes on loopback the same way (sync or
+async); its ``urls`` go into ``ReachSettings(nats_url=..., replicas=3)``, and
+``akill_node(i)``/``astart_node(i)`` crash a node and bring it back on the same store.
+
 ``config_with_store(path, data_dir)`` gives a copy of a config (the shipped
 ``nats-server.conf``, say) whose JetStream store is in ``data_dir``, for
 ``NatsServer(config_file=...)``: tests and benches on the real durability settings.
@@ -28,11 +32,13 @@ import pytest
 from nats.nuid import NUID
 
 from ._client import Client
+from ._cluster import NatsCluster
 from ._server import NatsServer, config_with_store, nats_server_binary
 from ._wait import eventually
 from .settings import ReachSettings
 
 __all__ = [
+    "NatsCluster",
     "NatsServer",
     "config_with_store",
     "eventually",

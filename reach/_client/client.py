@@ -171,7 +171,12 @@ class Client(DurableTasks):
     ) -> None:
         """Change the ``scored`` weights of a capability for every client, no restart."""
         validate_capability(capability)
-        kv = await config_bucket(self.nc.jetstream(), self.subjects.bucket("config"), create=True)
+        kv = await config_bucket(
+            self.nc.jetstream(),
+            self.subjects.bucket("config"),
+            create=True,
+            replicas=self.settings.replicas,
+        )
         body = {"w_load": w_load, "w_latency": w_latency, "threshold": threshold}
         await kv.put(f"weights.{capability}", msgspec.json.encode(body))
 
@@ -179,7 +184,12 @@ class Client(DurableTasks):
         """Let callers ask for ``task_type``; it is served by ``capability``."""
         validate_capability(task_type)
         validate_capability(capability)
-        kv = await config_bucket(self.nc.jetstream(), self.subjects.bucket("config"), create=True)
+        kv = await config_bucket(
+            self.nc.jetstream(),
+            self.subjects.bucket("config"),
+            create=True,
+            replicas=self.settings.replicas,
+        )
         await kv.put(f"task.{task_type}", capability.encode())
 
     # -- reading the table -------------------------------------------------------------

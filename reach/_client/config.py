@@ -33,11 +33,14 @@ class _WeightsBody(msgspec.Struct, forbid_unknown_fields=False):
     threshold: float = 0.3
 
 
-async def config_bucket(js: JetStreamContext, bucket: str, *, create: bool) -> KeyValue:
+async def config_bucket(
+    js: JetStreamContext, bucket: str, *, create: bool, replicas: int = 1
+) -> KeyValue:
     config = KeyValueConfig(
         bucket=bucket,
         history=5,
         storage=StorageType.FILE,
+        replicas=replicas,
         description="Agent-Reach routing configuration",
     )
     return await bind_bucket(js, config, create=create)

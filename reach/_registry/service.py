@@ -261,7 +261,9 @@ class Registry:
 
     async def _bind(self) -> KeyValue:
         # The bucket lives in memory: after a server restart it may have to be created again.
-        return await _kv.agents_bucket(self._core.jsc(), self.bucket_name, create=True)
+        return await _kv.agents_bucket(
+            self._core.jsc(), self.bucket_name, create=True, replicas=self.settings.replicas
+        )
 
     def _unavailable(self, exc: BaseException) -> str:
         cause = type(exc).__name__

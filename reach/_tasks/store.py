@@ -27,7 +27,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, ttl_header
+from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, check_replicas, ttl_header
 from .._subjects import Subjects
 from ..settings import ReachSettings
 from ..wire import Priority
@@ -360,9 +360,13 @@ class TaskStore:
 
 
 async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create a stream, or leave an existing one as it is (another process made it)."""
+    """Create a stream, or leave an existing one as it is (another process made it; if
+    with fewer replicas than asked, ``check_replicas`` says so)."""
     try:
         await js.add_stream(config)
     except nats.js.errors.BadRequestError as exc:
         if exc.err_code != 10058:  # stream name already in use with another config
             raise
+        wanted = config.num_replicas or 1
+        if config.name and wanted > 1:
+            await check_replicas(js, config.name, wanted)

@@ -1,0 +1,137 @@
+"""``reach up``: the wheel's nats-server (or ``--cluster N`` of them, one JetStream cluster on
+loopback) and a registry, in the foreground until Ctrl-C or SIGTERM; everything it started
+is stopped by PID."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats.errors
+
+from ._client import Client
+from ._cluster import NatsCluster
+from ._runtime import run_async
+from ._server import NatsServer, config_with_store
+from .settings import ReachSettings
+
+__all__ = ["up"]
+
+_MAX_REPLICAS = 5  # JetStream's ceiling, and ReachSettings.replicas'
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+async def _wait_for_registry(settings: ReachSettings, timeout: float = 15.0) -> None:
+    """So that the URL is printed only once a registry answers."""
+    async with Client(settings=settings, name="reach-up") as client:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                await client.nc.request(client.subjects.registry("list"), b"{}", timeout=1)
+                return
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)
+            except nats.errors.TimeoutError:
+                continue
+    _say("# registry did not answer yet; agents will register when it does")
+
+
+def _start_registry(url: str, replicas: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "REACH_REPLICAS": str(replicas)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "reach.cli", "registry", "--url", url],
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+def _stop_registry(registry: subprocess.Popen[bytes] | None) -> None:
+    if registry is None or registry.poll() is not None:
+        return
+    registry.terminate()  # by PID
+    try:
+        registry.wait(10)
+    except subprocess.TimeoutExpired:
+        registry.kill()
+        registry.wait()
+
+
+def _config(args: argparse.Namespace) -> str | None:
+    """``--config``, else ``./nats-server.conf`` when there is one, else none."""
+    config: str | None = args.config
+    if config is None and Path("nats-server.conf").is_file():
+        config = "nats-server.conf"
+    return config
+
+
+def up(args: argparse.Namespace, settings: ReachSettings) -> int:
+    """Run the server(s) and a registry until Ctrl-C or SIGTERM; 1 if a server died."""
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = _config(args)
+    servers: NatsCluster | NatsServer
+    if args.cluster:
+        servers = NatsCluster(
+            args.cluster,
+            port=args.port,
+            monitor_port=-1 if args.monitor_port is None else args.monitor_port,
+            data_dir=data_dir,
+            config_file=config,
+        )
+        nodes, replicas = servers.nodes, min(args.cluster, _MAX_REPLICAS)
+    else:
+        servers = NatsServer(
+            store_dir=data_dir / "jetstream",
+            port=args.port,
+            config_file=config_with_store(config, data_dir) if config is not None else None,
+            log_file=data_dir / "nats-server.log",
+            extra_args=("-m", str(args.monitor_port)) if args.monitor_port is not None else (),
+        )
+        nodes, replicas = [servers], settings.replicas
+    registry: subprocess.Popen[bytes] | None = None
+    try:
+        url = servers.start().url
+        if not args.no_registry:
+            registry = _start_registry(url, replicas)
+            reach = settings.model_copy(update={"nats_url": url, "replicas": replicas})
+            run_async(_wait_for_registry(reach))
+        print(url, flush=True)
+        if isinstance(servers, NatsCluster):
+            pids = ", ".join(str(n.pid) for n in nodes)
+            _say(f"# {len(nodes)} nats-servers (pids {pids}), one JetStream cluster in {data_dir}")
+            _say(f"# export REACH_NATS_URL={url} REACH_REPLICAS={replicas}")
+        else:
+            _say(
+                f"# nats-server pid {servers.pid}, JetStream in {data_dir}, log {servers.log_file}"
+            )
+            _say(f"# export REACH_NATS_URL={url}")
+        if registry is not None:
+            _say(f"# registry pid {registry.pid} (REACH_REPLICAS={replicas})")
+        while not stop:
+            for node in nodes:
+                if node.proc is not None and node.proc.poll() is not None:
+                    _say(f"nats-server exited with {node.proc.returncode}; see {node.log_file}")
+                    return 1
+            time.sleep(0.2)
+    finally:
+        _stop_registry(registry)
+        servers.close()
+    _say("# stopped")
+    return 0
