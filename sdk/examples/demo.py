@@ -220,6 +220,27 @@ async def scenario(
         await client.request("logistics.track", {"order_id": "x"}, required_tags=["gpu"])
     except CapabilityNotFound as exc:
         line(f"Asking for what no instance has says why: {exc}")
+    metrics_report(client)
+
+
+def metrics_report(client: Client) -> None:
+    """What the desk's client counted, as Prometheus would scrape it (client.telemetry)."""
+    shown = {
+        "reach_client_requests_total": ("requests", ("capability", "outcome")),
+        "reach_client_failovers_total": ("failovers", ("capability",)),
+        "reach_client_tasks_finished_total": ("tasks", ("capability", "state")),
+    }
+    rows: dict[tuple[str, str], list[str]] = {}
+    for family in client.telemetry.registry.collect():
+        for sample in family.samples:
+            if sample.name in shown and sample.value:
+                what, labels = shown[sample.name]
+                cap, *rest = (sample.labels[k] for k in labels)
+                detail = f"{rest[0]} {sample.value:.0f}" if rest else f"{sample.value:.0f}"
+                rows.setdefault((what, cap), []).append(detail)
+    line("\nWhat the desk's client counted (its metrics, as /metrics would serve them):")
+    for (what, cap), details in sorted(rows.items()):
+        line(f"  {what:<10}{cap:<20}{', '.join(details)}")
 
 
 async def tasks_report(batch: Batch) -> None:
