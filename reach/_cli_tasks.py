@@ -104,6 +104,8 @@ async def _submit(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 async def _tasks(args: argparse.Namespace, settings: ReachSettings) -> int:
     target: list[str] = args.target
+    if target == ["init"]:
+        return await _init(settings)
     if len(target) > 2 or (len(target) == 2 and target[0] != "cancel") or target == ["cancel"]:
         usage = "use 'reach tasks [ID]' or 'reach tasks cancel ID'"
         print(f"error: bad_request: {usage}", file=sys.stderr)
@@ -129,6 +131,18 @@ async def _tasks(args: argparse.Namespace, settings: ReachSettings) -> int:
         print("no tasks", file=sys.stderr)
     else:
         _list_records(records)
+    return 0
+
+
+async def _init(settings: ReachSettings) -> int:
+    """Make the task streams and buckets now (at deploy time, as a user allowed to): agents
+    and clients then find them and need no right to create streams."""
+    async with Client(settings=settings, name=_NAME) as client:
+        store = await client._tasks.ready(client.nc)
+    print(
+        f"task streams {store.stream}, {store.dlq_stream}, {store.events_stream} and buckets"
+        f" {store.bucket}, {store.idem_bucket} ready ({settings.stream_replicas} replica(s))"
+    )
     return 0
 
 
@@ -308,9 +322,13 @@ def add_task_commands(
     p.set_defaults(run=_submit, is_async=True)
 
     p = with_url(
-        sub.add_parser("tasks", help="list tasks; 'tasks ID' shows one; 'tasks cancel ID'")
+        sub.add_parser(
+            "tasks",
+            help="list tasks; 'tasks ID' shows one; 'tasks cancel ID'; 'tasks init' makes"
+            " the task streams (deploy time)",
+        )
     )
-    p.add_argument("target", nargs="*", metavar="ID | cancel ID")
+    p.add_argument("target", nargs="*", metavar="ID | cancel ID | init")
     p.add_argument("--state", default=None, choices=[s.lower() for s in TaskState])
     p.add_argument("--capability", default=None)
     p.add_argument("--limit", type=int, default=50)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import tempfile
 import time
@@ -51,6 +52,9 @@ def _get(url: str) -> tuple[int, bytes]:
         return int(exc.code), exc.read()
     except OSError:
         return 0, b""
+
+
+_OWN_PORTS = re.compile(r"(?m)^(?:http|http_port|https|https_port|monitor_port)\s*[:=].*$")
 
 
 class NatsCluster:
@@ -125,7 +129,9 @@ class NatsCluster:
         node_dir.mkdir(parents=True, exist_ok=True)
         if self.config_file:
             path = config_with_store(self.config_file, node_dir)
-            text = path.read_text()
+            # Ports are this cluster's own: a monitoring port in the base config (http,
+            # http_port) would be taken by whichever node starts first.
+            text = _OWN_PORTS.sub("", path.read_text())
         else:
             text = f'jetstream {{\n  store_dir: "{node_dir / "jetstream"}"\n}}\n'
         monitor = self.monitor_port if self.monitor_port < 0 else self.monitor_port + i
@@ -154,9 +160,13 @@ class NatsCluster:
     def _running(self) -> list[NatsServer]:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
 
-    def _healthy(self) -> bool:
-        """Every running node answers ``/healthz`` with 200 (meta leader known, current)."""
+    def _healthy(self, every: bool = False) -> bool:
+        """Every running node answers ``/healthz`` with 200 (meta leader known, current);
+        with ``every``, all nodes must be running too (a node that died at start is not
+        a healthy cluster)."""
         running = self._running()
+        if every and len(running) != len(self.nodes):
+            return False
         return bool(running) and all(
             n.monitor_url and _get(n.monitor_url + "/healthz")[0] == 200 for n in running
         )
@@ -168,18 +178,18 @@ class NatsCluster:
             f"meta leader, or a node is behind); see {logs}"
         )
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Block until every running node is healthy."""
+    def wait_ready(self, timeout: float = 30.0, *, every: bool = False) -> None:
+        """Block until every running node (with ``every``: every node) is healthy."""
         deadline = time.monotonic() + timeout
-        while not self._healthy():
+        while not self._healthy(every):
             if time.monotonic() > deadline:
                 raise self._not_ready(timeout)
             time.sleep(_POLL)
 
-    async def await_ready(self, timeout: float = 30.0) -> None:
+    async def await_ready(self, timeout: float = 30.0, *, every: bool = False) -> None:
         """``wait_ready`` for async code (the HTTP looks run in a thread)."""
         deadline = time.monotonic() + timeout
-        while not await asyncio.to_thread(self._healthy):
+        while not await asyncio.to_thread(self._healthy, every):
             if time.monotonic() > deadline:
                 raise self._not_ready(timeout)
             await asyncio.sleep(_POLL)
@@ -218,7 +228,7 @@ class NatsCluster:
                 if attempt == _STARTS - 1:
                     raise
         try:
-            self.wait_ready(timeout)
+            self.wait_ready(timeout, every=True)
         except ConnectionFailed:
             self.stop()  # nothing half-started outlives a failed start
             raise
@@ -238,7 +248,7 @@ class NatsCluster:
                 if attempt == _STARTS - 1:
                     raise
         try:
-            await self.await_ready(timeout)
+            await self.await_ready(timeout, every=True)
         except ConnectionFailed:
             await self.astop()
             raise

@@ -109,6 +109,7 @@ async def connect_nats(
 
     async def on_reconnect() -> None:
         state["auth_warned"] = False
+        perms.forget()  # the server may have been reloaded with other permissions
         if reconnected is not None:
             await reconnected()
 

@@ -156,6 +156,12 @@ class Permissions:
             listener(violation)
         return True
 
+    def forget(self) -> None:
+        """Refused subjects are asked again (after a reconnect: permissions may have
+        changed); the count and the recent refusals stay for ``since``."""
+        self.refused_publish.clear()
+        self.refused_subscribe.clear()
+
     def since(self, mark: int) -> list[Violation]:
         """Violations after the ``count`` was ``mark`` (the newest ``_RECENT`` at most)."""
         return [v for n, v in self._recent if n > mark]

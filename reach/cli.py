@@ -28,6 +28,7 @@ from ._cli_tasks import add_task_commands
 from ._cli_up import up
 from ._client import Client
 from ._codec import now_ms
+from ._nats import redact
 from ._registry import Registry
 from ._runtime import run_async
 from ._telemetry import configure_logging, configure_tracing
@@ -188,7 +189,8 @@ async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with registry:
         print(
-            f"# registry {registry.registry_id} on {registry.url}, bucket {registry.bucket_name}"
+            f"# registry {registry.registry_id} on {redact(registry.url)},"
+            f" bucket {registry.bucket_name}"
             + (f", metrics {registry.metrics_url}/metrics" if registry.metrics_url else ""),
             file=sys.stderr,
             flush=True,

@@ -14,19 +14,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-import msgspec
 from nats.aio.client import Client as NatsConnection
 
 from .._nats import TRANSIENT, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
-from .._subjects import Subjects, validate_capability
+from .._subjects import Subjects
 from .._tasks import Tasks
 from .._telemetry.core import Telemetry
 from ..errors import NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
-from .config import ConfigSink, config_bucket
+from .config import ConfigSink, ConfigWrites
 from .durable import DurableTasks
 from .inbox import Inbox, Reply
 from .metrics import ClientMetrics
@@ -54,7 +53,7 @@ class ClientStats:
     permission_violations: int = 0  # publishes and subscriptions the server refused
 
 
-class Client(DurableTasks):
+class Client(DurableTasks, ConfigWrites):
     """Calls capabilities and broadcasts; one NATS connection, opened by ``async with``."""
 
     def __init__(
@@ -160,37 +159,6 @@ class Client(DurableTasks):
             raise NotStarted("client closed while it started routing")
         self._requests.table = self._table
         return self._table
-
-    async def set_routing_weights(
-        self,
-        capability: str,
-        *,
-        w_load: float = 4.0,
-        w_latency: float = 2.0,
-        threshold: float = 0.3,
-    ) -> None:
-        """Change the ``scored`` weights of a capability for every client, no restart."""
-        validate_capability(capability)
-        kv = await config_bucket(
-            self.nc.jetstream(),
-            self.subjects.bucket("config"),
-            create=True,
-            replicas=self.settings.replicas,
-        )
-        body = {"w_load": w_load, "w_latency": w_latency, "threshold": threshold}
-        await kv.put(f"weights.{capability}", msgspec.json.encode(body))
-
-    async def set_task_type(self, task_type: str, capability: str) -> None:
-        """Let callers ask for ``task_type``; it is served by ``capability``."""
-        validate_capability(task_type)
-        validate_capability(capability)
-        kv = await config_bucket(
-            self.nc.jetstream(),
-            self.subjects.bucket("config"),
-            create=True,
-            replicas=self.settings.replicas,
-        )
-        await kv.put(f"task.{task_type}", capability.encode())
 
     # -- reading the table -------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 
 from .. import _kv
-from .._nats import TRANSIENT, check_refused, connect_nats, flush_nats
+from .._nats import TRANSIENT, check_refused, connect_nats, flush_nats, redact
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
@@ -216,7 +216,8 @@ class Registry:
                     check_refused(nc, f"registry {self.registry_id}: watch of {self.bucket_name}")
                     raise ConnectionFailed(
                         f"registry {self.registry_id}: no snapshot of bucket "
-                        f"{self.bucket_name!r} within {self.start_timeout:g}s on {self.url}",
+                        f"{self.bucket_name!r} within {self.start_timeout:g}s"
+                        f" on {redact(self.url)}",
                         url=self.url,
                     )
                 step = "subscribe"
@@ -239,7 +240,7 @@ class Registry:
             if step == "bind":
                 raise ConnectionFailed(self._unavailable(exc), url=self.url) from exc
             raise ConnectionFailed(
-                f"registry {self.registry_id} could not {step} on {self.url} within "
+                f"registry {self.registry_id} could not {step} on {redact(self.url)} within "
                 f"{self.start_timeout:g}s ({type(exc).__name__}: {exc})",
                 url=self.url,
             ) from exc
@@ -273,7 +274,7 @@ class Registry:
             cause += f": {detail}"
         return (
             f"registry {self.registry_id} cannot open KV bucket {self.bucket_name!r} on "
-            f"{self.url} ({cause}); it needs JetStream enabled (nats-server -js) and the "
+            f"{redact(self.url)} ({cause}); it needs JetStream enabled (nats-server -js) and the "
             f"right to create the bucket"
         )
 

@@ -88,12 +88,13 @@ class JsApi:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Msg] = loop.create_future()
         self._pending[token] = fut
+        deadline = loop.time() + self.timeout
         timer = loop.call_later(self.timeout, _expire, fut)
         try:
             await self.nc.publish(subject, data, reply=self._prefix + token, headers=headers)
             msg = await fut
         except Recheck as exc:
-            msg = await self._recheck(exc, subject)
+            msg = await self._recheck(exc, subject, deadline)
         finally:
             timer.cancel()
             self._pending.pop(token, None)  # close() may have cleared it already
@@ -101,15 +102,15 @@ class JsApi:
             raise nats.errors.NoRespondersError
         return msg
 
-    async def _recheck(self, exc: Recheck, subject: str) -> Msg:
-        """A publish was refused meanwhile: Unauthorized if it was ours, else wait on (the
-        new future's own timer: the time left is not tracked on this path)."""
+    async def _recheck(self, exc: Recheck, subject: str, deadline: float) -> Msg:
+        """A publish was refused meanwhile: Unauthorized if it was ours, else wait on for
+        the time left (other refusals never extend the call)."""
         loop = asyncio.get_running_loop()
         while True:
             if exc.violation.subject == subject.lower():
                 conn = self._permissions.name if self._permissions is not None else ""
                 raise unauthorized(exc.violation, conn) from None
-            timer = loop.call_later(self.timeout, _expire, exc.fresh)
+            timer = loop.call_later(max(0.0, deadline - loop.time()), _expire, exc.fresh)
             try:
                 result: Msg = await exc.fresh
                 return result

@@ -213,7 +213,11 @@ class TaskStore:
 
     async def ensure_consumer(self, capability: str, priority: Priority) -> str:
         name = consumer_name(capability, priority)
+        # ``name`` puts the filter in the API subject ($JS.API.CONSUMER.CREATE.<stream>.
+        # <name>.<filter>), which the server checks against the config: a permission on
+        # that subject lets an agent make its own consumers and no consumer of other tasks.
         config = ConsumerConfig(
+            name=name,
             durable_name=name,
             filter_subject=self.subjects.task_queue(capability, priority),
             ack_wait=self.settings.task_ack_wait,
@@ -361,7 +365,19 @@ class TaskStore:
 
 async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create a stream, or leave an existing one as it is (another process made it; if
-    with fewer replicas than asked, ``check_replicas`` says so)."""
+    with fewer replicas than asked, ``check_replicas`` says so). Looked up first: where
+    streams are made at deploy time (``reach tasks init``), users need no right to create
+    them."""
+    assert config.name is not None
+    try:
+        await js.stream_info(config.name)
+    except nats.js.errors.NotFoundError:
+        pass
+    else:
+        wanted = config.num_replicas or 1
+        if wanted > 1:
+            await check_replicas(js, config.name, wanted)
+        return
     try:
         await js.add_stream(config)
     except nats.js.errors.BadRequestError as exc:

@@ -105,6 +105,7 @@ class Tasks:
         async with self._lock:
             if self._store is None or self._nc is not nc:
                 mark = refusals(nc)
+                api: JsApi | None = None
                 with task_errors("task streams"):
                     try:
                         api = JsApi(nc)
@@ -114,6 +115,8 @@ class Tasks:
                         notify = self.subjects.task_done(self._nuid.next().decode())
                         self._sub = await nc.subscribe(notify, cb=self._on_final)
                     except Exception as exc:  # a timeout may be a refusal: say which
+                        if api is not None:
+                            await api.close()  # its inbox and listener: not left behind
                         check_refused(nc, "durable tasks", exc, since=mark)
                         raise
                 self._nc, self._store, self.notify = nc, store, notify

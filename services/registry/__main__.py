@@ -5,6 +5,7 @@ import logging
 import signal
 
 from reach import ReachSettings, Registry
+from reach.telemetry import configure_logging
 
 
 async def main() -> None:
@@ -18,5 +19,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = ReachSettings()
+    if not logging.getLogger().handlers:
+        configure_logging(settings.log_format, settings.log_level)  # REACH_LOG_FORMAT=json
     asyncio.run(main())

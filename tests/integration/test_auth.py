@@ -5,11 +5,16 @@ user can do its job and nothing else, and every refusal reaches the caller as
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
+import nats.errors
+import nats.js.api
 import nats.js.errors
 import pytest
 
@@ -252,6 +257,36 @@ async def test_a_refused_jetstream_call_fails_alone_and_at_once(secured: NatsSer
         await nc.close()
 
 
+async def test_other_refusals_never_extend_a_jetstream_call(secured: NatsServer, admin: Client):
+    """Each refusal on the connection wakes waiting calls to check it; an unrelated one
+    must not restart the call's timeout (with refusals every 0.2 s it would never end)."""
+    nc = await connect_nats(as_user(secured, "registry"), secured.url, "registry-api")
+    silent = await admin.nc.subscribe("reach.evt.agent.silent")  # takes it, never answers
+    await admin.flush()
+    api = JsApi(nc, timeout=1.0)
+    await api.open()
+    stop = asyncio.Event()
+
+    async def refuse_often() -> None:
+        while not stop.is_set():
+            await nc.publish("reach.cap.logistics.track", b"{}")
+            await nc.flush()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
+    noise = asyncio.ensure_future(refuse_often())
+    try:
+        async with asyncio.timeout(20):  # only a guard against hanging
+            with pytest.raises(nats.errors.TimeoutError):
+                await api.request("reach.evt.agent.silent", b"?")
+    finally:
+        stop.set()
+        await noise
+        await silent.unsubscribe()
+        await api.close()
+        await nc.close()
+
+
 async def test_a_user_without_task_rights_cannot_submit(secured: NatsServer):
     async with Client(settings=as_user(secured, "aftersales-1"), name="aftersales-1") as c:
         with pytest.raises(Unauthorized, match="durable tasks"):
@@ -261,9 +296,66 @@ async def test_a_user_without_task_rights_cannot_submit(secured: NatsServer):
 # -- and everyone can do their job ----------------------------------------------------------
 
 
+async def tasks_init(server: NatsServer) -> None:
+    """What a deployment does once, as admin: ``reach tasks init``."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "tasks",
+        "init",
+        env={
+            **os.environ,
+            "REACH_NATS_URL": server.url,
+            "REACH_NATS_USER": "admin",
+            "REACH_NATS_PASSWORD": PASSWORDS["admin"],
+        },
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out.decode()
+    assert b"REACH_TASKS" in out
+
+
+async def test_only_admin_creates_streams(secured: NatsServer, admin: Client):
+    """A user able to create streams could make one, under a name Reach uses, whose
+    subjects capture other users' requests and heartbeats: neither a client nor an agent
+    may, even before the task streams exist."""
+    js_admin = admin.nc.jetstream()
+    for user, stream in (("client", "KV_reach_idem"), ("logistics-1", "REACH_DLQ")):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js_admin.delete_stream(stream)
+        async with Client(settings=as_user(secured, user)) as client:
+            js = client.nc.jetstream(timeout=2)
+            with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+                await js.add_stream(name=stream, subjects=["reach.hb.>", "reach.agent.>"])
+            with pytest.raises(Unauthorized):
+                await client.flush()
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await js_admin.stream_info(stream)
+
+
+async def test_an_agent_cannot_make_a_consumer_of_other_tasks(secured: NatsServer):
+    """Its consumer name is allowed, but only with its own filter in the API subject."""
+    await tasks_init(secured)
+    async with Client(settings=as_user(secured, "logistics-1")) as client:
+        js = client.nc.jetstream(timeout=2)
+        name = "logistics_reroute-7a8defb39b6e-high"
+        config = nats.js.api.ConsumerConfig(
+            name=name, durable_name=name, filter_subject="reach.task.>"
+        )
+        with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+            await js.add_consumer("REACH_TASKS", config)
+        with pytest.raises(Unauthorized):
+            await client.flush()
+
+
 async def test_registry_agents_and_client_work_with_their_own_users(secured: NatsServer):
     """Requests (queue group, routed, direct), a broadcast, a durable task with its watch:
-    all through the shipped permissions, with no refusal anywhere (server log included)."""
+    all through the shipped permissions (task streams made at deploy time, as admin), with
+    no refusal anywhere (server log included)."""
+    await tasks_init(secured)
     before = len(violations(secured))
     heard: asyncio.Queue[str] = asyncio.Queue()
     async with Registry(settings=as_user(secured, "registry")):

@@ -5,6 +5,7 @@ each agent runs under its own id, and the cluster profile is three routed nodes 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,12 +20,27 @@ CONF = ROOT / "services" / "nats" / "nats-server.conf"
 NODES = ("nats-1", "nats-2", "nats-3")
 
 
-def compose(*args: str) -> subprocess.CompletedProcess[str]:
+SECRETS = (
+    "NATS_REGISTRY_PASSWORD",
+    "NATS_CLIENT_PASSWORD",
+    "NATS_LOGISTICS_1_PASSWORD",
+    "NATS_AFTERSALES_1_PASSWORD",
+    "NATS_ADMIN_PASSWORD",
+    "NATS_SYSTEM_PASSWORD",
+    "GRAFANA_ADMIN_PASSWORD",
+)
+
+
+def compose(*args: str, secrets: bool = True) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose is not installed (apt-get install docker-compose)"
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    if secrets:
+        env |= {name: f"test-{name.lower()}" for name in SECRETS}
     return subprocess.run(
         [binary, "-f", "docker-compose.yml", *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -54,11 +70,30 @@ def test_the_compose_file_validates(profile: tuple[str, ...]):
     assert out.returncode == 0, out.stderr
 
 
+def test_no_secret_has_a_default():
+    """Without the passwords set, compose refuses to run rather than ship a known one."""
+    out = compose("config", "-q", secrets=False)
+    assert out.returncode != 0
+    assert "NATS_" in out.stderr or "GRAFANA_" in out.stderr
+
+
+def test_task_streams_are_made_by_admin_before_agents_and_clients(rendered: dict[str, Any]):
+    for init, dependents in (
+        ("tasks-init", ("agent-logistics", "agent-aftersales", "client")),
+        ("tasks-init-r3", ("agent-logistics-r3", "agent-aftersales-r3", "client-r3")),
+    ):
+        assert rendered[init]["command"] == ["reach", "tasks", "init"]
+        assert rendered[init]["environment"]["REACH_NATS_USER"] == "admin"
+        for name in dependents:
+            condition = rendered[name]["depends_on"][init]["condition"]
+            assert condition == "service_completed_successfully", name
+
+
 def test_every_reach_process_is_a_user_of_the_secured_config(rendered: dict[str, Any]):
     users = users_of_config()
     assert set(users) >= {"registry", "client", "logistics-1", "aftersales-1", "admin"}
     reach = {n: s for n, s in rendered.items() if "REACH_NATS_USER" in s.get("environment", {})}
-    stack = ("registry", "agent-logistics", "agent-aftersales", "client")
+    stack = ("tasks-init", "registry", "agent-logistics", "agent-aftersales", "client")
     assert set(reach) == {*stack, *(f"{name}-r3" for name in stack)}
     for name, service in reach.items():
         env = service["environment"]
@@ -94,7 +129,7 @@ def test_the_cluster_profile_is_three_routed_nodes_at_r3(rendered: dict[str, Any
         if name.endswith("-r3"):
             assert service["environment"]["REACH_REPLICAS"] == "3"
             assert service["environment"]["REACH_NATS_URL"].count("nats://") == 3
-            assert set(service["depends_on"]) == set(NODES)
+            assert set(service["depends_on"]) - {"tasks-init-r3"} == set(NODES)
 
 
 def test_prometheus_and_grafana_get_the_provisioning_files(rendered: dict[str, Any]):
