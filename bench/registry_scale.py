@@ -94,7 +94,7 @@ async def run_once(url: str, n: int, seconds: float, warmup: float) -> dict[str,
             )
             async with sem:
                 await nc.request(
-                    f"{prefix}.registry.register",
+                    f"{prefix}.registry.register.{agent_id}",
                     msgspec.json.encode(Registration(info=info)),
                     timeout=30,
                 )

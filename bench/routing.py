@@ -65,7 +65,7 @@ async def decision(url: str, sizes: list[int], picks: int) -> list[dict[str, Any
                     capabilities=[CapabilityInfo(name="sim.work")],
                 )
                 await nc.request(
-                    f"dec{n}.registry.register",
+                    f"dec{n}.registry.register.{aid}",
                     msgspec.json.encode(Registration(info=info)),
                     timeout=10,
                 )

@@ -101,7 +101,17 @@ class Subjects:
         return subject[len(self.prefix) + len(".topic.") :]
 
     def registry(self, verb: str) -> str:
+        """The registry's queries (``route``, ``list``); also the old register and
+        deregister subjects without an id, which registries still answer."""
         return f"{self.prefix}.registry.{verb}"
+
+    def register(self, agent_id: str) -> str:
+        """Where an agent registers: its id in the subject, so a server can allow each
+        user its own (``*`` for the registry's subscription)."""
+        return f"{self.prefix}.registry.register.{agent_id}"
+
+    def deregister(self, agent_id: str) -> str:
+        return f"{self.prefix}.registry.deregister.{agent_id}"
 
     def event(self, agent_id: str) -> str:
         return f"{self.prefix}.evt.agent.{agent_id}"

@@ -161,7 +161,7 @@ class Presence:
         body = encode_json(Registration(info=self._info(), status=self._status()))
         try:
             msg = await self._conn().request(
-                self._subjects.registry("register"), body, timeout=self._settings.probe_timeout
+                self._subjects.register(self.agent_id), body, timeout=self._settings.probe_timeout
             )
             if msg.headers and Header.SERVICE_ERROR_CODE in msg.headers:
                 log.warning(
@@ -185,7 +185,9 @@ class Presence:
         body = encode_json(Deregistration(agent_id=self.agent_id))
         try:
             await self._conn().request(
-                self._subjects.registry("deregister"), body, timeout=self._settings.probe_timeout
+                self._subjects.deregister(self.agent_id),
+                body,
+                timeout=self._settings.probe_timeout,
             )
         except TRANSIENT as exc:
             log.info("agent %s: deregistration not confirmed: %s", self.agent_id, exc)

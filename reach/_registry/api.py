@@ -1,5 +1,14 @@
 """The registry's request/reply API: ``register``, ``deregister``, ``list`` and ``route``.
 
+An agent registers on ``<prefix>.registry.register.<agent_id>`` and deregisters on
+``<prefix>.registry.deregister.<agent_id>``: with the id in the subject, a server's
+permissions can let each agent's user send only its own (services/nats/nats-server.conf),
+and a body that names another agent than its subject is refused (``bad_request``, counted
+in ``mismatched_requests``, logged at most once a minute per subject id). The old subjects
+without an id are still answered, so agents from before can register while a fleet is
+upgraded (registries first); they are counted in ``legacy_requests``, and the secured
+config lets no agent send them.
+
 Each request is answered, always: with its reply, with ``bad_request`` naming the field
 when the body does not decode or does not check out (counted), or with ``failed``. Only
 the decoding and checking step (``parse``) can make a ``bad_request``: an error raised
@@ -62,25 +71,50 @@ class TooLarge(Exception):
     """An answer that cannot fit in one NATS message; the text says what to ask instead."""
 
 
+class Mismatch(ValueError):
+    """A register or deregister body naming another agent than its subject does."""
+
+
 class Api:
-    """Handlers for ``<prefix>.registry.<verb>``, one per verb (see ``handlers``)."""
+    """Handlers for the ``<prefix>.registry.`` subjects, one per subject (``handlers``)."""
 
     def __init__(self, core: Core, leases: Leases) -> None:
         self.core = core
         self.leases = leases
 
     def handlers(self) -> dict[str, Handler]:
+        """Each subject the registry answers (in queue group ``registry``), with its handler."""
+        s = self.core.subjects
+        register = self._guard(_parse_registration, self._on_register)
+        deregister = self._guard(_parse_deregistration, self._on_deregister)
         return {
-            "register": self._guard(_parse_registration, self._on_register),
-            "deregister": self._guard(_parse_deregistration, self._on_deregister),
-            "list": self._guard(_parse_list, self._on_list),
-            "route": self._guard(_parse_route, self._on_route),
+            s.register("*"): self._guard(_parse_registration, self._on_register, bound=_reg_id),
+            s.deregister("*"): self._guard(_parse_deregistration, self._on_deregister, bound=str),
+            s.registry("register"): self._legacy(register),
+            s.registry("deregister"): self._legacy(deregister),
+            s.registry("list"): self._guard(_parse_list, self._on_list),
+            s.registry("route"): self._guard(_parse_route, self._on_route),
         }
 
+    def _legacy(self, handle: Handler) -> Handler:
+        """An old subject without the agent id: served as before, and counted."""
+        stats = self.core.stats
+
+        async def counted(msg: Msg) -> None:
+            if msg.reply:
+                stats.legacy_requests += 1
+            await handle(msg)
+
+        return counted
+
     def _guard(
-        self, parse: Callable[[bytes], Q], serve: Callable[[Q], Awaitable[bytes]]
+        self,
+        parse: Callable[[bytes], Q],
+        serve: Callable[[Q], Awaitable[bytes]],
+        bound: Callable[[Q], str] | None = None,
     ) -> Handler:
-        """Answer every request; a body that does not decode or check is ``bad_request``."""
+        """Answer every request; a body that does not decode or check is ``bad_request``,
+        and so is one naming (``bound``) another agent than the subject's last token."""
         core = self.core
 
         async def handle(msg: Msg) -> None:
@@ -89,8 +123,12 @@ class Api:
             headers: dict[str, str] | None = None
             try:
                 query = parse(msg.data)
+                if bound is not None:
+                    _check_bound(msg.subject, bound(query))
             except (msgspec.DecodeError, ValueError) as exc:
                 core.stats.bad_requests += 1
+                if isinstance(exc, Mismatch):
+                    self._refused(msg.subject, exc)
                 body, headers = error_reply(ErrorCode.BAD_REQUEST, f"invalid request: {exc}")
             else:
                 body, headers = await self._serve(msg, serve, query)
@@ -100,6 +138,12 @@ class Api:
                 log.warning("registry %s: reply lost: %s", core.registry_id, exc)
 
         return handle
+
+    def _refused(self, subject: str, exc: Mismatch) -> None:
+        core = self.core
+        core.stats.mismatched_requests += 1
+        if core.warned.allow(subject.rpartition(".")[2][:128]):
+            log.warning("registry %s: refused: %s", core.registry_id, exc)
 
     async def _serve(
         self, msg: Msg, serve: Callable[[Q], Awaitable[bytes]], query: Q
@@ -240,6 +284,20 @@ def _parse_registration(data: bytes) -> Registration:
 
 def _parse_deregistration(data: bytes) -> str:
     return validate_agent_id(_deregistration.decode(data).agent_id)
+
+
+def _reg_id(reg: Registration) -> str:
+    return reg.info.agent_id
+
+
+def _check_bound(subject: str, agent_id: str) -> None:
+    """The body (already checked) must name the agent its subject ends with."""
+    token = subject.rpartition(".")[2]
+    if token != agent_id:
+        raise Mismatch(
+            f"agent_id {agent_id!r} is not {token!r}, the agent subject {subject!r} is "
+            f"for; an agent registers and deregisters only itself"
+        )
 
 
 def _parse_list(data: bytes) -> ListQuery:

@@ -55,6 +55,12 @@ def registry_source(registry: Registry) -> Callable[[Emitter], None]:
         ):
             out.counter("reach_registry_heartbeats_dropped", (reason,), n)
         out.histogram("reach_registry_heartbeat_lag_seconds", (), cells.lag)
+        mismatched = s.mismatched_requests
+        out.counter("reach_registry_requests_refused", ("agent_mismatch",), mismatched)
+        out.counter(
+            "reach_registry_requests_refused", ("bad_request",), s.bad_requests - mismatched
+        )
+        out.counter("reach_registry_legacy_requests", (), s.legacy_requests)
         for outcome, n in list(cells.probes.items()):
             out.counter("reach_registry_probes", (outcome,), n)
         for kind, n in list(cells.queries.items()):

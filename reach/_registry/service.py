@@ -133,12 +133,14 @@ class Registry:
     def footprint(self) -> dict[str, int]:
         """Sizes of everything this replica holds, so tests and operators can see that
         agent churn leaves nothing behind: keys known (with and without a record), agents
-        recently asked to register, heartbeat writes in flight and waiting, tasks, subs."""
+        recently asked to register, senders of refused requests recently logged, heartbeat
+        writes in flight and waiting, tasks, subs."""
         core = self._core
         return {
             "entries": len(core.entries),
             "records": len(core.entries.records()),
             "asked_to_register": len(core.throttle),
+            "refusals_logged": len(core.warned),
             "heartbeats_in_flight": self._heartbeats.in_flight,
             "heartbeats_waiting": self._heartbeats.waiting,
             "expiries_queued": self._liveness.queued,
@@ -226,8 +228,8 @@ class Registry:
                 self._subs.append(
                     await nc.subscribe(s.heartbeat("*"), queue="registry", cb=on_heartbeat)
                 )
-                for verb, cb in self._api.handlers().items():
-                    self._subs.append(await nc.subscribe(s.registry(verb), queue="registry", cb=cb))
+                for subject, cb in self._api.handlers().items():
+                    self._subs.append(await nc.subscribe(subject, queue="registry", cb=cb))
                 if self.tasks:
                     self._recovery = TaskRecovery(
                         nc, self.settings, s, self._owner, self._recovery_stats

@@ -2,7 +2,8 @@
 
 ``Entries`` is this replica's view of the leases (a ``MirrorSink`` fed by the bucket
 watch): the newest revision of each key, for compare-and-set, and its record when it has
-one. ``Throttle`` remembers whom we recently asked to register again. ``Core`` is what the
+one. ``Throttle`` remembers whom we recently asked to register again (and whose refused
+requests we recently logged). ``Core`` is what the
 registry's parts share. Pure and synchronous: unit tests need no server.
 """
 
@@ -53,6 +54,8 @@ class RegistryStats:
     registrations: int = 0
     deregistrations: int = 0
     bad_requests: int = 0  # API requests answered bad_request (undecodable or invalid)
+    mismatched_requests: int = 0  # of those: register/deregister naming another agent
+    legacy_requests: int = 0  # register/deregister on the old subjects without an id
     corrupt_records: int = 0  # stored values that did not decode (replaced on next write)
     probes: int = 0
     cas_conflicts: int = 0
@@ -260,6 +263,8 @@ class Core:
     throttle: Throttle
     owner: TaskOwner
     nc: NatsConnection | None = None
+    #: whose refused requests were logged within the last minute (a flood logs once a minute)
+    warned: Throttle = field(default_factory=lambda: Throttle(interval=60.0, limit=1024))
     js: JetStreamContext | None = None
     cells: RegistryCells = field(default_factory=RegistryCells)
 

@@ -126,6 +126,15 @@ CATALOGUE: Final[dict[str, Spec]] = {
     "reach_registry_heartbeat_lag_seconds": Spec(
         "histogram", "Time from an agent sending a heartbeat to the registry reading it.", ()
     ),
+    "reach_registry_requests_refused": Spec(
+        "counter",
+        "Registry API requests refused: bad_request, or agent_mismatch (a body naming"
+        " another agent than its subject).",
+        ("reason",),
+    ),
+    "reach_registry_legacy_requests": Spec(
+        "counter", "Registrations on the old subjects without the agent id.", ()
+    ),
     "reach_registry_probes": Spec("counter", "Liveness probes by outcome.", ("outcome",)),
     "reach_registry_queries": Spec("counter", "Route and list queries.", ("kind",)),
     "reach_registry_task_sweeps": Spec("counter", "Task recovery sweeps run.", ()),

@@ -205,7 +205,8 @@ class AgentEvent(_Wire, tag="reach.agent.event", frozen=True, kw_only=True):
 
 
 class Registration(_Wire, tag="reach.registry.register", frozen=True, kw_only=True):
-    """Body of ``reach.registry.register``."""
+    """Body of ``reach.registry.register.<agent_id>``; ``info.agent_id`` must be that id.
+    (The ``type`` tag keeps its old name: it names the body, not the subject.)"""
 
     info: AgentInfo
     status: Status = Status.UP
@@ -220,6 +221,8 @@ class RegisterReply(_Wire, tag="reach.registry.registered", frozen=True, kw_only
 
 
 class Deregistration(_Wire, tag="reach.registry.deregister", frozen=True, kw_only=True):
+    """Body of ``reach.registry.deregister.<agent_id>``; ``agent_id`` must be that id."""
+
     agent_id: str
 
 

@@ -52,16 +52,40 @@ def info(agent_id: str, *, capability: str = "geo.lookup", tags: tuple[str, ...]
     )
 
 
-async def register(nc: NatsConnection, s: ReachSettings, body: AgentInfo | bytes) -> Msg:
-    """One registration request; the raw answer (an error reply carries ``ERROR``)."""
+async def register(
+    nc: NatsConnection,
+    s: ReachSettings,
+    body: AgentInfo | bytes,
+    *,
+    subject_id: str | None = None,
+    legacy: bool = False,
+) -> Msg:
+    """One registration request on ``<prefix>.registry.register.<id>`` (the body's agent
+    id unless ``subject_id`` says otherwise; ``legacy``: the old subject without an id);
+    the raw answer (an error reply carries ``ERROR``)."""
     data = body if isinstance(body, bytes) else msgspec.json.encode(Registration(info=body))
-    prefix = s.subject_prefix
-    return await nc.request(f"{prefix}.registry.register", data, timeout=10)
+    if subject_id is None and not legacy:
+        assert isinstance(body, AgentInfo), "raw bodies need a subject_id"
+        subject_id = body.agent_id
+    return await nc.request(_subject(s, "register", subject_id, legacy), data, timeout=10)
 
 
-async def deregister(nc: NatsConnection, s: ReachSettings, agent_id: str) -> Msg:
+async def deregister(
+    nc: NatsConnection,
+    s: ReachSettings,
+    agent_id: str,
+    *,
+    subject_id: str | None = None,
+    legacy: bool = False,
+) -> Msg:
     data = msgspec.json.encode(Deregistration(agent_id=agent_id))
-    return await nc.request(f"{s.subject_prefix}.registry.deregister", data, timeout=10)
+    subject = _subject(s, "deregister", subject_id or agent_id, legacy)
+    return await nc.request(subject, data, timeout=10)
+
+
+def _subject(s: ReachSettings, verb: str, agent_id: str | None, legacy: bool) -> str:
+    base = f"{s.subject_prefix}.registry.{verb}"
+    return base if legacy else f"{base}.{agent_id}"
 
 
 async def heartbeat(nc: NatsConnection, s: ReachSettings, agent_id: str, body: bytes) -> None:

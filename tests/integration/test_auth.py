@@ -33,6 +33,7 @@ from reach import (
 from reach._nats import connect_nats
 from reach._tasks.jsapi import JsApi
 from reach.testing import NatsServer, config_with_store, eventually
+from reach.wire import AgentInfo, CapabilityInfo, Deregistration, Registration
 
 CONFIG = Path(__file__).parents[2] / "services" / "nats" / "nats-server.conf"
 USERS = {
@@ -172,6 +173,74 @@ async def test_an_agent_user_cannot_take_another_agents_direct_subjects(secured:
     assert info.value.subject.startswith("reach.agent.aftersales-1.")
     assert "subscribe" in str(info.value)
     assert impostor.status.value == "DOWN"
+
+
+def forged_registration(agent_id: str) -> bytes:
+    """Another agent's id with a capability it does not offer: a takeover, if stored."""
+    info = AgentInfo(
+        agent_id=agent_id, name="thief", capabilities=[CapabilityInfo(name="logistics.track")]
+    )
+    return msgspec.json.encode(Registration(info=info))
+
+
+async def test_an_agent_user_cannot_register_or_deregister_another_agent(secured: NatsServer):
+    """logistics-1 tries to remove aftersales-1, or to register in its name, on every
+    registry subject (the id in the subject and the legacy ones without): the server
+    refuses each publish (Unauthorized) and aftersales-1 stays as it registered."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    async with Registry(settings=as_user(secured, "registry")):
+        victim = aftersales(as_user(secured, "aftersales-1"), heard)
+        async with victim, Client(settings=as_user(secured, "client"), name="shopper") as client:
+            await eventually(_fleet_of(client, 1), 10)
+            gone = msgspec.json.encode(Deregistration(agent_id="aftersales-1"))
+            attacks = [
+                ("reach.registry.deregister", gone),
+                ("reach.registry.deregister.aftersales-1", gone),
+                ("reach.registry.register", forged_registration("aftersales-1")),
+                ("reach.registry.register.aftersales-1", forged_registration("aftersales-1")),
+            ]
+            async with Client(
+                settings=as_user(secured, "logistics-1"), name="logistics-1"
+            ) as thief:
+                for subject, body in attacks:
+                    await thief.nc.publish(subject, body, reply=thief.nc.new_inbox())
+                    with pytest.raises(Unauthorized) as info:
+                        await thief.flush()
+                    assert info.value.subject == subject
+                assert thief.stats.permission_violations == len(attacks)
+            [record] = await client.agents()
+            assert record.info.agent_id == "aftersales-1"
+            assert [c.name for c in record.info.capabilities] == ["aftersales.refund"]
+            assert record.status.value == "UP"
+
+
+async def test_an_agent_user_naming_another_agent_on_its_own_subject_is_refused(
+    secured: NatsServer,
+):
+    """What the server lets through (logistics-1's own registry subjects) the registry
+    checks: a body naming another agent is bad_request, and nothing changes."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    async with Registry(settings=as_user(secured, "registry")) as registry:
+        victim = aftersales(as_user(secured, "aftersales-1"), heard)
+        async with victim, Client(settings=as_user(secured, "client"), name="shopper") as client:
+            await eventually(_fleet_of(client, 1), 10)
+            async with Client(
+                settings=as_user(secured, "logistics-1"), name="logistics-1"
+            ) as thief:
+                gone = msgspec.json.encode(Deregistration(agent_id="aftersales-1"))
+                for subject, body in [
+                    ("reach.registry.deregister.logistics-1", gone),
+                    ("reach.registry.register.logistics-1", forged_registration("aftersales-1")),
+                ]:
+                    reply = await thief.nc.request(subject, body, timeout=10)
+                    assert reply.headers is not None
+                    assert reply.headers["Nats-Service-Error-Code"] == "400"
+                    assert "aftersales-1" in reply.headers["Nats-Service-Error"]
+                assert thief.stats.permission_violations == 0
+            assert registry.stats.mismatched_requests == 2
+            [record] = await client.agents()
+            assert [c.name for c in record.info.capabilities] == ["aftersales.refund"]
+            assert record.status.value == "UP"
 
 
 # -- a client reads the fleet, never writes it -------------------------------------------------

@@ -101,7 +101,7 @@ async def test_requests_in_flight_during_stop_are_answered(settings):
         n = 300
         for i in range(n):
             body = msgspec.json.encode(Registration(info=info(f"flight-{i}")))
-            await nc.publish(subject, body, reply=f"{inbox}.{i}")
+            await nc.publish(f"{subject}.flight-{i}", body, reply=f"{inbox}.{i}")
         await nc.flush()  # the server has them all: each is the registry's now
         await registry.stop()
         await eventually(lambda: len(answers) == n)
@@ -342,12 +342,57 @@ async def test_heartbeat_numbers_out_of_range_are_clamped_and_counted(settings):
 )
 async def test_invalid_registration_is_refused_and_counted(settings, what, body):
     async with Registry(settings=settings) as registry, Client(settings=settings) as client:
-        reply = await register(client.nc, settings, body)
+        # the subject's token must be one (an invalid id in the body is what is refused)
+        token = body.agent_id.replace(" ", "-")
+        reply = await register(client.nc, settings, body, subject_id=token)
         assert reply.headers[ERROR] == "400"
         assert what in reply.headers["Nats-Service-Error"]
         assert registry.stats.bad_requests == 1
         assert registry.records() == {}
         assert await stored(client.nc, settings, body.agent_id) is None
+
+
+async def test_a_body_naming_another_agent_than_its_subject_is_refused(nats_server, caplog):
+    """register.<id> and deregister.<id> act only on <id>: a body naming another agent is
+    bad_request (counted, logged once per sender), and neither agent's key changes."""
+    settings = fast_settings(nats_server.url, lease_ttl=60.0)  # no expiry meanwhile
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        nc = client.nc
+        reply = await register(nc, settings, info("geo-victim"))
+        assert not reply.headers or ERROR not in reply.headers, reply.headers
+        before = await stored(nc, settings, "geo-victim")
+        assert before is not None
+        forged = info("geo-victim", capability="geo.steal")
+        for _ in range(2):
+            reply = await register(nc, settings, forged, subject_id="geo-thief")
+            assert reply.headers[ERROR] == "400"
+            assert "geo-thief" in reply.headers["Nats-Service-Error"]
+            reply = await deregister(nc, settings, "geo-victim", subject_id="geo-thief")
+            assert reply.headers[ERROR] == "400"
+        stats = registry.stats
+        assert (stats.bad_requests, stats.mismatched_requests) == (4, 4)
+        assert (stats.registrations, stats.deregistrations) == (1, 0)
+        assert await stored(nc, settings, "geo-victim") == before
+        assert await stored(nc, settings, "geo-thief") is None
+        assert set(registry.records()) == {"geo-victim"}
+        warned = [r for r in caplog.records if "geo-thief" in r.getMessage()]
+        assert len(warned) == 1, warned
+
+
+async def test_the_old_subjects_without_an_id_still_work_and_are_counted(nats_server):
+    """Agents from before the id was in the subject keep registering during an upgrade
+    (registries first); each such request is counted so operators see when none remain."""
+    settings = fast_settings(nats_server.url, lease_ttl=60.0)
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        nc = client.nc
+        reply = await register(nc, settings, info("geo-old"), legacy=True)
+        assert not reply.headers or ERROR not in reply.headers, reply.headers
+        assert await stored(nc, settings, "geo-old") is not None
+        reply = await deregister(nc, settings, "geo-old", legacy=True)
+        assert not reply.headers or ERROR not in reply.headers, reply.headers
+        assert await stored(nc, settings, "geo-old") is None
+        assert registry.stats.legacy_requests == 2
+        assert (registry.stats.registrations, registry.stats.deregistrations) == (1, 1)
 
 
 async def test_corrupt_record_is_replaced_by_the_next_registration(settings):

@@ -14,6 +14,7 @@ from reach.wire import (
     AgentInfo,
     AgentRecord,
     Control,
+    Deregistration,
     ErrorBody,
     Header,
     Heartbeat,
@@ -33,6 +34,7 @@ BODY_TYPES = {
     "agent-record": AgentRecord,
     "agent-event": AgentEvent,
     "control": Control,
+    "deregistration": Deregistration,
 }
 
 
@@ -44,7 +46,16 @@ def test_schemas_match_wire():
 
 def test_there_are_vectors_of_every_kind():
     kinds = {json.loads(p.read_text())["kind"] for p in VECTORS}
-    assert kinds >= {"request", "reply", "error", "heartbeat", "agent-info", "broadcast"}
+    assert kinds >= {
+        "request",
+        "reply",
+        "error",
+        "heartbeat",
+        "agent-info",
+        "broadcast",
+        "registration",
+        "deregistration",
+    }
 
 
 @pytest.mark.parametrize("path", VECTORS, ids=lambda p: p.stem)
@@ -57,6 +68,11 @@ def test_vector_decodes(path):
     if kind in BODY_TYPES:
         decoded = msgspec.json.decode(body, type=BODY_TYPES[kind])
         assert msgspec.json.decode(msgspec.json.encode(decoded)) == v["body"]
+        # registration names its agent in the subject too, and the two must agree
+        if isinstance(decoded, Registration):
+            assert v["subject"] == f"reach.registry.register.{decoded.info.agent_id}"
+        elif isinstance(decoded, Deregistration):
+            assert v["subject"] == f"reach.registry.deregister.{decoded.agent_id}"
     elif kind == "error":
         err = msgspec.json.decode(body, type=ErrorBody)
         if err.code in ERROR_CODES:

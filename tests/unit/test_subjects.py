@@ -64,7 +64,10 @@ def test_subjects_follow_the_architecture():
     assert s.heartbeat("a-1") == "reach.hb.a-1"
     assert s.topic("order.status") == "reach.topic.order.status"
     assert s.topic_of("reach.topic.order.status") == "order.status"
-    assert s.registry("register") == "reach.registry.register"
+    assert s.registry("list") == "reach.registry.list"
+    assert s.register("a-1") == "reach.registry.register.a-1"
+    assert s.deregister("a-1") == "reach.registry.deregister.a-1"
+    assert s.register("*") == "reach.registry.register.*"
     assert s.event("a-1") == "reach.evt.agent.a-1"
     assert Subjects("tenant1.reach").cap("x") == "tenant1.reach.cap.x"
     with pytest.raises(ValueError, match="prefix"):
