@@ -167,7 +167,13 @@ class Tasks:
                 fut.set_result(rec)
 
     def waiter(self, task_id: str) -> asyncio.Future[TaskRecord]:
+        """A future for the task's final notice; failed with NotStarted when the client
+        closes, or at once if it has closed already (a watch set up while the client
+        closed must not wait on a notice that will never come)."""
         fut: asyncio.Future[TaskRecord] = asyncio.get_running_loop().create_future()
+        if self._closed:
+            fut.set_exception(NotStarted("client closed"))
+            return fut
         self.waiters.setdefault(task_id, set()).add(fut)
         return fut
 

@@ -81,7 +81,7 @@ async def test_a_waiter_following_a_watch_wakes_when_the_client_closes(
     assert not waiting.done()
     await other.close()
     with pytest.raises(NotStarted, match="client closed"):
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):  # a watch being set up may wait out its 5 s request
             await waiting
 
 
