@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench schemas clean
+.PHONY: demo test lint typecheck pytest bench schemas clean chaos chaos-short
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.11 is required") if sys.version_info < (3, 11) else None'
@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(PY) sdk/examples/demo.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check reach services sdk tests bench
-	$(VENV)/bin/ruff format --check reach services sdk tests bench
+	$(VENV)/bin/ruff check reach services sdk tests bench chaos
+	$(VENV)/bin/ruff format --check reach services sdk tests bench chaos
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy reach
@@ -36,6 +36,12 @@ bench: $(STAMP)
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
 	$(PY) bench/tasks.py
+
+chaos: $(STAMP)
+	$(PY) -m chaos.run
+
+chaos-short: $(STAMP)
+	$(PY) -m chaos.run --short
 
 schemas: $(STAMP)
 	$(PY) -m sdk.gen_schemas

@@ -1,0 +1,1 @@
+"""One module per scenario, each with ``async def run(work: Path, short: bool) -> Result``."""
