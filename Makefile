@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench schemas clean chaos chaos-short
+.PHONY: demo test lint typecheck pytest bench schemas clean chaos chaos-short soak
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.11 is required") if sys.version_info < (3, 11) else None'
@@ -42,6 +42,9 @@ chaos: $(STAMP)
 
 chaos-short: $(STAMP)
 	$(PY) -m chaos.run --short
+
+soak: $(STAMP)
+	$(PY) -m chaos.soak --minutes $(or $(MINUTES),10)
 
 schemas: $(STAMP)
 	$(PY) -m sdk.gen_schemas

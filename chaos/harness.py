@@ -78,12 +78,24 @@ class Ledger:
         self.sent = 0
         self.ok = 0
         self.failed: dict[str, int] = {}
-        self.latencies: list[float] = []
+        #: latency in 0.1 ms steps -> count: p99 of any number of requests in bounded memory
+        self.latencies: dict[int, int] = {}
         self.executions: dict[str, int] = {}
 
     def answered(self, seconds: float) -> None:
         self.ok += 1
-        self.latencies.append(seconds)
+        step = int(seconds * 10_000)
+        self.latencies[step] = self.latencies.get(step, 0) + 1
+
+    def quantile(self, q: float) -> float:
+        """Seconds below which ``q`` of the answered requests took."""
+        total = sum(self.latencies.values())
+        seen = 0
+        for step in sorted(self.latencies):
+            seen += self.latencies[step]
+            if seen >= q * total:
+                return step / 10_000
+        return 0.0
 
     def refused(self, code: str) -> None:
         self.failed[code] = self.failed.get(code, 0) + 1
@@ -92,8 +104,7 @@ class Ledger:
         result.sent, result.ok = self.sent, self.ok
         result.failed = sum(self.failed.values())
         result.lost = self.sent - self.ok - result.failed
-        lat = sorted(self.latencies)
-        result.p99_ms = lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000 if lat else 0.0
+        result.p99_ms = self.quantile(0.99) * 1000
         if self.failed:
             result.notes.append(
                 "failed by code: " + ", ".join(f"{k} {v}" for k, v in sorted(self.failed.items()))
