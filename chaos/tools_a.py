@@ -163,16 +163,17 @@ def client_metric(client: reach.Client, name: str, **labels: str) -> float:
 
 class StatusLog:
     """Every status the routing table showed for each agent id, in order (``None``: it
-    left the table), from ``client.changes()``, followed in a task of its own."""
+    left the table), with when it was seen, from ``client.changes()`` followed in a task
+    of its own."""
 
     def __init__(self, client: reach.Client) -> None:
         self.client = client
-        self.seen: dict[str, list[reach.Status | None]] = {}
+        self.seen: dict[str, list[tuple[float, reach.Status | None]]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> StatusLog:
         for r in await self.client.agents():
-            self.seen[r.info.agent_id] = [r.status]
+            self.seen[r.info.agent_id] = [(time.monotonic(), r.status)]
         self._task = asyncio.ensure_future(self._follow())
         return self
 
@@ -183,28 +184,34 @@ class StatusLog:
 
     async def _follow(self) -> None:
         async for change in self.client.changes():
-            if isinstance(change, str):
-                self.seen.setdefault(change, []).append(None)
-                continue
-            history = self.seen.setdefault(change.info.agent_id, [])
-            if not history or history[-1] is not change.status:
-                history.append(change.status)
+            agent_id, status = (
+                (change, None) if isinstance(change, str) else (change.info.agent_id, change.status)
+            )
+            history = self.seen.setdefault(agent_id, [])
+            if not history or history[-1][1] is not status:
+                history.append((time.monotonic(), status))
+
+    def statuses(self, agent_id: str, mark: int = 0) -> list[reach.Status | None]:
+        """What it was shown as, in order, from the ``mark``-th change on."""
+        return [s for _, s in self.seen.get(agent_id, [])[mark:]]
 
     def now(self, agent_id: str) -> reach.Status | None:
         history = self.seen.get(agent_id)
-        return history[-1] if history else None
+        return history[-1][1] if history else None
 
     def ever(self, agent_id: str, *statuses: reach.Status | None) -> bool:
-        return any(s in statuses for s in self.seen.get(agent_id, []))
-
-    def since(self, agent_id: str, mark: int) -> list[reach.Status | None]:
-        return self.seen.get(agent_id, [])[mark:]
+        return any(s in statuses for s in self.statuses(agent_id))
 
     def mark(self, agent_id: str) -> int:
         return len(self.seen.get(agent_id, []))
 
-    def story(self, agent_id: str) -> str:
-        return " -> ".join(s.value if s else "gone" for s in self.seen.get(agent_id, []))
+    def story(self, agent_id: str, origin: float) -> str:
+        """``UP -> DEGRADED at 1.5 s -> ...``, times from ``origin`` (monotonic)."""
+        parts = [
+            f"{s.value if s else 'gone'} at {t - origin:.1f} s"
+            for t, s in self.seen.get(agent_id, [])
+        ]
+        return " -> ".join(parts)
 
 
 def free_port() -> int:

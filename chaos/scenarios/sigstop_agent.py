@@ -91,7 +91,9 @@ async def run(work: Path, short: bool) -> Result:
                     mark = status.mark(hung.agent_id)
                     hung.signal(signal.SIGCONT)
                     stopped = time.monotonic() - stopped_at
-                    await eventually(lambda: S.UP in status.since(hung.agent_id, mark), timeout=30)
+                    await eventually(
+                        lambda: S.UP in status.statuses(hung.agent_id, mark), timeout=30
+                    )
                     back = time.monotonic() - stopped_at - stopped
 
                     async def stale_over() -> bool:
@@ -114,20 +116,22 @@ async def run(work: Path, short: bool) -> Result:
     runs_of = executions(runs)
     result.duplicated = sum(len(r) - 1 for r in runs_of.values())
     result.check("no failed request", result.failed == 0, f"answered by {dict(by)}")
+    # the client gives up at the deadline; the slack covers this process's own event-loop
+    # lag between the answer and the caller's clock on a busy machine
     slowest = max(ledger.latencies, default=0.0)
     result.check(
         "requests answered within their deadline",
-        slowest <= timeout,
-        f"slowest {slowest * 1000:.0f} ms, deadline {timeout * 1000:.0f} ms",
+        slowest <= timeout + 0.5,
+        f"slowest {slowest * 1000:.0f} ms, deadline {timeout * 1000:.0f} ms (+500 ms slack)",
     )
     result.check(
         "the stopped agent goes UNKNOWN or DOWN",
         status.ever(hung.agent_id, S.UNKNOWN, S.DOWN, None),
-        f"{noticed:.1f} s after SIGSTOP; seen {status.story(hung.agent_id)}",
+        f"{noticed:.1f} s after SIGSTOP; seen {status.story(hung.agent_id, stopped_at)}",
     )
     result.check(
         "UP again once resumed",
-        S.UP in status.since(hung.agent_id, mark),
+        S.UP in status.statuses(hung.agent_id, mark),
         f"{back:.1f} s after SIGCONT (stopped {stopped:.1f} s)",
     )
     won = [

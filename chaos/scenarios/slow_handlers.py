@@ -1,10 +1,11 @@
 """8. Slow handlers that miss their deadlines: one of two instances of ``chaos.slow`` takes
 longer than the request timeout, under steady load; then it is fast again.
 
-The slow instance sleeps its ``slow_ms`` unless a request names ``ms``: the load sends
-``ms: 0`` while all is well, leaves it out during the fault (the slow instance overruns
-every deadline, the fast one answers at once), and sends it again for the recovery (the
-slow instance's dependency is back), so the same process must clear its own DEGRADED.
+Each instance sleeps its own ``slow_ms`` (20 ms, and 4 s on the slow one) unless a request
+names ``ms``. The load sends ``ms: 20`` while all is well (a service time, so the load
+spreads over both), leaves it out during the fault (the slow instance overruns every
+deadline), and sends it again for the recovery (the slow instance's dependency is back):
+the same process must clear its own DEGRADED.
 
 Goals: no retry storm (the client's attempts beyond its requests stay within the retry
 budget: ``retry_budget`` of the requests plus the budget's floor of 10 per 10 s window);
@@ -35,10 +36,10 @@ async def run(work: Path, short: bool) -> Result:
     result = Result("slow_handlers")
     ledger = Ledger()
     steady, fault = (1.0, 3.0) if short else (5.0, 15.0)
-    timeout, slow_ms = 1.5, 4000
+    timeout, slow_ms, service_ms = 1.5, 4000, 20
     async with NatsServer() as server:
         settings = settings_for(server.url, "chaos")
-        fast = AgentProc(settings, "fast-0", work / "runs")
+        fast = AgentProc(settings, "fast-0", work / "runs", str(service_ms))
         slow = AgentProc(settings, "slow-1", work / "runs", str(slow_ms))
         async with reach.Registry(settings=settings), reach.Client(settings=settings) as client:
             for a in (fast, slow):
@@ -54,11 +55,11 @@ async def run(work: Path, short: bool) -> Result:
 
                 async with StatusLog(client) as status:
                     stop, by = asyncio.Event(), Counter[str]()
-                    payload: dict[str, int] = {"ms": 0}
+                    payload = {"ms": service_ms}
                     load = asyncio.ensure_future(
                         calls(client, CAP, ledger, stop, payload, by, timeout=timeout)
                     )
-                    await asyncio.sleep(steady)  # steady state: both fast
+                    await asyncio.sleep(steady)  # steady state: both answer in 20 ms
                     requests0 = tally("reach_client_requests_total")
                     attempts0 = tally("reach_client_attempts_total")
                     began = time.monotonic()
@@ -73,12 +74,12 @@ async def run(work: Path, short: bool) -> Result:
                     openings = breaker("reach_client_breaker_openings_total")
                     mark = status.mark(slow.agent_id)
                     answered_by_slow = by[slow.agent_id]
-                    payload["ms"] = 0  # recovery: slow-1 is fast again
+                    payload["ms"] = service_ms  # recovery: slow-1 is fast again
                     recovered_at = time.monotonic()
 
                     def recovered() -> bool:
                         return (
-                            S.UP in status.since(slow.agent_id, mark)
+                            S.UP in status.statuses(slow.agent_id, mark)
                             and status.now(slow.agent_id) is S.UP
                             and breaker("reach_client_breaker_open") == 0
                             and by[slow.agent_id] > answered_by_slow
@@ -116,7 +117,7 @@ async def run(work: Path, short: bool) -> Result:
     result.check(
         "DEGRADED is reported",
         status.ever(slow.agent_id, S.DEGRADED),
-        f"after {degraded_after:.1f} s; seen {status.story(slow.agent_id)}",
+        f"after {degraded_after:.1f} s; seen {status.story(slow.agent_id, began)}",
     )
     result.check(
         "after recovery: DEGRADED cleared, breaker closed, the instance serves again",
