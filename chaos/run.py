@@ -20,7 +20,13 @@ from pathlib import Path
 from .harness import Result
 
 #: scenario module names under chaos/scenarios, in the issue's order
-SCENARIOS = ["kill_instance"]
+SCENARIOS = [
+    "kill_instance",
+    "kill_task_consumer",
+    "sigstop_agent",
+    "rolling_restart",
+    "slow_handlers",
+]
 
 
 async def run_one(name: str, short: bool, work: Path) -> Result:
