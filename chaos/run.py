@@ -20,7 +20,7 @@ from pathlib import Path
 from .harness import Result
 
 #: scenario module names under chaos/scenarios, in the issue's order
-SCENARIOS = ["kill_instance"]
+SCENARIOS = ["kill_instance", "server_restart", "cluster_failover", "registry_restart", "partition"]
 
 
 async def run_one(name: str, short: bool, work: Path) -> Result:
