@@ -33,6 +33,7 @@ __all__ = [
     "executions",
     "kill_mid_task",
     "reach_env",
+    "within",
 ]
 
 #: a request or submit still running this long past its own deadline is "hung": counted,
@@ -250,6 +251,17 @@ class TaskLoad:
                 self.ledger.refused(f"task {rec.state}")
 
         await asyncio.gather(*(one(ref) for ref in self.refs))
+
+
+async def within(condition: Any, timeout: float) -> float | None:
+    """Seconds until ``condition`` (as for ``eventually``) held, or None if it did not
+    within ``timeout``: for a goal that is checked, where a miss must not end the run."""
+    started = time.monotonic()
+    try:
+        await eventually(condition, timeout=timeout)
+    except TimeoutError:
+        return None
+    return time.monotonic() - started
 
 
 def examples(*loads: RequestLoad | TaskLoad) -> list[str]:
