@@ -32,6 +32,7 @@ __all__ = [
     "examples",
     "executions",
     "kill_mid_task",
+    "next_write",
     "reach_env",
     "within",
 ]
@@ -142,6 +143,14 @@ class RequestLoad:
             if took > self.timeout + self.slack:
                 self.overdue += 1
             await asyncio.sleep(self.pause)
+
+    def per_phase(self, marks: list[tuple[str, float]]) -> str:
+        """Failed requests in each phase; ``marks`` are (name, monotonic start), in order."""
+        ends = [t for _, t in marks[1:]] + [float("inf")]
+        return "failed requests by phase: " + ", ".join(
+            f"{name} {self.failed_between(t, end)}"
+            for (name, t), end in zip(marks, ends, strict=True)
+        )
 
     def notes(self) -> str:
         return (
@@ -262,6 +271,15 @@ async def within(condition: Any, timeout: float) -> float | None:
     except TimeoutError:
         return None
     return time.monotonic() - started
+
+
+async def next_write(client: reach.Client, agent_id: str, timeout: float = 30.0) -> None:
+    """Returns as soon as the table sees a new write of ``agent_id``'s record (a renewed
+    lease), to time a fault just after it."""
+    async with asyncio.timeout(timeout):
+        async for change in client.changes():
+            if not isinstance(change, str) and change.info.agent_id == agent_id:
+                return
 
 
 def examples(*loads: RequestLoad | TaskLoad) -> list[str]:

@@ -2,9 +2,10 @@
 restarted; then, separately, two registries with one SIGKILLed. Under request and task
 load, with an agent SIGKILLed in the middle of a task in each part.
 
-Part 1: the only registry is killed, and an agent with it. While no registry runs, the
-leases expire (the server's own TTL) and requests go by the queue group; the dead agent's
-task is redelivered to the other one. The registry is restarted, then the agent (same id).
+Part 1: the only registry is killed just after it renewed one agent's lease, and that agent
+with it. While no registry runs, the leases expire (the server's own TTL), the live agent's
+first, and then requests go by the queue group; the dead agent's task is redelivered to the
+other one. The registry is restarted, then the agent (same id).
 Part 2: a second registry joins; the first is killed, and the other agent with it; the
 survivor keeps the live agent UP and finds the dead one.
 
@@ -31,6 +32,7 @@ from ..tools_b import (
     account,
     examples,
     kill_mid_task,
+    next_write,
     within,
 )
 
@@ -60,6 +62,7 @@ async def run(work: Path, short: bool) -> Result:
         registries: list[RegistryProc] = []
         victims: list[str] = []
         table = None
+        marks: list[tuple[str, float]] = []
         async with reach.Client(settings=settings) as client:
             try:
                 registries.append(await RegistryProc(settings, work / "registry-1.log").start())
@@ -68,17 +71,23 @@ async def run(work: Path, short: bool) -> Result:
                 await eventually(lambda: known(client, "chaos.echo", 2), timeout=60)
                 rload = RequestLoad(client, "chaos.echo", requests).start()
                 tload = TaskLoad(client, "chaos.job", tasks, job_ms=300, pause=0.05).start()
+                marks.append(("steady", time.monotonic()))
                 try:
                     await asyncio.sleep(phase)  # steady state
                     # -- part 1: the only registry killed, and an agent with it --------------
+                    # just after it renewed that agent's lease: the dead agent's lease is
+                    # then the last to lapse, up to a heartbeat after the live one's
+                    await next_write(client, agents[0].agent_id)
                     await registries[0].kill()
                     alone = time.monotonic()
+                    marks.append(("no registry", alone))
                     await kill_mid_task(agents[0])
                     victims.append(agents[0].agent_id)
                     # long enough for every lease to expire with no registry to renew it
                     await asyncio.sleep(settings.lease_ttl + phase)
                     answered = rload.answered_since(alone)
                     registries.append(await RegistryProc(settings, work / "registry-2.log").start())
+                    marks.append(("registry restarted", time.monotonic()))
                     back_ms = int(time.time() * 1000)
                     took = await within(lambda: up_since(client, "echo-1", back_ms), 60)
                     result.check(
@@ -92,6 +101,7 @@ async def run(work: Path, short: bool) -> Result:
                         f"{took:.1f} s" if took is not None else "not within 60 s",
                     )
                     agents[0] = await AgentProc(settings, "echo-0", runs).start()
+                    marks.append(("echo-0 restarted", time.monotonic()))
                     result.check(
                         "the killed agent, restarted, is UP again",
                         await within(lambda: known(client, "chaos.echo", 2), 60) is not None,
@@ -101,7 +111,9 @@ async def run(work: Path, short: bool) -> Result:
                     registries.append(await RegistryProc(settings, work / "registry-3.log").start())
                     table = await TableWatch(client).start()
                     await asyncio.sleep(phase)  # both registries take heartbeats
+                    marks.append(("two registries", time.monotonic()))
                     await registries[1].kill()
+                    marks.append(("one of two killed", time.monotonic()))
                     await kill_mid_task(agents[1])
                     victims.append(agents[1].agent_id)
                     found = await within(lambda: gone_or_down(client, "echo-1"), 60)
@@ -133,6 +145,7 @@ async def run(work: Path, short: bool) -> Result:
     account(result, requests, tasks, runs)
     result.notes += examples(rload, tload)
     result.check("no failed request", requests.ok == requests.sent, rload.notes())
+    result.notes.append(rload.per_phase(marks))
     orphans = [
         rec
         for rec in tload.records
