@@ -21,11 +21,15 @@ from .harness import Result
 
 #: scenario module names under chaos/scenarios, in the issue's order
 SCENARIOS = [
-    "kill_instance",
-    "kill_task_consumer",
-    "sigstop_agent",
-    "rolling_restart",
-    "slow_handlers",
+    "kill_instance",  # 1
+    "kill_task_consumer",  # 2
+    "sigstop_agent",  # 3
+    "server_restart",  # 4
+    "cluster_failover",  # 5
+    "registry_restart",  # 6
+    "rolling_restart",  # 7
+    "slow_handlers",  # 8
+    "partition",  # 9
 ]
 
 
