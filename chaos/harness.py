@@ -97,6 +97,11 @@ class Ledger:
                 return step / 10_000
         return 0.0
 
+    @property
+    def slowest(self) -> float:
+        """Seconds the slowest answered request took (to 0.1 ms)."""
+        return max(self.latencies, default=0) / 10_000
+
     def refused(self, code: str) -> None:
         self.failed[code] = self.failed.get(code, 0) + 1
 

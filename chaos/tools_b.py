@@ -320,8 +320,7 @@ def account(result: Result, requests: Ledger, tasks: Ledger, runs: Path | None =
             f"{kind}: sent {ledger.sent}, ok {ledger.ok}, failed {failed}"
             f"{' (' + codes + ')' if codes else ''}, lost {lost}"
         )
-    lat = sorted(requests.latencies)
-    result.p99_ms = lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000 if lat else 0.0
+    result.p99_ms = requests.quantile(0.99) * 1000
     if runs is not None:
         result.duplicated = sum(n - 1 for n in executions(runs).values())
     return result

@@ -360,22 +360,27 @@ class TaskRunner(Leases):
     ) -> None:
         reason = d.stop_reason
         ok = done and not inner.cancelled() and inner.result()[0]
-        d.outcome = outcome = reason or ("succeeded" if ok else "failed")
-        key = (d.sub.capability, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
-        if reason == "fenced":
-            await ex.fenced(d)  # a newer attempt owns the task: write nothing
-            return
-        if reason == "timeout":
-            self.stats.timed_out += 1
-        if not done or inner.cancelled():
-            await ex.settle(d, reason or "failed", exc="the handler was cancelled")
-            return
-        ok, value = inner.result()
-        if ok:
-            await ex.settle(d, "succeeded", value=value)
-        else:
-            await ex.settle(d, "failed", exc=value)
+        d.outcome = reason or ("succeeded" if ok else "failed")
+        fenced = self.stats.fenced
+        try:
+            if reason == "fenced":
+                await ex.fenced(d)  # a newer attempt owns the task: write nothing
+                return
+            if reason == "timeout":
+                self.stats.timed_out += 1
+            if not done or inner.cancelled():
+                await ex.settle(d, reason or "failed", exc="the handler was cancelled")
+                return
+            ok, value = inner.result()
+            if ok:
+                await ex.settle(d, "succeeded", value=value)
+            else:
+                await ex.settle(d, "failed", exc=value)
+        finally:
+            if self.stats.fenced > fenced:
+                d.outcome = "fenced"  # its write was refused: a newer attempt owns the task
+            key = (d.sub.capability, d.outcome)
+            self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
 
 async def _nak(msg: Msg, delay: float | None = None) -> None:
