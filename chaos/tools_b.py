@@ -29,11 +29,13 @@ __all__ = [
     "TableWatch",
     "TaskLoad",
     "account",
+    "all_up",
     "examples",
     "executions",
     "kill_mid_task",
     "next_write",
     "reach_env",
+    "tasks_init",
     "within",
 ]
 
@@ -280,6 +282,58 @@ async def next_write(client: reach.Client, agent_id: str, timeout: float = 30.0)
         async for change in client.changes():
             if not isinstance(change, str) and change.info.agent_id == agent_id:
                 return
+
+
+async def all_up(client: reach.Client, agents: list[AgentProc], timeout: float = 60.0) -> None:
+    """Wait until every agent in ``agents`` is UP in the table; if not, a RuntimeError that
+    names those that are not, and those whose process ended (with its status)."""
+
+    async def up() -> set[str]:
+        return {r.info.agent_id for r in await client.agents() if r.status is reach.Status.UP}
+
+    async def every() -> bool:
+        return {a.agent_id for a in agents} <= await up()
+
+    if await within(every, timeout) is None:
+        seen = await up()
+        missing = [
+            a.agent_id
+            + (
+                f" (its process exited with status {a.proc.returncode})"
+                if a.proc is not None and a.proc.returncode is not None
+                else ""
+            )
+            for a in agents
+            if a.agent_id not in seen
+        ]
+        raise RuntimeError(f"not UP within {timeout} s: {', '.join(missing)}")
+
+
+async def tasks_init(settings: reach.ReachSettings, timeout: float = 120.0) -> int:
+    """``reach tasks init`` (the deploy-time step that makes the task streams and buckets)
+    in a process, run again until it succeeds (a young cluster may not answer JetStream
+    requests in time); how many runs it took. Each run is stopped by PID if it hangs."""
+    tries = 0
+
+    async def made() -> bool:
+        nonlocal tries
+        tries += 1
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "reach.cli", "tasks", "init"),
+            env=reach_env(settings),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            async with asyncio.timeout(60):
+                return await proc.wait() == 0
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return False
+
+    await eventually(made, timeout=timeout)
+    return tries
 
 
 def examples(*loads: RequestLoad | TaskLoad) -> list[str]:
