@@ -23,7 +23,16 @@ import reach
 from reach.testing import NatsCluster, eventually
 
 from ..harness import AgentProc, Ledger, Result, known, settings_for
-from ..tools_b import RequestLoad, TableWatch, TaskLoad, account, examples, within
+from ..tools_b import (
+    RequestLoad,
+    TableWatch,
+    TaskLoad,
+    account,
+    all_up,
+    examples,
+    tasks_init,
+    within,
+)
 
 STREAM = "CHAOS_TASKS"  # the task stream of prefix "chaos"
 
@@ -59,9 +68,14 @@ async def run(work: Path, short: bool) -> Result:
         async with reach.Registry(settings=settings), reach.Client(settings=settings) as client:
             table = TableWatch(client)
             try:
+                # the streams are made at deploy time: agents starting on a young cluster
+                # die if its JetStream is slow to answer (the defect the late agents show)
+                tries = await tasks_init(settings)
+                if tries > 1:
+                    result.notes.append(f"reach tasks init took {tries} runs")
                 for a in agents:
                     await a.start()
-                await eventually(lambda: known(client, "chaos.echo", 2), timeout=60)
+                await all_up(client, agents)
                 await table.start()
                 rload = RequestLoad(client, "chaos.echo", requests).start()
                 tload = TaskLoad(client, "chaos.job", tasks).start()

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import reach
-from reach.testing import NatsServer, eventually
+from reach.testing import NatsServer
 
-from ..harness import AgentProc, Ledger, Result, known, settings_for
+from ..harness import AgentProc, Ledger, Result, settings_for
 from ..proxy import Proxy
-from ..tools_b import RequestLoad, TableWatch, within
+from ..tools_b import RequestLoad, TableWatch, all_up, within
 
 CUT = "echo-1"  # the agent behind the proxy
 
@@ -41,7 +41,7 @@ async def run(work: Path, short: bool) -> Result:
             try:
                 for a in agents:
                     await a.start()
-                await eventually(lambda: known(client, "chaos.echo", 2), timeout=60)
+                await all_up(client, agents)
                 result.check("the agent behind the proxy uses it", proxy.connections > 0)
                 table = await TableWatch(client).start()
                 rload = RequestLoad(client, "chaos.echo", ledger).start()

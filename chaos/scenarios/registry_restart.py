@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import reach
-from reach.testing import NatsServer, eventually
+from reach.testing import NatsServer
 
 from ..harness import AgentProc, Ledger, Result, known, settings_for
 from ..tools_b import (
@@ -30,6 +30,7 @@ from ..tools_b import (
     TableWatch,
     TaskLoad,
     account,
+    all_up,
     examples,
     kill_mid_task,
     next_write,
@@ -68,7 +69,7 @@ async def run(work: Path, short: bool) -> Result:
                 registries.append(await RegistryProc(settings, work / "registry-1.log").start())
                 for a in agents:
                     await a.start()
-                await eventually(lambda: known(client, "chaos.echo", 2), timeout=60)
+                await all_up(client, agents)
                 rload = RequestLoad(client, "chaos.echo", requests).start()
                 tload = TaskLoad(client, "chaos.job", tasks, job_ms=300, pause=0.05).start()
                 marks.append(("steady", time.monotonic()))

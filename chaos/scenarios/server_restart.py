@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import reach
-from reach.testing import NatsServer, eventually
+from reach.testing import NatsServer
 
-from ..harness import AgentProc, Ledger, Result, known, settings_for
-from ..tools_b import RequestLoad, TaskLoad, account, examples, within
+from ..harness import AgentProc, Ledger, Result, settings_for
+from ..tools_b import RequestLoad, TaskLoad, account, all_up, examples, within
 
 
 async def run(work: Path, short: bool) -> Result:
@@ -33,7 +33,7 @@ async def run(work: Path, short: bool) -> Result:
             try:
                 for a in agents:
                     await a.start()
-                await eventually(lambda: known(client, "chaos.echo", 2), timeout=60)
+                await all_up(client, agents)
                 rload = RequestLoad(client, "chaos.echo", requests, timeout=2.0).start()
                 tload = TaskLoad(client, "chaos.job", tasks).start()
                 try:

@@ -1,54 +1,24 @@
-"""What the server, cluster, registry and partition scenarios share: request load that times
-every request against its own deadline, durable task load that follows every task to its
-end, registry processes stopped by PID, and a watch on the routing table's comings and
-goings. Every item is in a ``Ledger``; ``account`` puts requests and tasks into one
-``Result``, with the p99 of the requests."""
+"""Load that accounts for every item: requests timed against their own deadlines, durable
+tasks followed to their end, and one ``Result`` from both ledgers (p99 of the requests)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
-import os
-import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import reach
-from reach.testing import eventually
 
-from .harness import AgentProc, Ledger, Result
+from ..harness import Ledger, Result
 
-__all__ = [
-    "RegistryProc",
-    "RequestLoad",
-    "TableWatch",
-    "TaskLoad",
-    "account",
-    "examples",
-    "executions",
-    "kill_mid_task",
-    "next_write",
-    "reach_env",
-    "within",
-]
+__all__ = ["HANG", "RequestLoad", "TaskLoad", "account", "examples", "executions"]
 
 #: a request or submit still running this long past its own deadline is "hung": counted,
 #: and given up on so that the scenario ends
 HANG = 30.0
-
-
-def reach_env(settings: reach.ReachSettings) -> dict[str, str]:
-    """This process's environment with ``REACH_*`` replaced by every setting in
-    ``settings`` that differs from its default (JSON for the non-strings)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
-    for name, value in settings.model_dump(exclude_defaults=True).items():
-        env[f"REACH_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    return env
 
 
 class RequestLoad:
@@ -262,26 +232,6 @@ class TaskLoad:
         await asyncio.gather(*(one(ref) for ref in self.refs))
 
 
-async def within(condition: Any, timeout: float) -> float | None:
-    """Seconds until ``condition`` (as for ``eventually``) held, or None if it did not
-    within ``timeout``: for a goal that is checked, where a miss must not end the run."""
-    started = time.monotonic()
-    try:
-        await eventually(condition, timeout=timeout)
-    except TimeoutError:
-        return None
-    return time.monotonic() - started
-
-
-async def next_write(client: reach.Client, agent_id: str, timeout: float = 30.0) -> None:
-    """Returns as soon as the table sees a new write of ``agent_id``'s record (a renewed
-    lease), to time a fault just after it."""
-    async with asyncio.timeout(timeout):
-        async for change in client.changes():
-            if not isinstance(change, str) and change.info.agent_id == agent_id:
-                return
-
-
 def examples(*loads: RequestLoad | TaskLoad) -> list[str]:
     """One note per error code seen: what the first error of that code said."""
     out = []
@@ -289,16 +239,6 @@ def examples(*loads: RequestLoad | TaskLoad) -> list[str]:
         kind = "request" if isinstance(load, RequestLoad) else "submit"
         out += [f"first {kind} {code}: {text}" for code, text in load.examples.items()]
     return out
-
-
-async def kill_mid_task(agent: AgentProc, timeout: float = 60.0) -> int:
-    """SIGKILL ``agent`` right after it starts running a task (a new execution file of its
-    PID), so that it dies with work in hand; its PID."""
-    pid = agent.pid
-    before = set(agent.runs.glob(f"*.{pid}"))
-    await eventually(lambda: any(p not in before for p in agent.runs.glob(f"*.{pid}")), timeout)
-    await agent.kill()
-    return pid
 
 
 def executions(runs: Path) -> Counter[str]:
@@ -324,99 +264,3 @@ def account(result: Result, requests: Ledger, tasks: Ledger, runs: Path | None =
     if runs is not None:
         result.duplicated = sum(n - 1 for n in executions(runs).values())
     return result
-
-
-class TableWatch:
-    """Follows the routing table: per agent id, how often it left and which statuses other
-    than UP it had, so a scenario can tell "stayed" from "came back"."""
-
-    def __init__(self, client: reach.Client) -> None:
-        self.client = client
-        self.left: Counter[str] = Counter()
-        self.statuses: dict[str, set[reach.Status]] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> TableWatch:
-        await self.client.agents()  # the table is there before the first change
-        self._task = asyncio.ensure_future(self._follow())
-        return self
-
-    async def _follow(self) -> None:
-        async for change in self.client.changes():
-            if isinstance(change, str):
-                self.left[change] += 1
-            else:
-                self.statuses.setdefault(change.info.agent_id, set()).add(change.status)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    def summary(self, agent_ids: list[str]) -> str:
-        parts = []
-        for a in agent_ids:
-            seen = sorted(s.value for s in self.statuses.get(a, set()) if s is not reach.Status.UP)
-            parts.append(f"{a} left {self.left[a]}x{', was ' + '/'.join(seen) if seen else ''}")
-        return "; ".join(parts)
-
-
-class RegistryProc:
-    """A registry in a process of its own (``python -m reach.cli registry``), with the
-    settings as ``REACH_*`` variables, stopped by PID. Ready once it says so on stderr
-    (its log file)."""
-
-    def __init__(self, settings: reach.ReachSettings, log: Path) -> None:
-        self.settings = settings
-        self.log = log
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self, timeout: float = 60.0) -> RegistryProc:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "reach.cli",
-                "registry",
-                env=reach_env(self.settings),
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=out,
-            )
-        pid = self.proc.pid
-
-        def ready() -> bool:
-            if self.proc is None or self.proc.returncode is not None:
-                raise RuntimeError(f"registry process {pid} ended; see {self.log}")
-            return "# registry " in self.log.read_text(errors="replace")
-
-        try:
-            await eventually(ready, timeout=timeout)
-        except BaseException:
-            await self.kill()
-            raise
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    async def kill(self) -> None:
-        """SIGKILL by PID, then reap it."""
-        if self.proc is not None and self.proc.returncode is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        if self.proc is not None:
-            await self.proc.wait()
-
-    async def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL if it does not end in ``timeout``."""
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            async with asyncio.timeout(timeout):
-                await self.proc.wait()
-        except TimeoutError:
-            await self.kill()
