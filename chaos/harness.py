@@ -167,6 +167,7 @@ class AgentProc:
             "REACH_TASK_ACK_WAIT": str(s.task_ack_wait),
             "REACH_REPLICAS": str(s.replicas),  # on a cluster, what it makes is R3 too
             "REACH_DRAIN_TIMEOUT": "10",
+            **self.extra_env(),
         }
         self.runs.mkdir(parents=True, exist_ok=True)
         self.proc = await asyncio.create_subprocess_exec(
@@ -180,6 +181,10 @@ class AgentProc:
             stderr=asyncio.subprocess.DEVNULL,
         )
         return self
+
+    def extra_env(self) -> dict[str, str]:
+        """More REACH_* for the process (subclasses: a metrics port, say)."""
+        return {}
 
     @property
     def pid(self) -> int:

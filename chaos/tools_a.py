@@ -5,9 +5,7 @@ status history, client metrics, and agent processes whose metrics can be scraped
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -18,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import reach
 
-from .harness import AGENT_SCRIPT, AgentProc, Ledger
+from .harness import AgentProc, Ledger
 
 __all__ = [
     "MeteredAgent",
@@ -227,31 +225,9 @@ class MeteredAgent(AgentProc):
 
     metrics_port = 0
 
-    async def start(self) -> MeteredAgent:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
-        s = self.settings
-        self.metrics_port = free_port()
-        env |= {
-            "REACH_NATS_URL": s.nats_url,
-            "REACH_SUBJECT_PREFIX": s.subject_prefix,
-            "REACH_HEARTBEAT_INTERVAL": str(s.heartbeat_interval),
-            "REACH_LEASE_TTL": str(s.lease_ttl),
-            "REACH_TASK_ACK_WAIT": str(s.task_ack_wait),
-            "REACH_DRAIN_TIMEOUT": "10",
-            "REACH_METRICS_PORT": str(self.metrics_port),
-        }
-        self.runs.mkdir(parents=True, exist_ok=True)
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(AGENT_SCRIPT),
-            self.agent_id,
-            str(self.runs),
-            *self.args,
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        return self
+    def extra_env(self) -> dict[str, str]:
+        self.metrics_port = free_port()  # a fresh one at each start
+        return {"REACH_METRICS_PORT": str(self.metrics_port)}
 
     async def samples(self, name: str) -> list[tuple[dict[str, str], float]] | None:
         """The samples of ``name`` on the agent's ``/metrics``; None when it does not
