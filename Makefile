@@ -12,7 +12,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,fast]'
+	$(PY) -m pip install --quiet -e '.[dev,fast,edge]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -31,7 +31,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,fast,bench]'
+	$(PY) -m pip install --quiet -e '.[dev,fast,edge,bench]'
 	$(PY) bench/request_reply.py
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
