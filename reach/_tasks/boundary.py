@@ -4,15 +4,23 @@ methods) runs inside ``task_errors``; a ``ReachError`` raised below passes uncha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import msgspec
 
-from .._nats import TRANSIENT
+from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
 from ..errors import ConnectionFailed, ReachError
 
-__all__ = ["task_errors"]
+__all__ = ["patiently", "task_errors"]
+
+log = logging.getLogger("reach.tasks")
+T = TypeVar("T")
+_FIRST_PAUSE, _LONGEST_PAUSE = 0.2, 2.0
 
 
 @contextmanager
@@ -30,3 +38,32 @@ def task_errors(what: str) -> Iterator[None]:
         ) from exc
     except msgspec.DecodeError as exc:
         raise ReachError(f"{what}: stored data does not decode ({exc})") from exc
+
+
+async def patiently(
+    nc: NatsConnection, what: str, op: Callable[[], Awaitable[T]], *, within: float
+) -> T:
+    """``op()``, tried again with backoff while JetStream does not answer (a stream or
+    the meta group between leaders, a server restarting) for up to ``within`` seconds;
+    then ``ConnectionFailed``. A refusal (``Unauthorized``) or a ``ReachError`` is final
+    at once: waiting would not change it."""
+    give_up = time.monotonic() + within
+    pause, tries = _FIRST_PAUSE, 0
+    while True:
+        mark = refusals(nc)
+        try:
+            return await op()
+        except ReachError:
+            raise
+        except TRANSIENT as exc:
+            check_refused(nc, what, exc, since=mark)
+            tries += 1
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise ConnectionFailed(
+                    f"{what}: JetStream did not answer in {within:g} s, {tries} tries"
+                    f" ({type(exc).__name__}: {exc})"
+                ) from exc
+            log.warning("%s: JetStream not answering (%s), trying again", what, exc)
+            await asyncio.sleep(min(pause, left))  # backoff between tries
+            pause = min(pause * 2, _LONGEST_PAUSE)

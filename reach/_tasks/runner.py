@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..errors import BadRequest
 from ..settings import ReachSettings
 from ..wire import CapabilityInfo, Priority
 from ..wire.tasks import TaskSubmit
+from .boundary import patiently
 from .execute import Executor
 from .handling import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
@@ -121,7 +123,8 @@ class TaskRunner(Leases):
         self._api = JsApi(nc)
         await self._api.open()
         store = TaskStore(nc.jetstream(), self.subjects, self.settings, self._api)
-        await store.ensure()
+        within = self.settings.task_setup_timeout
+        await patiently(nc, f"agent {self.agent_id}: task streams", store.ensure, within=within)
         self._exec = Executor(self.agent_id, nc, store, self.stats)
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
         self._wake = asyncio.Event()
@@ -129,7 +132,12 @@ class TaskRunner(Leases):
         self._idle.set()
         for cap in self.decls:
             for level in (Priority.HIGH, Priority.NORMAL, Priority.LOW):
-                name = await store.ensure_consumer(cap, level)
+                name = await patiently(
+                    nc,
+                    f"agent {self.agent_id}: consumer of {cap} at {level}",
+                    functools.partial(store.ensure_consumer, cap, level),
+                    within=within,
+                )
                 puller = Puller(nc, store.stream, name, nc.new_inbox(), self._wake.set)
                 await puller.open()
                 self._pullers[(cap, level)] = puller

@@ -37,7 +37,7 @@ from ..errors import ConfigurationError, ConnectionFailed, NotStarted, ReachErro
 from ..settings import ReachSettings
 from ..wire import Header, Priority
 from ..wire.tasks import TaskRecord, TaskSubmit
-from .boundary import task_errors
+from .boundary import patiently, task_errors
 from .jsapi import JsApi
 from .refs import Batch, TaskRef, cancel_record, read_record
 from .store import Conflict, TaskStore, idem_key
@@ -111,7 +111,12 @@ class Tasks:
                         api = JsApi(nc)
                         await api.open()
                         store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
-                        await store.ensure()
+                        await patiently(
+                            nc,
+                            "task streams",
+                            store.ensure,
+                            within=self.settings.task_setup_timeout,
+                        )
                         notify = self.subjects.task_done(self._nuid.next().decode())
                         self._sub = await nc.subscribe(notify, cb=self._on_final)
                     except Exception as exc:  # a timeout may be a refusal: say which

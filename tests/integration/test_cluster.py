@@ -237,3 +237,52 @@ async def test_requests_and_tasks_go_on_while_a_follower_node_is_down(
         await cluster.nodes[cluster.names.index(victim)].astart()
     assert [r.value for r in replies] == [{"pong": n} for n in range(4)]
     assert result == {"done": 8, "attempt": 1}
+
+
+class _Seen(logging.Handler):
+    """Sets ``event`` when a record's message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.event = text, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+async def test_an_agent_started_while_jetstream_has_no_quorum_waits_for_it(cluster: NatsCluster):
+    """Agent.start used to die with nats-py's raw TimeoutError when the task stream had
+    no leader (the cluster_failover chaos scenario): now it tries again until a leader is
+    elected, then serves its tasks."""
+    await cluster.await_ready()
+    settings = cluster_settings(cluster, task_setup_timeout=120.0)
+    async with Client(settings=settings) as client:
+        first = await client.submit("cl.work", {"n": 1})  # the streams exist; no agent yet
+    seen = _Seen("JetStream not answering")
+    logging.getLogger("reach.tasks").addHandler(seen)
+    _, worker = fleet(settings.model_copy(update={"nats_url": cluster.nodes[0].url}))
+    for i in (1, 2):
+        await cluster.akill_node(i)  # one node of three: no quorum, no leader anywhere
+    starting = asyncio.create_task(worker.start())
+    try:
+        waiting = asyncio.create_task(seen.event.wait())
+        done, _ = await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert starting not in done, starting.exception()  # it did not give up (or fail)
+        for i in (1, 2):
+            await cluster.nodes[i].astart(30)
+        await cluster.await_ready()
+        await asyncio.wait_for(starting, 120)
+        async with Client(settings=settings) as client:
+            assert await (await client.task(first.task_id)).result(timeout=60) == {
+                "done": 1,
+                "attempt": 1,
+            }
+    finally:
+        logging.getLogger("reach.tasks").removeHandler(seen)
+        if not starting.done():
+            starting.cancel()
+        await worker.stop()
+        for i in (1, 2):
+            await cluster.nodes[i].astart(30)  # a no-op for a node that is running
