@@ -37,6 +37,7 @@ FAILOVER = frozenset(
     {"no_responders", "resource_exhausted", "circuit_open", "timeout", "agent_unavailable"}
 )
 _MAX_AFFINITY = 100_000  # remembered sessions per client
+_MAX_ABSENT = 10_000  # instances remembered as not listening
 
 # Outcomes that count against an instance's breaker.
 INSTANCE_FAILURE = FAILOVER | {"failed"}
@@ -94,6 +95,9 @@ class Router:
         self.affinity: dict[tuple[str, str], str] = {}
         self._sessions: dict[str, set[tuple[str, str]]] = {}  # agent id -> its affinity keys
         self._departed: dict[str, int] = {}  # left the table with attempts still in flight
+        #: instances whose direct subject answered no-responders, and when: nobody listens
+        #: there, whatever their lease says (a dead agent's lease outlives it)
+        self.absent: dict[str, float] = {}
         self.rate_limits = dict(rate_limits or {})
         self.buckets: dict[str, TokenBucket] = {}
         self.weights: dict[str, Weights] = dict(weights or {})
@@ -145,6 +149,11 @@ class Router:
             raise CapabilityNotFound(
                 explain_miss(offering, capability, version, tags, priority), capability=capability
             )
+        if self.absent:
+            present = [i for i in ids if not self._absent(i, now)]
+            if not present:
+                return Choice(None)  # every listed instance is gone: NATS knows who serves it
+            ids = present
         pool = self._usable(ids, tried, now)
         if (
             not pool
@@ -202,6 +211,12 @@ class Router:
         fresh = [i for i in allowed if i not in tried]
         return fresh or allowed
 
+    def _absent(self, agent_id: str, now: float) -> bool:
+        """It said nobody listens less than a breaker cooldown ago (after that, it may
+        have been restarted under the same id)."""
+        since = self.absent.get(agent_id)
+        return since is not None and now - since < self.breaker_cooldown
+
     def _take(self, agent_id: str, now: float) -> Choice:
         breaker = self.instance_breakers.get(agent_id)
         if breaker is not None and breaker.state is not BreakerState.CLOSED:
@@ -253,6 +268,8 @@ class Router:
             if ewma is None:
                 ewma = self.ewma[agent_id] = PeakEwma()
             ewma.observe(latency_ms, now)
+            if self.absent:
+                self.absent.pop(agent_id, None)
             if affinity_key is not None:
                 self._stick((capability, affinity_key), agent_id)
             breaker = self.instance_breakers.get(agent_id)
@@ -263,6 +280,13 @@ class Router:
             return
         if agent_id is None or outcome in UNANSWERED:
             return
+        if outcome == "no_responders":
+            self.absent.pop(agent_id, None)  # re-inserted last: the oldest go first
+            self.absent[agent_id] = now
+            if len(self.absent) > _MAX_ABSENT:
+                del self.absent[next(iter(self.absent))]
+        elif self.absent:
+            self.absent.pop(agent_id, None)  # it answered: it is there
         breaker = self.instance_breakers.get(agent_id)
         if outcome in INSTANCE_FAILURE:
             if breaker is None:
@@ -307,6 +331,7 @@ class Router:
         self.ewma.pop(agent_id, None)
         self.instance_breakers.pop(agent_id, None)
         self.breaker_openings.pop(agent_id, None)
+        self.absent.pop(agent_id, None)
         for key in self._sessions.pop(agent_id, ()):
             if self.affinity.get(key) == agent_id:
                 del self.affinity[key]
@@ -321,6 +346,7 @@ class Router:
             "router.affinity": len(self.affinity),
             "router.sessions": len(self._sessions),
             "router.departed": len(self._departed),
+            "router.absent": len(self.absent),
             "capabilities.latency": len(self.cap_latency),
             "capabilities.breakers": len(self.cap_breakers),
             "capabilities.rate_limits": len(self.buckets),

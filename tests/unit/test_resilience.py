@@ -435,6 +435,8 @@ def test_ten_thousand_instances_leave_no_trace_in_the_router():
         for _ in range(5):  # enough in a row to open its breaker
             router.started(agent_id)
             router.finished(agent_id, "work.do", "timeout", 1.0, 0.0)
+        router.started(agent_id)
+        router.finished(agent_id, "work.do", "no_responders", 0.1, 0.0)
         router.started(agent_id)  # still in flight when it leaves
     grown = router.footprint()
     for agent_id in ids:
@@ -451,5 +453,47 @@ def test_ten_thousand_instances_leave_no_trace_in_the_router():
         "router.affinity": 10_000,
         "router.sessions": 10_000,
         "router.departed": 0,
+        "router.absent": 10_000,
     }
     assert {k: sizes[k] for k in per_instance} == dict.fromkeys(per_instance, 0)
+
+
+def test_instances_that_answered_no_responders_leave_the_choice_to_the_queue_group():
+    """With no registry renewing leases, a dead instance's lease can outlive a live one's
+    (the registry_restart chaos scenario): the table lists only the dead one. Its direct
+    subject answers no-responders, and once its breaker opened the router raised
+    CircuitOpen with nothing tried; the live instances NATS knows were never asked."""
+    router = Router(breaker_cooldown=5.0)
+    table = table_of(rec("gone"))
+    for n in range(6):
+        router.finished("gone", "work.do", "no_responders", 0.1, float(n))
+
+    def choose(now, tried=()):
+        return router.choose(
+            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, list(tried), None, now
+        ).agent_id
+
+    assert choose(6.0) is None  # the queue group: whoever really serves work.do
+    # an instance that is there is chosen before one that said nobody is listening
+    put(table, rec("live"))
+    assert {choose(6.0 + i / 10) for i in range(20)} == {"live"}
+    # a restarted instance (same id) is tried again once the cooldown has passed
+    delete(table, "live")
+    assert choose(20.0) == "gone"
+
+
+def test_a_failing_instance_still_opens_its_circuit():
+    router = Router()
+    table = table_of(rec("slow"))
+    for n in range(6):
+        router.finished("slow", "work.do", "timeout", 1.0, float(n))
+    with pytest.raises(CircuitOpen):
+        router.choose(Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 6.0)
+
+
+def test_instances_remembered_as_absent_are_bounded(monkeypatch):
+    monkeypatch.setattr("reach._routing.router._MAX_ABSENT", 3)
+    router = Router()
+    for n in range(5):  # direct calls can name any id
+        router.finished(f"x-{n}", "work.do", "no_responders", 0.1, float(n))
+    assert list(router.absent) == ["x-2", "x-3", "x-4"]
