@@ -79,9 +79,10 @@ class ReachSettings(BaseSettings):
     #: seconds between recovery sweeps (one registry replica of several sweeps per interval;
     #: a sweep is a headers-only scan of the task records); 0 turns them off
     task_sweep_interval: float = Field(default=60.0, ge=0)
-    #: seconds an agent or client keeps trying to set up durable tasks (streams, buckets,
-    #: consumers) while JetStream does not answer, e.g. during a leader election
-    task_setup_timeout: float = Field(default=30.0, gt=0)
+    #: seconds durable-task setup (streams, buckets, consumers) and each submit keep trying
+    #: while JetStream does not answer (a leader election, a server restarting); then
+    #: ConnectionFailed
+    task_patience: float = Field(default=30.0, gt=0)
     #: replicas of task streams and buckets; 0: ``replicas``
     task_replicas: int = Field(default=0, ge=0, le=5)
     # -- deployment ------------------------------------------------------------------------

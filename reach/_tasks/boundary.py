@@ -41,7 +41,12 @@ def task_errors(what: str) -> Iterator[None]:
 
 
 async def patiently(
-    nc: NatsConnection, what: str, op: Callable[[], Awaitable[T]], *, within: float
+    nc: NatsConnection,
+    what: str,
+    op: Callable[[], Awaitable[T]],
+    *,
+    within: float,
+    advice: str = "",
 ) -> T:
     """``op()``, tried again with backoff while JetStream does not answer (a stream or
     the meta group between leaders, a server restarting) for up to ``within`` seconds;
@@ -59,10 +64,11 @@ async def patiently(
             check_refused(nc, what, exc, since=mark)
             tries += 1
             left = give_up - time.monotonic()
-            if left <= 0:
+            if left <= 0 or nc.is_closed:  # a closed connection never comes back
+                why = "the connection is closed" if nc.is_closed else f"no answer in {within:g} s"
                 raise ConnectionFailed(
-                    f"{what}: JetStream did not answer in {within:g} s, {tries} tries"
-                    f" ({type(exc).__name__}: {exc})"
+                    f"{what}: JetStream out of reach, {why}, {tries} tries"
+                    f" ({type(exc).__name__}: {exc}){advice}"
                 ) from exc
             log.warning("%s: JetStream not answering (%s), trying again", what, exc)
             await asyncio.sleep(min(pause, left))  # backoff between tries

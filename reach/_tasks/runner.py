@@ -123,7 +123,7 @@ class TaskRunner(Leases):
         self._api = JsApi(nc)
         await self._api.open()
         store = TaskStore(nc.jetstream(), self.subjects, self.settings, self._api)
-        within = self.settings.task_setup_timeout
+        within = self.settings.task_patience
         await patiently(nc, f"agent {self.agent_id}: task streams", store.ensure, within=within)
         self._exec = Executor(self.agent_id, nc, store, self.stats)
         self._owner, self._client, self.tags = owner, client, frozenset(tags)

@@ -18,6 +18,7 @@ for the result.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,7 @@ from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
 from .._subjects import Subjects, validate_capability, validate_topic
 from .._telemetry import ATTR
-from ..errors import ConfigurationError, ConnectionFailed, NotStarted, ReachError
+from ..errors import ConfigurationError, ConnectionFailed, NotStarted
 from ..settings import ReachSettings
 from ..wire import Header, Priority
 from ..wire.tasks import TaskRecord, TaskSubmit
@@ -115,7 +116,7 @@ class Tasks:
                             nc,
                             "task streams",
                             store.ensure,
-                            within=self.settings.task_setup_timeout,
+                            within=self.settings.task_patience,
                         )
                         notify = self.subjects.task_done(self._nuid.next().decode())
                         self._sub = await nc.subscribe(notify, cb=self._on_final)
@@ -274,20 +275,23 @@ class Tasks:
             return await self._submit(store, sub)
 
     async def _submit(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:
-        try:
-            return await self.claim_and_publish(store, sub)
-        except ReachError:
-            raise
-        except TRANSIENT as exc:
-            retry = (
-                "submitting again with the same idempotency_key is safe"
-                if sub.idempotency_key
-                else "it may or may not have been stored (a submit with an idempotency_key"
-                " can be repeated safely)"
-            )
-            raise ConnectionFailed(
-                f"submit of task {sub.task_id} not confirmed ({type(exc).__name__}: {exc}); {retry}"
-            ) from exc
+        """Claim and publish, again and again while JetStream does not answer (a stream
+        between leaders, a server restarting): the task id is the ``Nats-Msg-Id``, so the
+        server stores a repeated publish once."""
+        assert self._nc is not None
+        retry = (
+            "submitting again with the same idempotency_key is safe"
+            if sub.idempotency_key
+            else "it may or may not have been stored (a submit with an idempotency_key"
+            " can be repeated safely)"
+        )
+        return await patiently(
+            self._nc,
+            f"submit of task {sub.task_id} not confirmed",
+            functools.partial(self.claim_and_publish, store, sub),
+            within=self.settings.task_patience,
+            advice=f"; {retry}",
+        )
 
     @staticmethod
     def check_size(nc: NatsConnection, sub: TaskSubmit) -> None:

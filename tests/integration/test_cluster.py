@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -251,28 +252,42 @@ class _Seen(logging.Handler):
             self.event.set()
 
 
+@asynccontextmanager
+async def no_quorum(cluster: NatsCluster) -> AsyncIterator[None]:
+    """Nodes 1 and 2 killed: one node of three, no leader anywhere; both back on exit."""
+    try:
+        for i in (1, 2):
+            await cluster.akill_node(i)
+        yield
+    finally:
+        for i in (1, 2):
+            await cluster.nodes[i].astart(30)  # a no-op for a node already running
+        await cluster.await_ready()
+
+
+async def first_done(work: asyncio.Task[Any], event: asyncio.Event) -> None:
+    """Wait for ``event``; fail if ``work`` ends (gives up, or fails) first."""
+    waiting = asyncio.create_task(event.wait())
+    done, _ = await asyncio.wait({work, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    assert work not in done, work.exception()
+
+
 async def test_an_agent_started_while_jetstream_has_no_quorum_waits_for_it(cluster: NatsCluster):
     """Agent.start used to die with nats-py's raw TimeoutError when the task stream had
     no leader (the cluster_failover chaos scenario): now it tries again until a leader is
     elected, then serves its tasks."""
     await cluster.await_ready()
-    settings = cluster_settings(cluster, task_setup_timeout=120.0)
+    settings = cluster_settings(cluster, task_patience=120.0)
     async with Client(settings=settings) as client:
         first = await client.submit("cl.work", {"n": 1})  # the streams exist; no agent yet
     seen = _Seen("JetStream not answering")
     logging.getLogger("reach.tasks").addHandler(seen)
     _, worker = fleet(settings.model_copy(update={"nats_url": cluster.nodes[0].url}))
-    for i in (1, 2):
-        await cluster.akill_node(i)  # one node of three: no quorum, no leader anywhere
-    starting = asyncio.create_task(worker.start())
     try:
-        waiting = asyncio.create_task(seen.event.wait())
-        done, _ = await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
-        waiting.cancel()
-        assert starting not in done, starting.exception()  # it did not give up (or fail)
-        for i in (1, 2):
-            await cluster.nodes[i].astart(30)
-        await cluster.await_ready()
+        async with no_quorum(cluster):
+            starting = asyncio.create_task(worker.start())
+            await first_done(starting, seen.event)
         await asyncio.wait_for(starting, 120)
         async with Client(settings=settings) as client:
             assert await (await client.task(first.task_id)).result(timeout=60) == {
@@ -281,8 +296,25 @@ async def test_an_agent_started_while_jetstream_has_no_quorum_waits_for_it(clust
             }
     finally:
         logging.getLogger("reach.tasks").removeHandler(seen)
-        if not starting.done():
-            starting.cancel()
         await worker.stop()
-        for i in (1, 2):
-            await cluster.nodes[i].astart(30)  # a no-op for a node that is running
+
+
+async def test_a_submit_while_jetstream_has_no_quorum_waits_for_it(cluster: NatsCluster):
+    """A submit during a leader election failed with no-responders (349 of 1631 in the
+    cluster_failover chaos run): now it publishes again (the same Nats-Msg-Id, stored
+    once) until the stream has a leader."""
+    await cluster.await_ready()
+    settings = cluster_settings(cluster, task_patience=120.0, nats_url=cluster.nodes[0].url)
+    _, worker = fleet(settings)
+    seen = _Seen("JetStream not answering")
+    logging.getLogger("reach.tasks").addHandler(seen)
+    try:
+        async with worker, Client(settings=settings) as client:
+            await client.submit("cl.work", {"n": 0})  # the task side is set up
+            async with no_quorum(cluster):
+                submitting = asyncio.create_task(client.submit("cl.work", {"n": 2}))
+                await first_done(submitting, seen.event)
+            ref = await asyncio.wait_for(submitting, 120)
+            assert await ref.result(timeout=60) == {"done": 2, "attempt": 1}
+    finally:
+        logging.getLogger("reach.tasks").removeHandler(seen)

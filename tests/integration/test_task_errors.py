@@ -87,7 +87,10 @@ async def test_a_waiter_following_a_watch_wakes_when_the_client_closes(
 
 async def test_every_task_method_raises_connection_failed_while_the_server_is_away():
     async with NatsServer() as server:
-        settings = ReachSettings(nats_url=server.url, subject_prefix=unique_prefix())
+        # a submit waits task_patience for the server to come back before it says so
+        settings = ReachSettings(
+            nats_url=server.url, subject_prefix=unique_prefix(), task_patience=1.0
+        )
         async with Client(settings=settings) as client:
             ref = await client.submit(CAP, {"n": 1})
             await server.akill()
