@@ -51,6 +51,7 @@ class ClientStats:
     records_ignored: int = 0  # agent records that did not decode or named another key
     config_ignored: int = 0  # config keys whose value could not be used
     permission_violations: int = 0  # publishes and subscriptions the server refused
+    replies_ignored: int = 0  # replies naming another instance than the one asked
 
 
 class Client(DurableTasks, ConfigWrites):
@@ -234,6 +235,7 @@ class Client(DurableTasks, ConfigWrites):
             records_ignored=self._table.undecodable,
             config_ignored=self._config.ignored,
             permission_violations=perms.count if perms is not None else 0,
+            replies_ignored=self._inbox.ignored,
         )
 
     # -- closing -----------------------------------------------------------------------

@@ -85,6 +85,10 @@ class Inbox:
         self._sub: Subscription | None = None
         self._nuid = NUID()
         self._permissions: Permissions | None = None
+        #: token -> the instance a direct attempt went to: only its answer is taken
+        self.expect: dict[str, str] = {}
+        #: replies dropped because they named another instance than the one asked
+        self.ignored = 0
 
     async def open(self, nc: NatsConnection) -> None:
         self.nc = nc
@@ -101,9 +105,34 @@ class Inbox:
         rearm(self.pending, violation)
 
     async def _on_reply(self, msg: Msg) -> None:
-        fut = self.pending.get(msg.subject[len(self._prefix) :])
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        token = msg.subject[len(self._prefix) :]
+        fut = self.pending.get(token)
+        if fut is None or fut.done():
+            return
+        want = self.expect.get(token)
+        if want is not None:
+            sender = self._sender(msg)
+            if sender and sender != want:
+                # another instance answering for the one chosen (a forged or misrouted
+                # reply): keep waiting for the real answer
+                self.ignored += 1
+                log.debug("reply from %s ignored: %s was asked", sender, want)
+                return
+        fut.set_result(msg)
+
+    def _sender(self, msg: Msg) -> str:
+        """The instance a reply names (its direct subject as reply-to, or the Reach-Agent
+        header of an error); "" when it names none (the server's no-responders status, a
+        plain NATS responder)."""
+        hdrs = msg.headers
+        if hdrs:
+            named = hdrs.get(Header.AGENT)
+            if named:
+                return named
+        via = msg.reply
+        if via and via.startswith(self._agent_subjects):
+            return via[len(self._agent_subjects) :].partition(".")[0]
+        return ""
 
     async def close(self, *, unsubscribe: bool) -> None:
         """Fail every pending request; drop the subscription on a connection we keep."""
@@ -139,6 +168,8 @@ class Inbox:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Msg] = loop.create_future()
         self.pending[token] = fut
+        if agent_id is not None:
+            self.expect[token] = agent_id
         expiry = loop.call_later(wait, _expire, fut)
         started = time.perf_counter()
         try:
@@ -158,6 +189,8 @@ class Inbox:
         finally:
             expiry.cancel()
             del self.pending[token]
+            if agent_id is not None:
+                del self.expect[token]
         latency_ms = (time.perf_counter() - started) * 1000
         hdrs = msg.headers
         if hdrs and not msg.data and hdrs.get("Status") == "503":
@@ -172,12 +205,8 @@ class Inbox:
                 capability=capability,
                 request_id=rid,
             ) from exc
-        served_by, duration = "", None
-        via = msg.reply
-        if via and via.startswith(self._agent_subjects):
-            served_by = via[len(self._agent_subjects) :].partition(".")[0]
+        served_by, duration = self._sender(msg), None
         if hdrs:
-            served_by = hdrs.get(Header.AGENT, served_by)
             raw = hdrs.get(Header.DURATION_MS)
             if raw:
                 try:
