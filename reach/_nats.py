@@ -23,11 +23,12 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.subscription import Subscription
 
 from ._permissions import Permissions, auth_refused
-from .errors import ConnectionFailed, Unauthorized
+from .errors import ConfigurationError, ConnectionFailed, Unauthorized
 from .settings import ReachSettings
 
 __all__ = [
     "CONNECTION_LOST",
+    "TOO_LARGE",
     "TRANSIENT",
     "NatsConnection",
     "ReachConnection",
@@ -41,6 +42,7 @@ __all__ = [
     "redact",
     "refusals",
     "server_list",
+    "too_large",
     "translate",
 ]
 
@@ -63,6 +65,18 @@ def is_no_responders(exc: BaseException) -> bool:
 
 #: nats-py's "the connection is gone" errors: what ``translate`` turns into ConnectionFailed.
 #: The request path catches this tuple itself (a context manager per request costs ~1 µs).
+#: nats-py refuses to send a message over the server's max_payload (nothing is sent)
+TOO_LARGE = nats.errors.MaxPayloadError
+
+
+def too_large(nc: NatsConnection, size: int, what: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{what}: payload of {size} bytes is over the server's max_payload of"
+        f" {nc.max_payload} bytes; pass a reference to the data (an object store key,"
+        " a URL) instead"
+    )
+
+
 CONNECTION_LOST: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionClosedError,
     nats.errors.OutboundBufferLimitError,

@@ -16,7 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
-from .._nats import CONNECTION_LOST, TRANSIENT, flush_nats, permissions_of
+from .._nats import CONNECTION_LOST, TOO_LARGE, TRANSIENT, flush_nats, permissions_of, too_large
 from .._permissions import Permissions, Recheck, Violation, rearm, unauthorized
 from .._routing import Policy, TableView
 from ..errors import (
@@ -184,6 +184,8 @@ class Inbox:
             ) from None
         except CONNECTION_LOST as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
+        except TOO_LARGE:
+            raise too_large(nc, len(call.data), repr(capability)) from None
         except Recheck as exc:
             msg = await self._recheck(exc, subject, wait, started, call, agent_id, rid)
         finally:

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from .._codec import decoder_for, encode_payload
-from .._nats import TRANSIENT, flush_nats, permissions_of, translate
+from .._nats import TOO_LARGE, TRANSIENT, flush_nats, permissions_of, too_large, translate
 from .._permissions import Violation
 from .._subjects import Subjects, validate_topic
 from ..errors import RequestTimeout
@@ -47,8 +47,12 @@ async def publish(
     if permissions is not None and permissions.publish_refused(subject):
         # refused before: say so now (the first refusal only shows at the next flush)
         raise permissions.error(Violation("publish", subject.lower()))
+    data = encode_payload(payload)
     with translate(url):
-        await nc.publish(subject, encode_payload(payload), headers=headers)
+        try:
+            await nc.publish(subject, data, headers=headers)
+        except TOO_LARGE:
+            raise too_large(nc, len(data), f"topic {topic!r}") from None
 
 
 async def subscribe(

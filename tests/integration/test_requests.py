@@ -241,3 +241,29 @@ async def test_closing_a_client_fails_its_pending_requests(reach_settings):
         await client.close()
         with pytest.raises(reach.ConnectionFailed, match="closed"):
             await pending
+
+
+async def test_a_payload_over_max_payload_fails_on_the_client_with_a_clear_error(
+    reach_settings, reach_client
+):
+    """nats-py's own MaxPayloadError escaped from call(), request() and publish()."""
+    served = []
+    agent = Agent("big", settings=reach_settings)
+
+    @agent.capability("big.op")
+    async def op(payload: bytes) -> dict:
+        served.append(len(payload))
+        return {}
+
+    big = b"x" * (reach_client.nc.max_payload + 1)
+    async with agent:
+        for send in (
+            lambda: reach_client.call("big.op", big),
+            lambda: reach_client.request("big.op", big, agent_id=agent.agent_id),
+            lambda: reach_client.publish("big.topic", big),
+        ):
+            with pytest.raises(reach.ConfigurationError, match="max_payload") as info:
+                await send()
+            assert str(reach_client.nc.max_payload) in str(info.value)
+        assert await reach_client.request("big.op", b"small") == {}
+    assert served == [5]
