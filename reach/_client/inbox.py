@@ -172,10 +172,18 @@ class Inbox:
             self.expect[token] = agent_id
         expiry = loop.call_later(wait, _expire, fut)
         started = time.perf_counter()
+        reconnects = nc.stats["reconnects"]
         try:
             await nc.publish(subject, call.data, reply=reply_to, headers=headers)
             msg = await fut
         except TimeoutError:
+            if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+                # lost with the connection, not the instance's fault: no failover, no breaker
+                raise ConnectionFailed(
+                    f"{capability!r} got no answer within {wait:.3g}s: the connection to NATS"
+                    " was lost meanwhile (reconnecting)",
+                    url=self.url,
+                ) from None
             raise RequestTimeout(
                 f"{capability!r} got no answer within {wait:.3g}s",
                 capability=capability,

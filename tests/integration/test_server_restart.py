@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from reach import Agent, Client, ReachError, ReachSettings
-from reach.testing import NatsServer, eventually
+from reach import Agent, Client, ConnectionFailed, ReachError, ReachSettings
+from reach.testing import NatsServer, eventually, unique_prefix
 
 
 @pytest.fixture
@@ -40,6 +40,30 @@ async def test_agents_and_clients_ride_through_a_server_restart(own_server):
         await agent.client.flush()  # its resubscriptions have reached the server
         assert await client.request("still.here", {"n": 2}) == {"ok": 2}
         assert await client.request("still.here", {"n": 3}, agent_id="survivor-1") == {"ok": 3}
+
+
+async def test_requests_while_the_server_is_away_fail_as_connection_lost(own_server):
+    """They failed as timeouts, which opened every instance's breaker: after the outage
+    requests got CircuitOpen naming the agents, not the lost connection (the
+    server_restart chaos scenario reported 1129 circuit_open)."""
+    settings = ReachSettings(nats_url=own_server.url, subject_prefix=unique_prefix())
+    agent = Agent("survivor", "survivor-2", settings=settings)
+
+    @agent.capability("still.here")
+    async def here(req: dict) -> dict:
+        return {"ok": req["n"]}
+
+    async with agent, Client(settings=settings) as client:
+        assert await client.request("still.here", {"n": 1}) == {"ok": 1}
+        await own_server.akill()
+        await eventually(lambda: not client.connected)
+        for n in range(8):  # more than opens a breaker
+            with pytest.raises(ConnectionFailed, match="connection to NATS was lost"):
+                await client.request("still.here", {"n": n}, timeout=0.2)
+        await own_server.astart()
+        await eventually(lambda: client.connected and agent.client.connected, timeout=30)
+        await agent.client.flush()
+        assert await client.request("still.here", {"n": 2}) == {"ok": 2}
 
 
 def test_stop_is_by_pid_and_idempotent(own_server):
