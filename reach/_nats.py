@@ -37,6 +37,7 @@ __all__ = [
     "credentials",
     "flush_nats",
     "is_no_responders",
+    "jetstream_unready",
     "leave",
     "permissions_of",
     "redact",
@@ -47,6 +48,18 @@ __all__ = [
 ]
 
 log = logging.getLogger("reach.nats")
+
+#: nats-py refuses to send a message over the server's max_payload (nothing is sent)
+TOO_LARGE = nats.errors.MaxPayloadError
+
+
+def too_large(nc: NatsConnection, size: int, what: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{what}: payload of {size} bytes is over the server's max_payload of"
+        f" {nc.max_payload} bytes; pass a reference to the data (an object store key,"
+        " a URL) instead"
+    )
+
 
 #: What a send, a KV call or a request may raise when the server is away or slow. Best-effort
 #: sends (a heartbeat, an error reply, an event) catch exactly these and log them.
@@ -65,18 +78,6 @@ def is_no_responders(exc: BaseException) -> bool:
 
 #: nats-py's "the connection is gone" errors: what ``translate`` turns into ConnectionFailed.
 #: The request path catches this tuple itself (a context manager per request costs ~1 µs).
-#: nats-py refuses to send a message over the server's max_payload (nothing is sent)
-TOO_LARGE = nats.errors.MaxPayloadError
-
-
-def too_large(nc: NatsConnection, size: int, what: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"{what}: payload of {size} bytes is over the server's max_payload of"
-        f" {nc.max_payload} bytes; pass a reference to the data (an object store key,"
-        " a URL) instead"
-    )
-
-
 CONNECTION_LOST: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionClosedError,
     nats.errors.OutboundBufferLimitError,
@@ -288,3 +289,23 @@ async def leave(nc: NatsConnection, sub: Subscription) -> None:
         await unsubscribe(sid)
         await flush_nats(nc)
     await sub.drain()  # type: ignore[no-untyped-call]
+
+
+def jetstream_unready(exc: BaseException) -> bool:
+    """Whether a JetStream call failed because nobody could answer it yet (a stream or
+    the meta group between leaders, a server restarting, the connection reconnecting),
+    so the same call may succeed later; an answer that refused it (a bad config, a
+    limit) or a closed connection will not change by waiting."""
+    if isinstance(exc, nats.errors.ConnectionClosedError):
+        return False
+    if isinstance(exc, nats.js.errors.APIError):
+        return isinstance(exc, nats.js.errors.ServiceUnavailableError) or exc.err_code == 10008
+    return isinstance(
+        exc,
+        (
+            TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError,
+            *CONNECTION_LOST,
+        ),
+    )

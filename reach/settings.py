@@ -82,7 +82,8 @@ class ReachSettings(BaseSettings):
     #: seconds durable-task setup (streams, buckets, consumers) and each submit keep trying
     #: while JetStream does not answer (a leader election, a server restarting); then
     #: ConnectionFailed
-    task_patience: float = Field(default=30.0, gt=0)
+    #: (at most 90: a submit tried again stays inside the stream's 2-minute duplicate window)
+    task_patience: float = Field(default=30.0, gt=0, le=90)
     #: replicas of task streams and buckets; 0: ``replicas``
     task_replicas: int = Field(default=0, ge=0, le=5)
     # -- deployment ------------------------------------------------------------------------

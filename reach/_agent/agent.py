@@ -255,7 +255,9 @@ class Agent(Declarations, Exposure, Serving):
                         for t in self._topics
                     ],
                 )
-                await self._tasks.start(nc, self._work, self._client, self.tags)
+                await self._tasks.start(
+                    nc, self._work, self._client, self.tags, lambda: self._stopping is not None
+                )
                 await flush_nats(nc)
                 self._life.started()
                 # One registration attempt now (no-responders answers at once when no

@@ -11,7 +11,15 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
-from .._routing import FAILOVER, Policy, Router, TableView, attempt_budget, backoff_delay
+from .._routing import (
+    FAILOVER,
+    NOT_COUNTED,
+    Policy,
+    Router,
+    TableView,
+    attempt_budget,
+    backoff_delay,
+)
 from .._subjects import Subjects, validate_agent_id, validate_capability
 from ..errors import (
     Attempt,
@@ -246,7 +254,7 @@ class Requester:
                     tried.append(target)
                 last = exc
                 if outcome not in FAILOVER or policy is Policy.DIRECT:
-                    if outcome in FAILOVER:
+                    if outcome in FAILOVER and outcome not in NOT_COUNTED:
                         router.request_done(capability, False, loop.time())
                     exc.attempts = attempts
                     raise
@@ -257,9 +265,9 @@ class Requester:
                         exc.attempts = attempts
                         raise
                     break
-                if outcome != "no_responders" and n < limit:
+                if outcome not in NOT_COUNTED and n < limit:
                     # Busy or slow: back off (full jitter) before the next instance, within
-                    # the deadline. A vanished instance is skipped at once.
+                    # the deadline. A vanished instance, or a lost answer, goes on at once.
                     pause = backoff_delay(n, router.rng, base=self.retry_base, cap=self.retry_cap)
                     pause = min(pause, max(0.0, deadline - loop.time() - 0.001))
                     if pause > 0:
@@ -267,7 +275,7 @@ class Requester:
                 continue
             router.request_done(capability, True, loop.time())
             return reply
-        if any(a.outcome != "no_responders" for a in attempts):
+        if any(a.outcome not in NOT_COUNTED for a in attempts):
             router.request_done(capability, False, loop.time())
         raise exhausted(capability, attempts, last, wait)
 

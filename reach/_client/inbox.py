@@ -18,7 +18,7 @@ from nats.nuid import NUID
 from .._codec import decoder_for, error_from_reply
 from .._nats import CONNECTION_LOST, TOO_LARGE, TRANSIENT, flush_nats, permissions_of, too_large
 from .._permissions import Permissions, Recheck, Violation, rearm, unauthorized
-from .._routing import Policy, TableView
+from .._routing import LOST, Policy, TableView
 from ..errors import (
     AgentUnavailable,
     CapabilityNotFound,
@@ -65,6 +65,18 @@ class Call:
     cells: CapCells | None = None  # metrics; None when they are off
 
 
+#: headers of a request are far smaller: a payload this close to max_payload is measured
+_HEADROOM = 4096
+
+
+def _check_size(nc: NatsConnection, data: bytes, headers: dict[str, str], what: str) -> None:
+    """nats-py checks the payload alone against max_payload; the server counts the headers
+    too, and closes the connection (failing every pending call) when the sum is over."""
+    size = len(data) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 16
+    if size > nc.max_payload:
+        raise too_large(nc, len(data), f"{what!r} (with its headers)")
+
+
 def _expire(fut: asyncio.Future[Msg]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
@@ -109,21 +121,30 @@ class Inbox:
         fut = self.pending.get(token)
         if fut is None or fut.done():
             return
-        want = self.expect.get(token)
-        if want is not None:
-            sender = self._sender(msg)
-            if sender and sender != want:
-                # another instance answering for the one chosen (a forged or misrouted
-                # reply): keep waiting for the real answer
-                self.ignored += 1
-                log.debug("reply from %s ignored: %s was asked", sender, want)
-                return
+        asked = self.expect.get(token)
+        if asked is not None and msg.reply != asked and self._impostor(msg, asked):
+            # another instance answering for the one chosen (a forged or misrouted reply):
+            # keep waiting for the real answer
+            self.ignored += 1
+            log.debug("reply on %s ignored: it names another instance than %s", token, asked)
+            return
         fut.set_result(msg)
 
+    def _impostor(self, msg: Msg, asked: str) -> bool:
+        """Whether a reply to a request sent to the direct subject ``asked`` names another
+        instance, by its reply-to subject or its Reach-Agent header (a reply naming none,
+        as the server's no-responders status, is taken)."""
+        prefix = self._agent_subjects
+        agent_id = asked[len(prefix) :].partition(".")[0]
+        via = msg.reply
+        if via and via.startswith(prefix) and via[len(prefix) :].partition(".")[0] != agent_id:
+            return True
+        named = msg.headers.get(Header.AGENT) if msg.headers else None
+        return bool(named) and named != agent_id
+
     def _sender(self, msg: Msg) -> str:
-        """The instance a reply names (its direct subject as reply-to, or the Reach-Agent
-        header of an error); "" when it names none (the server's no-responders status, a
-        plain NATS responder)."""
+        """The instance a reply names (the Reach-Agent header, else its direct subject as
+        reply-to); "" when it names none."""
         hdrs = msg.headers
         if hdrs:
             named = hdrs.get(Header.AGENT)
@@ -161,6 +182,8 @@ class Inbox:
         if nc is None or nc.is_closed:
             raise NotStarted("client is not connected; use 'async with Client(...)' first")
         capability, request_id, response_type = call.capability, call.request_id, call.response_type
+        if len(call.data) > nc.max_payload - _HEADROOM:
+            _check_size(nc, call.data, headers, capability)
         self._seq += 1
         token = str(self._seq)
         reply_to = self._prefix + token
@@ -169,7 +192,7 @@ class Inbox:
         fut: asyncio.Future[Msg] = loop.create_future()
         self.pending[token] = fut
         if agent_id is not None:
-            self.expect[token] = agent_id
+            self.expect[token] = subject
         expiry = loop.call_later(wait, _expire, fut)
         started = time.perf_counter()
         reconnects = nc.stats["reconnects"]
@@ -177,13 +200,23 @@ class Inbox:
             await nc.publish(subject, call.data, reply=reply_to, headers=headers)
             msg = await fut
         except TimeoutError:
-            if not nc.is_connected or nc.stats["reconnects"] != reconnects:
-                # lost with the connection, not the instance's fault: no failover, no breaker
+            if not nc.is_connected:
+                # the server is out of reach: the instance is not at fault (no breaker)
                 raise ConnectionFailed(
                     f"{capability!r} got no answer within {wait:.3g}s: the connection to NATS"
-                    " was lost meanwhile (reconnecting)",
+                    " is down (reconnecting)",
                     url=self.url,
                 ) from None
+            if nc.stats["reconnects"] != reconnects:
+                lost = RequestTimeout(
+                    f"{capability!r} got no answer within {wait:.3g}s: the connection to NATS"
+                    " was lost and restored meanwhile",
+                    capability=capability,
+                    agent_id=agent_id or "",
+                    request_id=rid,
+                )
+                lost.outcome = LOST  # fail over at once; the instance learns nothing
+                raise lost from None
             raise RequestTimeout(
                 f"{capability!r} got no answer within {wait:.3g}s",
                 capability=capability,
@@ -215,7 +248,8 @@ class Inbox:
                 capability=capability,
                 request_id=rid,
             ) from exc
-        served_by, duration = self._sender(msg), None
+        served_by = agent_id if agent_id is not None and msg.reply == subject else ""
+        served_by, duration = served_by or self._sender(msg), None
         if hdrs:
             raw = hdrs.get(Header.DURATION_MS)
             if raw:

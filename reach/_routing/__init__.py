@@ -27,10 +27,12 @@ from .resilience import (
     attempt_budget,
     backoff_delay,
 )
-from .router import FAILOVER, Choice, Router, TableView
+from .router import FAILOVER, LOST, NOT_COUNTED, Choice, Router, TableView
 
 __all__ = [
     "FAILOVER",
+    "LOST",
+    "NOT_COUNTED",
     "BreakerState",
     "Choice",
     "CircuitBreaker",

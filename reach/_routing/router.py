@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import CapabilityNotFound, CircuitOpen
+from ..errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
 from ..wire import AgentRecord, Priority
 from .policies import (
     Policy,
@@ -33,19 +33,26 @@ from .resilience import (
 )
 
 # Outcomes that say "try another instance" (the others end the request).
+#: An attempt whose answer was lost with the connection, which is back: worth another
+#: attempt at once, and no fault of the instance.
+LOST = "connection_lost"
+
 FAILOVER = frozenset(
-    {"no_responders", "resource_exhausted", "circuit_open", "timeout", "agent_unavailable"}
+    {"no_responders", "resource_exhausted", "circuit_open", "timeout", "agent_unavailable", LOST}
 )
 _MAX_AFFINITY = 100_000  # remembered sessions per client
 _MAX_ABSENT = 10_000  # instances remembered as not listening
 
 # Outcomes that count against an instance's breaker.
-INSTANCE_FAILURE = FAILOVER | {"failed"}
+INSTANCE_FAILURE = (FAILOVER - {LOST}) | {"failed"}
 
 # Attempts that got no answer of their own: cut short by the caller or a hedge ("cancelled"),
-# or lost with the connection ("error"). They teach nothing: no latency, no breaker outcome,
-# no affinity; only the in-flight count goes down.
-UNANSWERED = frozenset({"cancelled", "error"})
+# or lost with the connection ("error", LOST). They teach nothing: no latency, no breaker
+# outcome, no affinity; only the in-flight count goes down.
+UNANSWERED = frozenset({"cancelled", "error", LOST})
+
+#: Failed attempts that say nothing about the capability's health (its breaker).
+NOT_COUNTED = frozenset({"no_responders", LOST})
 
 
 class TableView(Protocol):
@@ -149,10 +156,16 @@ class Router:
             raise CapabilityNotFound(
                 explain_miss(offering, capability, version, tags, priority), capability=capability
             )
-        if self.absent:
-            present = [i for i in ids if not self._absent(i, now)]
+        if self.absent and self._still_absent(now):
+            present = [i for i in ids if i not in self.absent]
             if not present:
-                return Choice(None)  # every listed instance is gone: NATS knows who serves it
+                if version is None and not tags:
+                    return Choice(None)  # every listed instance is gone: NATS knows who is
+                raise AgentUnavailable(  # the queue group would not keep to version and tags
+                    f"every instance of {capability!r} that fits is gone (nobody listens on"
+                    " its subject)",
+                    capability=capability,
+                )
             ids = present
         pool = self._usable(ids, tried, now)
         if (
@@ -211,11 +224,17 @@ class Router:
         fresh = [i for i in allowed if i not in tried]
         return fresh or allowed
 
-    def _absent(self, agent_id: str, now: float) -> bool:
-        """It said nobody listens less than a breaker cooldown ago (after that, it may
-        have been restarted under the same id)."""
-        since = self.absent.get(agent_id)
-        return since is not None and now - since < self.breaker_cooldown
+    def _still_absent(self, now: float) -> bool:
+        """Forget instances that said nobody listens a breaker cooldown ago or more (one
+        may have been restarted under the same id); whether any are left. The map is in
+        time order, so this costs one look when nothing expired."""
+        absent, horizon = self.absent, now - self.breaker_cooldown
+        while absent:
+            oldest = next(iter(absent))
+            if absent[oldest] > horizon:
+                return True
+            del absent[oldest]
+        return False
 
     def _take(self, agent_id: str, now: float) -> Choice:
         breaker = self.instance_breakers.get(agent_id)

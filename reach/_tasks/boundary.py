@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from typing import TypeVar
 
 import msgspec
 
-from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
+from .._nats import TRANSIENT, NatsConnection, check_refused, jetstream_unready, refusals
 from ..errors import ConnectionFailed, ReachError
 
 __all__ = ["patiently", "task_errors"]
@@ -45,14 +46,15 @@ async def patiently(
     what: str,
     op: Callable[[], Awaitable[T]],
     *,
-    within: float,
+    until: float,
     advice: str = "",
+    stopped: Callable[[], bool] = lambda: False,
 ) -> T:
-    """``op()``, tried again with backoff while JetStream does not answer (a stream or
-    the meta group between leaders, a server restarting) for up to ``within`` seconds;
-    then ``ConnectionFailed``. A refusal (``Unauthorized``) or a ``ReachError`` is final
-    at once: waiting would not change it."""
-    give_up = time.monotonic() + within
+    """``op()``, tried again while JetStream cannot answer yet (a stream or the meta group
+    between leaders, a server restarting), with jittered backoff, until the monotonic
+    time ``until``; then ``ConnectionFailed``. An answer that refused it, a refusal by
+    permissions (``Unauthorized``), a ``ReachError``, a closed connection or ``stopped()``
+    end it at once: waiting would not change them."""
     pause, tries = _FIRST_PAUSE, 0
     while True:
         mark = refusals(nc)
@@ -62,14 +64,18 @@ async def patiently(
             raise
         except TRANSIENT as exc:
             check_refused(nc, what, exc, since=mark)
+            if not jetstream_unready(exc) or nc.is_closed:
+                raise
             tries += 1
-            left = give_up - time.monotonic()
-            if left <= 0 or nc.is_closed:  # a closed connection never comes back
-                why = "the connection is closed" if nc.is_closed else f"no answer in {within:g} s"
+            left = until - time.monotonic()
+            if left <= 0 or stopped():
                 raise ConnectionFailed(
-                    f"{what}: JetStream out of reach, {why}, {tries} tries"
-                    f" ({type(exc).__name__}: {exc}){advice}"
+                    f"{what}: JetStream did not answer"
+                    + (" (stopped while waiting)" if stopped() else "")
+                    + f", {tries} tries ({type(exc).__name__}: {exc}){advice}"
                 ) from exc
-            log.warning("%s: JetStream not answering (%s), trying again", what, exc)
-            await asyncio.sleep(min(pause, left))  # backoff between tries
+            (log.warning if tries == 1 else log.debug)(
+                "%s: JetStream not answering (%s), trying again", what, exc
+            )
+            await asyncio.sleep(min(random.uniform(0, pause), left))  # full-jitter backoff
             pause = min(pause * 2, _LONGEST_PAUSE)

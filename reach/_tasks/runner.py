@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,16 +116,23 @@ class TaskRunner(Leases):
     # -- start and stop ----------------------------------------------------------------
 
     async def start(
-        self, nc: NatsConnection, owner: TaskOwner, client: Client, tags: list[str]
+        self,
+        nc: NatsConnection,
+        owner: TaskOwner,
+        client: Client,
+        tags: list[str],
+        stopped: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Create the streams and consumers if missing, and start pulling."""
+        """Create the streams and consumers if missing (waiting up to ``task_patience`` in
+        all for JetStream to answer, unless ``stopped()``), and start pulling."""
         if not self.decls:
             return
         self._api = JsApi(nc)
         await self._api.open()
         store = TaskStore(nc.jetstream(), self.subjects, self.settings, self._api)
-        within = self.settings.task_patience
-        await patiently(nc, f"agent {self.agent_id}: task streams", store.ensure, within=within)
+        until = time.monotonic() + self.settings.task_patience
+        what = f"agent {self.agent_id}"
+        await patiently(nc, f"{what}: task streams", store.ensure, until=until, stopped=stopped)
         self._exec = Executor(self.agent_id, nc, store, self.stats)
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
         self._wake = asyncio.Event()
@@ -134,9 +142,10 @@ class TaskRunner(Leases):
             for level in (Priority.HIGH, Priority.NORMAL, Priority.LOW):
                 name = await patiently(
                     nc,
-                    f"agent {self.agent_id}: consumer of {cap} at {level}",
+                    f"{what}: consumer of {cap} at {level}",
                     functools.partial(store.ensure_consumer, cap, level),
-                    within=within,
+                    until=until,
+                    stopped=stopped,
                 )
                 puller = Puller(nc, store.stream, name, nc.new_inbox(), self._wake.set)
                 await puller.open()

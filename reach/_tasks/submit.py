@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,7 +117,8 @@ class Tasks:
                             nc,
                             "task streams",
                             store.ensure,
-                            within=self.settings.task_patience,
+                            until=time.monotonic() + self.settings.task_patience,
+                            stopped=lambda: self._closed,
                         )
                         notify = self.subjects.task_done(self._nuid.next().decode())
                         self._sub = await nc.subscribe(notify, cb=self._on_final)
@@ -275,23 +277,28 @@ class Tasks:
             return await self._submit(store, sub)
 
     async def _submit(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:
-        """Claim and publish, again and again while JetStream does not answer (a stream
-        between leaders, a server restarting): the task id is the ``Nats-Msg-Id``, so the
-        server stores a repeated publish once."""
-        assert self._nc is not None
+        """Claim and publish, again while JetStream cannot answer yet (a stream between
+        leaders, a server restarting): the task id is the ``Nats-Msg-Id``, so the server
+        stores a repeated publish once (``task_patience`` is kept inside its duplicate
+        window)."""
+        nc = self._nc
+        if nc is None or self._closed:
+            raise NotStarted("client closed while it submitted")
         retry = (
             "submitting again with the same idempotency_key is safe"
             if sub.idempotency_key
             else "it may or may not have been stored (a submit with an idempotency_key"
             " can be repeated safely)"
         )
-        return await patiently(
-            self._nc,
-            f"submit of task {sub.task_id} not confirmed",
-            functools.partial(self.claim_and_publish, store, sub),
-            within=self.settings.task_patience,
-            advice=f"; {retry}",
-        )
+        with task_errors(f"submit of task {sub.task_id}"):
+            return await patiently(
+                nc,
+                f"submit of task {sub.task_id} not confirmed",
+                functools.partial(self.claim_and_publish, store, sub),
+                until=time.monotonic() + self.settings.task_patience,
+                advice=f"; {retry}",
+                stopped=lambda: self._closed,
+            )
 
     @staticmethod
     def check_size(nc: NatsConnection, sub: TaskSubmit) -> None:
@@ -325,7 +332,9 @@ class Tasks:
                         continue  # it expired just now: claim it again
                     winner = got[0].decode()
                     if await store.lookup(winner) is not None:
-                        return TaskRef(self, winner, sub.capability)  # not ours to hear
+                        # ours when this is a submit tried again after its first claim
+                        own = winner == sub.task_id
+                        return TaskRef(self, winner, sub.capability, own=own)
                     # the first submitter has not written the record (yet, or ever):
                     # publish ours under its id; the server drops a duplicate message
                     sub = msgspec.structs.replace(sub, task_id=winner)

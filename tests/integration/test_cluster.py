@@ -278,7 +278,7 @@ async def test_an_agent_started_while_jetstream_has_no_quorum_waits_for_it(clust
     no leader (the cluster_failover chaos scenario): now it tries again until a leader is
     elected, then serves its tasks."""
     await cluster.await_ready()
-    settings = cluster_settings(cluster, task_patience=120.0)
+    settings = cluster_settings(cluster, task_patience=90.0)
     async with Client(settings=settings) as client:
         first = await client.submit("cl.work", {"n": 1})  # the streams exist; no agent yet
     seen = _Seen("JetStream not answering")
@@ -304,7 +304,7 @@ async def test_a_submit_while_jetstream_has_no_quorum_waits_for_it(cluster: Nats
     cluster_failover chaos run): now it publishes again (the same Nats-Msg-Id, stored
     once) until the stream has a leader."""
     await cluster.await_ready()
-    settings = cluster_settings(cluster, task_patience=120.0, nats_url=cluster.nodes[0].url)
+    settings = cluster_settings(cluster, task_patience=90.0, nats_url=cluster.nodes[0].url)
     _, worker = fleet(settings)
     seen = _Seen("JetStream not answering")
     logging.getLogger("reach.tasks").addHandler(seen)

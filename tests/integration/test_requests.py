@@ -256,7 +256,13 @@ async def test_a_payload_over_max_payload_fails_on_the_client_with_a_clear_error
         return {}
 
     big = b"x" * (reach_client.nc.max_payload + 1)
+    # within max_payload alone, over it with the headers: the server would close the
+    # connection (failing every call on it); refused before it is sent
+    edge = b"x" * (reach_client.nc.max_payload - 10)
     async with agent:
+        with pytest.raises(reach.ConfigurationError, match="with its headers"):
+            await reach_client.call("big.op", edge)
+        assert reach_client.connected
         for send in (
             lambda: reach_client.call("big.op", big),
             lambda: reach_client.request("big.op", big, agent_id=agent.agent_id),

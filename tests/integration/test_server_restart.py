@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from reach import Agent, Client, ConnectionFailed, ReachError, ReachSettings
+from reach import Agent, Client, ConnectionFailed, ReachError, ReachSettings, Registry, Status
 from reach.testing import NatsServer, eventually, unique_prefix
 
 
@@ -42,23 +42,31 @@ async def test_agents_and_clients_ride_through_a_server_restart(own_server):
         assert await client.request("still.here", {"n": 3}, agent_id="survivor-1") == {"ok": 3}
 
 
+async def known_up(client: Client, agent_id: str) -> bool:
+    return any(r.info.agent_id == agent_id and r.status is Status.UP for r in await client.agents())
+
+
 async def test_requests_while_the_server_is_away_fail_as_connection_lost(own_server):
     """They failed as timeouts, which opened every instance's breaker: after the outage
     requests got CircuitOpen naming the agents, not the lost connection (the
     server_restart chaos scenario reported 1129 circuit_open)."""
-    settings = ReachSettings(nats_url=own_server.url, subject_prefix=unique_prefix())
+    settings = ReachSettings(
+        nats_url=own_server.url, subject_prefix=unique_prefix(), heartbeat_interval=0.5
+    )
     agent = Agent("survivor", "survivor-2", settings=settings)
 
     @agent.capability("still.here")
     async def here(req: dict) -> dict:
         return {"ok": req["n"]}
 
-    async with agent, Client(settings=settings) as client:
+    async with Registry(settings=settings), agent, Client(settings=settings) as client:
+        # routed by the table: attempts go to the instance's own subject (its breaker)
+        await eventually(lambda: known_up(client, "survivor-2"))
         assert await client.request("still.here", {"n": 1}) == {"ok": 1}
         await own_server.akill()
         await eventually(lambda: not client.connected)
         for n in range(8):  # more than opens a breaker
-            with pytest.raises(ConnectionFailed, match="connection to NATS was lost"):
+            with pytest.raises(ConnectionFailed, match="connection to NATS is down"):
                 await client.request("still.here", {"n": n}, timeout=0.2)
         await own_server.astart()
         await eventually(lambda: client.connected and agent.client.connected, timeout=30)

@@ -30,6 +30,8 @@ async def test_a_reply_naming_another_instance_is_ignored_and_counted(nats_serve
             await rogue.publish(msg.reply, b'{"from": "rogue"}', reply=f"{prefix}echo-b.x")
         else:
             await rogue.publish(msg.reply, b'{"from": "rogue"}', headers={Header.AGENT: "echo-b"})
+        # twice: nats-py's flush PING can overtake a buffered PUB (NATS-FACTS)
+        await rogue.flush()
         await rogue.flush()
         forged.set()
 

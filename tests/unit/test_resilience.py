@@ -25,7 +25,7 @@ from reach._routing import (
     score,
     two_choices,
 )
-from reach.errors import CapabilityNotFound, CircuitOpen
+from reach.errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
 
 
@@ -464,22 +464,37 @@ def test_instances_that_answered_no_responders_leave_the_choice_to_the_queue_gro
     subject answers no-responders, and once its breaker opened the router raised
     CircuitOpen with nothing tried; the live instances NATS knows were never asked."""
     router = Router(breaker_cooldown=5.0)
-    table = table_of(rec("gone"))
+    table = table_of(rec("gone", tags=("gpu",)))
     for n in range(6):
         router.finished("gone", "work.do", "no_responders", 0.1, float(n))
 
-    def choose(now, tried=()):
+    def choose(now, version=None, tags=()):
         return router.choose(
-            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, list(tried), None, now
+            Policy.BALANCED, table, "work.do", version, tags, Priority.NORMAL, [], None, now
         ).agent_id
 
     assert choose(6.0) is None  # the queue group: whoever really serves work.do
-    # an instance that is there is chosen before one that said nobody is listening
-    put(table, rec("live"))
-    assert {choose(6.0 + i / 10) for i in range(20)} == {"live"}
+    # the queue group would not keep to a version or tags: say so instead
+    with pytest.raises(AgentUnavailable, match="gone"):
+        choose(6.0, version="1")
+    with pytest.raises(AgentUnavailable):
+        choose(6.0, tags=("gpu",))
     # a restarted instance (same id) is tried again once the cooldown has passed
-    delete(table, "live")
     assert choose(20.0) == "gone"
+    assert router.absent == {}  # and the map forgot it
+
+
+def test_an_instance_that_said_nobody_listens_is_passed_over_before_its_breaker_opens():
+    router = Router(breaker_cooldown=5.0, rng=random.Random(7))
+    table = table_of(rec("gone"), rec("live"))
+    router.finished("gone", "work.do", "no_responders", 0.1, 0.0)  # one: no breaker opens
+    picks = {
+        router.choose(
+            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 1 + n / 100
+        ).agent_id
+        for n in range(50)
+    }
+    assert picks == {"live"}
 
 
 def test_a_failing_instance_still_opens_its_circuit():
