@@ -56,6 +56,8 @@ class GatewaySettings(BaseSettings):
     max_timeout: float = Field(default=300.0, gt=0)
     #: seconds between keep-alive comments on an idle event stream
     sse_ping: float = Field(default=15.0, gt=0)
+    #: seconds a stopping gateway waits for requests in flight (event streams included)
+    shutdown_grace: float = Field(default=5.0, ge=0)
 
     @field_validator("tokens")
     @classmethod
