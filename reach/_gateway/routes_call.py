@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import base64
 from typing import Any
+from urllib.parse import parse_qsl
 
 import msgspec
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter
+from starlette.routing import Route
+from starlette.types import Receive, Send
+from starlette.types import Scope as AsgiScope
 
+from ..errors import ReachError
 from .deps import EdgeDeps
+from .errors import EdgeError, reach_error_response
 from .inputs import HEADERS, bad, call_options, check_capability
+from .middleware import EdgeMiddleware
 from .settings import Scope
 
-__all__ = ["router"]
+__all__ = ["OPENAPI_PATHS", "PATH", "CallEndpoint", "FastPath", "call_route", "router"]
+
+PATH = "/v1/capabilities/{capability}"
+_PREFIX = "/v1/capabilities/"
+_OCTETS = "application/octet-stream"
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_WANTED = frozenset({b"authorization", b"content-type", *(h.encode() for h in HEADERS.values())})
 
 _validate = msgspec.json.Decoder()  # for checking: the decoded value is thrown away
 _encode = msgspec.json.Encoder()
@@ -45,8 +58,19 @@ _PARAMETERS: list[dict[str, Any]] = [
     )
 ]
 
-_OPENAPI: dict[str, Any] = {
-    "parameters": _PARAMETERS,
+_PATH_PARAMETER = {
+    "name": "capability",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "lowercase tokens [a-z0-9_-] joined by dots, e.g. text.translate",
+}
+_OPERATION: dict[str, Any] = {
+    "tags": ["capabilities"],
+    "summary": "Call a capability (request/reply)",
+    "description": "Needs the `call` scope when tokens are configured.",
+    "operationId": "call_capability",
+    "parameters": [_PATH_PARAMETER, *_PARAMETERS],
     "requestBody": {
         "required": False,
         "description": "The payload: JSON (or raw bytes as application/octet-stream)",
@@ -78,6 +102,8 @@ _OPENAPI: dict[str, Any] = {
         "504": {"description": "timeout"},
     },
 }
+#: merged into the app's OpenAPI schema (the route is plain ASGI, which FastAPI skips)
+OPENAPI_PATHS: dict[str, Any] = {PATH: {"post": _OPERATION}}
 
 
 def answer_body(
@@ -106,34 +132,51 @@ def answer_body(
     return _encode.encode(body)
 
 
-def router(deps: EdgeDeps) -> APIRouter:
-    api = APIRouter(tags=["capabilities"])
-    client = deps.client
-    settings = deps.settings
+class CallEndpoint:
+    """The route's ASGI app. Plain ASGI, not a FastAPI endpoint: FastAPI's per-request
+    dependency solving cost more than the call itself (it is documented in the OpenAPI
+    schema by ``OPENAPI_PATHS``). Same rules as every route: the token's scope, the JSON
+    error shape, the body limit (``EdgeMiddleware`` counts what ``receive`` gives)."""
 
-    @api.post(
-        "/v1/capabilities/{capability}",
-        dependencies=[deps.guard(Scope.CALL)],
-        summary="Call a capability (request/reply)",
-        response_class=Response,
-        openapi_extra=_OPENAPI,
-    )
-    async def call_capability(capability: str, request: Request) -> Response:
-        check_capability(capability)
-        opts = call_options(request.query_params, request.headers, settings.max_timeout)
-        body = await request.body()
-        ctype = request.headers.get("content-type", "")
-        if body and not ctype.startswith("application/octet-stream"):
+    def __init__(self, deps: EdgeDeps) -> None:
+        self.deps = deps
+        self.client = deps.client
+        self.auth = deps.auth
+        self.max_timeout = deps.settings.max_timeout
+
+    async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
+        try:
+            content = await self._serve(scope, receive)
+        except ReachError as exc:
+            await reach_error_response(exc)(scope, receive, send)
+            return
+        headers = [*_JSON_HEADERS, (b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _serve(self, scope: AsgiScope, receive: Receive) -> bytes:
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            if name in _WANTED:
+                headers[name.decode()] = value.decode("latin-1")
+        if not self.auth.open:
+            self.auth.check(headers.get("authorization"), Scope.CALL)
+        capability = check_capability(scope["path_params"]["capability"])
+        qs = scope["query_string"]
+        query = dict(parse_qsl(qs.decode("latin-1"))) if qs else {}
+        opts = call_options(query, headers, self.max_timeout)
+        body = await _read_body(receive)
+        if body and not headers.get("content-type", "").startswith(_OCTETS):
             try:
                 _validate.decode(body)
             except msgspec.DecodeError as exc:
                 raise bad(
                     f"the body is not JSON ({exc}); send application/octet-stream for raw bytes"
                 ) from None
-        reply = await client.call(
+        reply = await self.client.call(
             capability,
             body,
-            timeout=deps.timeout(opts.timeout),
+            timeout=self.deps.timeout(opts.timeout),
             priority=opts.priority,
             agent_id=opts.agent_id,
             response_type=bytes,
@@ -142,9 +185,53 @@ def router(deps: EdgeDeps) -> APIRouter:
             routing=opts.routing,
             affinity_key=opts.affinity_key,
         )
-        content = answer_body(
+        return answer_body(
             reply.data, reply.agent_id, reply.request_id, reply.latency_ms, reply.duration_ms
         )
-        return Response(content, media_type="application/json")
 
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise EdgeError(400, "bad_request", "the client went away before its body came")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class FastPath:
+    """``POST /v1/capabilities/<cap>`` straight to its ``CallEndpoint``, around Starlette's
+    middleware and router, which cost as much as the rest of the gateway's work on a call.
+    It keeps what they give this route: the body limit, the HTTP metrics and a 500 in the
+    JSON shape for an unexpected error (``EdgeMiddleware`` with ``outermost``). A request
+    it does not take (another path, a ``root_path``) goes the usual way, to the same
+    endpoint."""
+
+    def __init__(self, route: Route, deps: EdgeDeps) -> None:
+        self.route = route
+        self.app = EdgeMiddleware(
+            route.app, metrics=deps.metrics, max_body=deps.settings.max_body_bytes, outermost=True
+        )
+
+    def takes(self, scope: AsgiScope) -> bool:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+            return False
+        path: str = scope["path"]
+        return path.startswith(_PREFIX) and "/" not in path[len(_PREFIX) :]
+
+    async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
+        scope["route"] = self.route
+        scope["path_params"] = {"capability": scope["path"][len(_PREFIX) :]}
+        await self.app(scope, receive, send)
+
+
+def call_route(deps: EdgeDeps) -> Route:
+    return Route(PATH, CallEndpoint(deps), methods=["POST"], name="call_capability")
+
+
+def router(deps: EdgeDeps, route: Route | None = None) -> APIRouter:
+    api = APIRouter()
+    api.routes.append(route or call_route(deps))
     return api
