@@ -135,8 +135,15 @@ class RawHttp:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def call(self) -> bytes:
-        conn = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        reader, writer = conn
+        while self.idle:
+            reader, writer = self.idle.pop()
+            try:
+                return await self._exchange(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()  # the server closed it while idle (its keep-alive timeout)
+        return await self._exchange(*await asyncio.open_connection(self.host, self.port))
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         writer.write(self.request)
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
@@ -146,7 +153,7 @@ class RawHttp:
             if line[:15].lower() == b"content-length:":
                 length = int(line[15:])
         data = await reader.readexactly(length)
-        self.idle.append(conn)
+        self.idle.append((reader, writer))
         return data
 
     async def close(self) -> None:

@@ -6,6 +6,9 @@ length), and a body without one (chunked) is counted as it arrives, so the 413 c
 soon as the count passes the limit, whoever is reading. Before answering, the rest of a
 refused body is read and dropped, up to ``DRAIN_LIMIT`` bytes, so a client still sending
 gets the 413 rather than a reset connection; past that the connection is closed.
+
+Bodies are JSON: the gateway has no form routes, so a body sent as
+``application/x-www-form-urlencoded`` (what ``curl -d`` says by default) is read as JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .metrics import HttpMetrics
 __all__ = ["DRAIN_LIMIT", "EdgeMiddleware"]
 
 DRAIN_LIMIT = 8 * 1024 * 1024
+_FORM = b"application/x-www-form-urlencoded"
 
 log = logging.getLogger("reach.gateway")
 
@@ -88,14 +92,20 @@ class EdgeMiddleware:
 
     def _length(self, scope: Scope) -> int | tuple[HTTPException, int] | None:
         """The declared body length (None: none declared), or the refusal to send with
-        the length declared."""
-        for name, value in scope["headers"]:
+        the length declared. A form content type becomes JSON on the way."""
+        length: int | tuple[HTTPException, int] | None = None
+        for i, (name, value) in enumerate(scope["headers"]):
             if name == b"content-length":
                 if not value.isdigit():
                     return HTTPException(400, "Content-Length is not a number"), 0
                 length = int(value)
-                return (_too_large(self.max_body), length) if length > self.max_body else length
-        return None
+                if length > self.max_body:
+                    return _too_large(self.max_body), length
+            elif name == b"content-type" and value.lower().startswith(_FORM):
+                headers = list(scope["headers"])
+                headers[i] = (name, b"application/json")
+                scope["headers"] = headers
+        return length
 
     def _counting(self, receive: Receive) -> Receive:
         limit = self.max_body

@@ -63,7 +63,6 @@ class SubmitBody(BaseModel):
 def record_json(rec: TaskRecord) -> dict[str, Any]:
     """A task record as JSON, its payload and result decoded when they are JSON."""
     out: dict[str, Any] = msgspec.to_builtins(rec)
-    out.pop("type", None)
     out["payload"] = json_or_text(rec.payload)
     out["result"] = json_or_text(rec.result)
     out["final"] = rec.final

@@ -288,3 +288,15 @@ async def test_unknown_paths_and_methods_answer_in_the_same_shape(reach_client):
             for p in paths[CALL_URL.replace("demo.echo", "{capability}")]["post"]["parameters"]
         }
         assert {"timeout", "priority", "agent_id", "tags", "version", "routing"} <= params
+
+
+async def test_a_body_sent_as_a_form_is_read_as_json(reach_settings, reach_client):
+    """What `curl -d` sends: the gateway has no form routes, so it reads JSON."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    async with echo_agent(reach_settings, "echo-1"), asgi(reach_client) as (http, _):
+        r = await http.post("/v1/route", content=b'{"capability": "demo.echo"}', headers=form)
+        assert r.status_code == 200, r.text
+        r = await http.post(CALL_URL, content=b'{"n": 1}', headers=form)
+        assert r.json()["result"]["echo"] == {"n": 1}
+        r = await http.post("/v1/tasks", content=b'{"capability": "demo.job"}', headers=form)
+        assert r.status_code == 202, r.text
