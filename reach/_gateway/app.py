@@ -78,7 +78,7 @@ def build_app(
     deps.attach_metrics()
     call = routes_call.call_route(deps)
     app.fast_path = routes_call.FastPath(call, deps)
-    app.include_router(routes_call.router(deps, call))
+    app.router.routes.append(call)
     for part in (routes_tasks, routes_fleet, routes_ops):
         app.include_router(part.router(deps))
     for extra in routers:

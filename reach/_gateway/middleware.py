@@ -87,7 +87,8 @@ class EdgeMiddleware:
         finally:
             metrics.in_flight -= 1
             route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            # a mounted app (A2A, the page) sets no route, but its mount path as root_path
+            template = getattr(route, "path", None) or scope.get("root_path") or "unmatched"
             metrics.observe(template, scope["method"], status, time.perf_counter() - start)
 
     def _length(self, scope: Scope) -> int | tuple[HTTPException, int] | None:

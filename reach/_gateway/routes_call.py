@@ -2,7 +2,7 @@
 
 The hot path: options are read from the query and headers by hand (``inputs``), the
 body goes to NATS as it came (checked to be JSON unless sent as octet-stream), and the
-answer's bytes are embedded in the response without being decoded into Python objects.
+answer's bytes, once checked to be JSON, are embedded in the response as they came.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import msgspec
-from fastapi import APIRouter
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.types import Receive, Send
 from starlette.types import Scope as AsgiScope
 
@@ -24,7 +23,7 @@ from .inputs import HEADERS, bad, call_options, check_capability
 from .middleware import EdgeMiddleware
 from .settings import Scope
 
-__all__ = ["OPENAPI_PATHS", "PATH", "CallEndpoint", "FastPath", "call_route", "router"]
+__all__ = ["OPENAPI_PATHS", "PATH", "CallEndpoint", "CallRoute", "FastPath", "call_route"]
 
 PATH = "/v1/capabilities/{capability}"
 _PREFIX = "/v1/capabilities/"
@@ -227,11 +226,16 @@ class FastPath:
         await self.app(scope, receive, send)
 
 
+class CallRoute(Route):
+    """A plain Starlette route that names itself in the scope when it matches, as
+    FastAPI's own routes do: ``EdgeMiddleware`` labels its metrics by ``scope["route"]``."""
+
+    def matches(self, scope: AsgiScope) -> tuple[Match, AsgiScope]:
+        match, child = super().matches(scope)
+        if match is not Match.NONE:
+            child["route"] = self
+        return match, child
+
+
 def call_route(deps: EdgeDeps) -> Route:
-    return Route(PATH, CallEndpoint(deps), methods=["POST"], name="call_capability")
-
-
-def router(deps: EdgeDeps, route: Route | None = None) -> APIRouter:
-    api = APIRouter()
-    api.routes.append(route or call_route(deps))
-    return api
+    return CallRoute(PATH, CallEndpoint(deps), methods=["POST"], name="call_capability")

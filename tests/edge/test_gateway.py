@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from reach import Client, ReachSettings, Registry
+from reach._gateway import build_app
 from reach.testing import eventually
 
 from .gateway_kit import ADMIN, CALL, SUBMIT, TOKENS, asgi, echo_agent, error_of
@@ -300,3 +302,33 @@ async def test_a_body_sent_as_a_form_is_read_as_json(reach_settings, reach_clien
         assert r.json()["result"]["echo"] == {"n": 1}
         r = await http.post("/v1/tasks", content=b'{"capability": "demo.job"}', headers=form)
         assert r.status_code == 202, r.text
+
+
+async def test_the_call_route_answers_alike_through_starlettes_router(reach_settings, reach_client):
+    """With a root_path the fast path steps aside: the same endpoint, through the router."""
+    async with echo_agent(reach_settings, "echo-1"), asgi(reach_client) as (_, deps):
+        app = build_app(deps)
+        transport = httpx.ASGITransport(app=app, root_path="/edge")
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            r = await http.post(CALL_URL, json={"n": 2})
+            assert (r.status_code, r.json()["result"]["echo"]) == (200, {"n": 2})
+            r = await http.post(CALL_URL, params={"priority": "urgent"})
+            assert (r.status_code, error_of(r)["code"]) == (400, "bad_request")
+            r = await http.post(CALL_URL, content=b"[" + b"1," * 10**6 + b"1]")
+            assert r.status_code == 413
+        labels = {"route": "/v1/capabilities/{capability}", "method": "POST", "code": "200"}
+        assert deps.metrics.requests[tuple(labels.values())] >= 1
+
+
+async def test_an_unexpected_error_is_a_500_in_the_json_shape(reach_client, monkeypatch, caplog):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(reach_client, "call", broken)
+    async with asgi(reach_client) as (http, deps):
+        r = await http.post(CALL_URL, json={})
+        err = error_of(r)
+        assert (r.status_code, err["code"], err["message"]) == (500, "failed", "internal error")
+        assert "a bug" not in r.text
+        assert deps.metrics.in_flight == 0
+    assert any("a bug" in (rec.exc_text or "") or rec.exc_info for rec in caplog.records)
