@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
 	$(PY) bench/tasks.py
+	$(PY) bench/gateway.py
 
 chaos: $(STAMP)
 	$(PY) -m chaos.run

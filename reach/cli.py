@@ -23,6 +23,7 @@ from ._cli_common import parse_json as _parse_json
 from ._cli_common import print_value as _print_value
 from ._cli_common import status as _status
 from ._cli_common import table as _table
+from ._cli_gateway import add_gateway_commands
 from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
 from ._cli_up import up
@@ -279,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_task_commands(sub, with_url)  # submit, tasks, dlq
     add_status_commands(sub, with_url)  # status, top
+    add_gateway_commands(sub, with_url)  # gateway
     return parser
 
 

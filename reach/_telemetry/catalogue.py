@@ -142,5 +142,15 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "counter", "Tasks the sweeps and advisories put back on course.", ("action",)
     ),
     "reach_tasks": Spec("gauge", "Task records by state (as of the last sweep).", ("state",)),
+    # -- the HTTP gateway (route: the app's path template; code: the HTTP status code)
+    "reach_gateway_http_requests": Spec(
+        "counter", "HTTP requests by route, method and status code.", ("route", "method", "code")
+    ),
+    "reach_gateway_http_request_duration_seconds": Spec(
+        "histogram", "HTTP request latency by route, as the gateway served it.", ("route",)
+    ),
+    "reach_gateway_http_requests_in_flight": Spec(
+        "gauge", "HTTP requests being served (event streams included).", ()
+    ),
     "reach_dlq_messages": Spec("gauge", "Messages in the dead-letter stream.", ()),
 }

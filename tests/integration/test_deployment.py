@@ -28,6 +28,7 @@ SECRETS = (
     "NATS_ADMIN_PASSWORD",
     "NATS_SYSTEM_PASSWORD",
     "GRAFANA_ADMIN_PASSWORD",
+    "GATEWAY_TOKEN",
 )
 
 
@@ -74,7 +75,7 @@ def test_no_secret_has_a_default():
     """Without the passwords set, compose refuses to run rather than ship a known one."""
     out = compose("config", "-q", secrets=False)
     assert out.returncode != 0
-    assert "NATS_" in out.stderr or "GRAFANA_" in out.stderr
+    assert "NATS_" in out.stderr or "GRAFANA_" in out.stderr or "GATEWAY_" in out.stderr
 
 
 def test_task_streams_are_made_by_admin_before_agents_and_clients(rendered: dict[str, Any]):
@@ -94,7 +95,7 @@ def test_every_reach_process_is_a_user_of_the_secured_config(rendered: dict[str,
     assert set(users) >= {"registry", "client", "logistics-1", "aftersales-1", "admin"}
     reach = {n: s for n, s in rendered.items() if "REACH_NATS_USER" in s.get("environment", {})}
     stack = ("tasks-init", "registry", "agent-logistics", "agent-aftersales", "client")
-    assert set(reach) == {*stack, *(f"{name}-r3" for name in stack)}
+    assert set(reach) == {*stack, *(f"{name}-r3" for name in stack), "gateway"}
     for name, service in reach.items():
         env = service["environment"]
         user = env["REACH_NATS_USER"]

@@ -223,7 +223,7 @@ def test_scrape_config_covers_every_reach_service_on_the_metrics_port():
             targets.update(static["targets"])
         for dns in job.get("dns_sd_configs", []):
             targets.update(f"{name}:{dns['port']}" for name in dns["names"])
-    services = ["registry", "agent-logistics", "agent-aftersales", "client"]
+    services = ["registry", "agent-logistics", "agent-aftersales", "client", "gateway"]
     assert {f"{s}:9464" for s in services} <= targets
 
 

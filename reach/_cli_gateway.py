@@ -1,0 +1,128 @@
+"""``reach gateway``: the HTTP gateway on uvicorn (uvloop and httptools when installed)
+until SIGINT or SIGTERM.
+
+One ``Client`` serves every request: connected before the server listens (so a NATS
+that cannot be reached is a plain ``error:`` line, not a traceback), closed after the
+server has stopped taking requests and finished (or cut, past the grace period) the ones
+in flight. FastAPI and uvicorn are imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._client import Client
+from ._nats import redact
+from ._telemetry import configure_logging
+from .errors import ConfigurationError
+from .settings import ReachSettings
+
+__all__ = ["add_gateway_commands"]
+
+log = logging.getLogger("reach.gateway")
+
+
+async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
+    try:
+        import uvicorn
+
+        from ._gateway import EdgeDeps, GatewaySettings, build_app
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the gateway needs the 'edge' extra: pip install 'agent-reach-nats[edge]' ({exc})"
+        ) from None
+    if not logging.getLogger().handlers:
+        configure_logging(settings.log_format, settings.log_level)
+    overrides: dict[str, Any] = {
+        k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
+    }
+    gateway = GatewaySettings(**overrides)
+    if gateway.open:
+        log.warning("no REACH_GATEWAY_TOKENS: every caller of %s may do everything", gateway.host)
+
+    class Server(uvicorn.Server):
+        """Stops on SIGINT/SIGTERM through the event loop, and does not raise the signal
+        again after a graceful stop (uvicorn's default), so the command exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    async with Client(settings=settings, name="reach-gateway") as client:
+        metrics = None
+        if args.metrics_port is not None or settings.metrics_port is not None:
+            port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
+            metrics = await client.telemetry.serve(port or 0, settings.metrics_host)
+        try:
+            app = build_app(EdgeDeps(client, gateway))
+            config = uvicorn.Config(
+                app,
+                host=gateway.host,
+                port=gateway.port,
+                lifespan="on",
+                log_config=None,  # our handlers (configure_logging) print uvicorn's records
+                access_log=args.access_log,
+                timeout_graceful_shutdown=int(max(1, gateway.shutdown_grace)),
+                server_header=False,
+                proxy_headers=False,  # client addresses are not used; one layer less per request
+            )
+            server = Server(config)
+            sock = config.bind_socket()  # bound here, so the port (also with 0) is known
+            sock.listen(config.backlog)  # connections queue from now on: say so below
+            host, port = sock.getsockname()[:2]
+            print(
+                f"# gateway on http://{host}:{port} (OpenAPI at /docs), NATS {redact(client.url)}"
+                + (", no tokens (open)" if gateway.open else f", {len(gateway.tokens)} tokens")
+                + (f", metrics {metrics.url}/metrics" if metrics is not None else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            # Everything built so far lives as long as the process: keep the collector from
+            # scanning it again and again (full collections of FastAPI's and pydantic's
+            # objects showed as tens of milliseconds in the latency tail)
+            gc.collect()
+            gc.freeze()
+            await server.serve(sockets=[sock])
+        finally:
+            if metrics is not None:
+                await metrics.close()
+    return 0
+
+
+def add_gateway_commands(
+    sub: Any, with_url: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+) -> None:
+    """Add ``gateway`` to the ``reach`` parser's subcommands."""
+    p = with_url(
+        sub.add_parser(
+            "gateway",
+            help="serve the HTTP gateway (OpenAPI at /docs) until Ctrl-C; REACH_GATEWAY_*",
+        )
+    )
+    p.add_argument("--host", default=None, help="default $REACH_GATEWAY_HOST or 127.0.0.1")
+    p.add_argument(
+        "--port", type=int, default=None, help="default $REACH_GATEWAY_PORT or 8080; 0: any"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics and /healthz on this port (default REACH_METRICS_PORT)",
+    )
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(run=_gateway, is_async=True)

@@ -1,0 +1,73 @@
+"""Bearer tokens with scopes, as FastAPI dependencies (and a plain check for pieces that
+are not FastAPI routes).
+
+No token configured: every request may do everything; the settings then keep the gateway
+on loopback. Tokens configured: no or an unknown token is 401, a known token without the
+scope is 403. Tokens are compared in constant time, each one, so timing tells nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import HTTPConnection
+
+from .errors import EdgeError
+from .settings import Scope
+
+__all__ = ["Auth"]
+
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="reach"'}
+
+
+class Auth:
+    """Who may do what, from ``GatewaySettings.tokens``."""
+
+    def __init__(self, tokens: dict[str, frozenset[Scope]]) -> None:
+        self._tokens = [(t.encode(), frozenset(s)) for t, s in tokens.items()]
+
+    @property
+    def open(self) -> bool:
+        return not self._tokens
+
+    def scopes_of(self, authorization: str | None) -> frozenset[Scope]:
+        """The scopes an ``Authorization`` header grants; ``EdgeError`` 401 for none."""
+        if self.open:
+            return frozenset(Scope)
+        if not authorization:
+            raise EdgeError(401, "unauthorized", "a bearer token is required", headers=_CHALLENGE)
+        kind, _, token = authorization.partition(" ")
+        if kind.lower() != "bearer" or not token.strip():
+            raise EdgeError(
+                401, "unauthorized", "use 'Authorization: Bearer <token>'", headers=_CHALLENGE
+            )
+        given = token.strip().encode()
+        found: frozenset[Scope] | None = None
+        for known, scopes in self._tokens:
+            if hmac.compare_digest(known, given):  # every token checked: no early exit
+                found = scopes
+        if found is None:
+            raise EdgeError(401, "unauthorized", "unknown token", headers=_CHALLENGE)
+        return found
+
+    def check(self, authorization: str | None, scope: Scope) -> None:
+        """Raise ``EdgeError`` (401 or 403) unless the header's token has ``scope``."""
+        scopes = self.scopes_of(authorization)
+        if scope not in scopes and Scope.ADMIN not in scopes:
+            raise EdgeError(
+                403, "forbidden", f"this token lacks the {scope.value!r} scope", headers={}
+            )
+
+    def require(self, scope: Scope | None) -> Callable[[HTTPConnection], Awaitable[None]]:
+        """A FastAPI dependency: ``dependencies=[Depends(auth.require(Scope.CALL))]``.
+        ``None``: any valid token (reading the routing table)."""
+
+        async def dependency(conn: HTTPConnection) -> None:
+            header = conn.headers.get("authorization")
+            if scope is None:
+                self.scopes_of(header)
+            else:
+                self.check(header, scope)
+
+        return dependency

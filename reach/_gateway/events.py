@@ -1,0 +1,85 @@
+"""A task's changes as Server-Sent Events, from ``TaskRef.watch()``.
+
+    id: 1
+    event: state          (the state changed; ``progress`` when only progress did)
+    data: {...record...}
+
+and, after the final record, ``event: end`` (so an ``EventSource`` can close instead of
+reconnecting). An idle stream gets a ``: ping`` comment every ``ping`` seconds, which
+keeps proxies from cutting it. The watch runs in a task owned by the stream: it is
+cancelled and awaited when the stream ends or the HTTP client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from .._tasks import TaskRecord, TaskRef
+from ..errors import ReachError
+from .errors import error_body
+
+__all__ = ["sse", "task_events"]
+
+log = logging.getLogger("reach.gateway")
+
+_encode = msgspec.json.Encoder()
+_END = object()
+
+
+def sse(event: str, data: Any, event_id: int | None = None) -> str:
+    """One event in the text/event-stream format (data is one JSON line)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {_encode.encode(data).decode()}\n\n"
+
+
+async def task_events(
+    ref: TaskRef, ping: float, render: Callable[[TaskRecord], dict[str, Any]]
+) -> AsyncIterator[str]:
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for rec in ref.watch():
+                queue.put_nowait(rec)
+        except ReachError as exc:
+            queue.put_nowait(exc)
+        except Exception as exc:
+            log.exception("events of task %s: the watch failed", ref.task_id)
+            queue.put_nowait(ReachError(f"the watch of task {ref.task_id} failed: {exc}"))
+        finally:
+            queue.put_nowait(_END)
+
+    watcher = asyncio.create_task(pump(), name=f"sse {ref.task_id}")
+    try:
+        n, state = 0, None
+        while True:
+            try:
+                async with asyncio.timeout(ping):
+                    item = await queue.get()
+            except TimeoutError:
+                yield ": ping\n\n"
+                continue
+            if isinstance(item, TaskRecord):
+                n += 1
+                yield sse("state" if item.state != state else "progress", render(item), n)
+                state = item.state
+                if item.final:
+                    yield sse("end", {"task_id": item.task_id, "state": item.state.value})
+                    return
+            elif isinstance(item, ReachError):
+                yield sse("error", error_body(item))
+                return
+            else:  # the watch ended without a final record: the record went away
+                body = {"code": "task_not_found", "message": "the task's record went away"}
+                yield sse("error", {**body, "task_id": ref.task_id, "retryable": False})
+                return
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher

@@ -1,0 +1,139 @@
+"""Durable tasks over HTTP: submit (``Idempotency-Key`` honoured), read, cancel, and follow
+a task's state changes as Server-Sent Events until it ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .._cli_common import json_or_text
+from ..wire import Priority
+from ..wire.tasks import TaskRecord
+from .deps import EdgeDeps
+from .events import task_events
+from .inputs import (
+    as_value_error,
+    check_capability,
+    check_tags,
+    check_task_id,
+    check_timeout,
+    check_version,
+)
+from .settings import Scope
+
+__all__ = ["SubmitBody", "record_json", "router"]
+
+_encode = msgspec.json.Encoder()
+
+
+class SubmitBody(BaseModel):
+    """``POST /v1/tasks``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capability: str = Field(description="the capability declared with @agent.task")
+    payload: Any = Field(default=None, description="any JSON value")
+    priority: Priority = Priority.NORMAL
+    timeout: float | None = Field(default=None, gt=0, description="seconds per attempt")
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    tags: list[str] = Field(default_factory=list, description="required tags (all of them)")
+    version: str | None = None
+
+    @field_validator("capability")
+    @classmethod
+    def _capability(cls, value: str) -> str:
+        return as_value_error(check_capability, value)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        return list(as_value_error(check_tags, value))
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str | None) -> str | None:
+        return None if value is None else as_value_error(check_version, value)
+
+
+def record_json(rec: TaskRecord) -> dict[str, Any]:
+    """A task record as JSON, its payload and result decoded when they are JSON."""
+    out: dict[str, Any] = msgspec.to_builtins(rec)
+    out["payload"] = json_or_text(rec.payload)
+    out["result"] = json_or_text(rec.result)
+    out["final"] = rec.final
+    return out
+
+
+def links(task_id: str) -> dict[str, str]:
+    base = f"/v1/tasks/{task_id}"
+    return {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel"}
+
+
+def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encode.encode(value), status, headers, media_type="application/json")
+
+
+def router(deps: EdgeDeps) -> APIRouter:
+    api = APIRouter(prefix="/v1/tasks", tags=["tasks"])
+    client = deps.client
+    guard = [deps.guard(Scope.SUBMIT)]
+    retention = client.settings.task_retention
+
+    @api.post(
+        "",
+        status_code=202,
+        dependencies=guard,
+        summary="Submit a durable task",
+        response_description="The task id and where to follow it",
+    )
+    async def submit_task(
+        body: SubmitBody,
+        idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+    ) -> Response:
+        if body.timeout is not None:
+            check_timeout(body.timeout, retention, "timeout (per attempt)")
+        ref = await client.submit(
+            body.capability,
+            body.payload,
+            priority=body.priority,
+            timeout=body.timeout,
+            max_attempts=body.max_attempts,
+            idempotency_key=idempotency_key,
+            required_tags=body.tags,
+            version=body.version,
+        )
+        out = {"task_id": ref.task_id, "capability": body.capability, "links": links(ref.task_id)}
+        return _json(out, 202, {"Location": f"/v1/tasks/{ref.task_id}"})
+
+    @api.get("/{task_id}", dependencies=guard, summary="A task's record now")
+    async def get_task(task_id: str) -> Response:
+        rec = await client.task_record(check_task_id(task_id))
+        return _json(record_json(rec))
+
+    @api.post("/{task_id}/cancel", dependencies=guard, summary="Cancel a task")
+    async def cancel_task(task_id: str) -> Response:
+        ref = await client.task(check_task_id(task_id))
+        return _json(record_json(await ref.cancel()))
+
+    @api.get(
+        "/{task_id}/events",
+        dependencies=guard,
+        summary="Follow a task: Server-Sent Events of its changes until it ends",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def task_events_stream(task_id: str, request: Request) -> StreamingResponse:
+        ref = await client.task(check_task_id(task_id))  # 404 before the stream starts
+        stream: AsyncIterator[str] = task_events(ref, deps.settings.sse_ping, record_json)
+        return StreamingResponse(
+            stream,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    return api
