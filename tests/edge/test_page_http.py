@@ -100,6 +100,7 @@ async def test_the_page_and_its_assets_are_served_from_the_package(reach_setting
     assert "v1/status/events" in js.text
     assert css.headers["content-type"].startswith("text/css")
     assert [r.status_code for r in missing] == [404, 404]
+    assert missing[0].json()["error"]["code"] == "not_found"
     assert {"/v1/status", "/v1/status/events"} <= docs["paths"].keys()
     assert "/" not in docs["paths"]
 
@@ -141,8 +142,9 @@ async def test_streams_beyond_the_cap_are_refused(reach_settings):
         refused = await http.get("/v1/status/events")
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "2"
-        assert refused.json()["code"] == "resource_exhausted"
-        assert "too many status streams" in refused.json()["message"]
+        error = refused.json()["error"]
+        assert (error["code"], error["retryable"]) == ("resource_exhausted", True)
+        assert "too many status streams" in error["message"]
         assert f.feed.stats["streams_refused"] == 1
         assert (await http.get("/v1/status")).status_code == 200  # the JSON is not capped
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from importlib import resources
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, params
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -33,6 +34,7 @@ _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+_json = msgspec.json.Encoder()
 _RETRY_MS = 2000  # how soon a browser reconnects a stream that ended
 
 
@@ -41,12 +43,14 @@ def _assets() -> dict[str, bytes]:
     return {name: (root / name).read_bytes() for name in _TYPES}
 
 
+def _error(status: int, code: str, message: str, **headers: str) -> JSONResponse:
+    """An error in the gateway's shape."""
+    body = {"error": {"code": code, "message": message, "retryable": status == 503}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _refused(exc: ResourceExhausted) -> JSONResponse:
-    return JSONResponse(
-        {"code": exc.code, "message": exc.message, "retryable": True},
-        status_code=503,
-        headers={"Retry-After": str(_RETRY_MS // 1000)},
-    )
+    return _error(503, exc.code, exc.message, **{"Retry-After": str(_RETRY_MS // 1000)})
 
 
 def page_routes(
@@ -93,17 +97,23 @@ def page_routes(
     @router.get("/static/{name}", include_in_schema=False)
     async def asset(name: str) -> Response:
         if name not in assets or name == "index.html":
-            return JSONResponse({"code": "not_found", "message": f"no asset {name!r}"}, 404)
+            return _error(404, "not_found", f"no asset {name!r}")
         return Response(
             assets[name], media_type=_TYPES[name], headers={"Cache-Control": "no-cache"}
         )
 
-    @router.get("/v1/status", tags=["status"], dependencies=guarded)
-    async def status() -> dict[str, Any]:
+    @router.get(
+        "/v1/status",
+        tags=["status"],
+        dependencies=guarded,
+        response_class=Response,
+        responses={200: {"content": {"application/json": {}}, "description": "the snapshot"}},
+    )
+    async def status() -> Response:
         """The fleet now: agents and capabilities by status, request and error rates since
         the previous sample, tasks by state, the dead-letter queue's size and newest
         entries (the same JSON as the page's ``snapshot`` events)."""
-        return await page_feed.snapshot()
+        return Response(_json.encode(await page_feed.snapshot()), media_type="application/json")
 
     @router.get("/v1/status/events", tags=["status"], dependencies=guarded)
     async def events() -> Response:
