@@ -34,7 +34,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
     try:
         import uvicorn
 
-        from ._gateway import EdgeDeps, GatewaySettings, build_app
+        from ._gateway import EdgeDeps, GatewaySettings, build_edge
     except ImportError as exc:
         raise ConfigurationError(
             f"the gateway needs the 'edge' extra: pip install 'agent-reach-nats[edge]' ({exc})"
@@ -48,9 +48,17 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
     if gateway.open:
         log.warning("no REACH_GATEWAY_TOKENS: every caller of %s may do everything", gateway.host)
 
+    edge: Any = None
+
     class Server(uvicorn.Server):
         """Stops on SIGINT/SIGTERM through the event loop, and does not raise the signal
-        again after a graceful stop (uvicorn's default), so the command exits 0."""
+        again after a graceful stop (uvicorn's default), so the command exits 0; ends the
+        status page's event streams first (uvicorn waits for open responses)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if edge is not None:
+                edge.shutdown()
+            super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -69,9 +77,9 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
             port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
             metrics = await client.telemetry.serve(port or 0, settings.metrics_host)
         try:
-            app = build_app(EdgeDeps(client, gateway))
+            edge = build_edge(EdgeDeps(client, gateway))
             config = uvicorn.Config(
-                app,
+                edge.app,
                 host=gateway.host,
                 port=gateway.port,
                 lifespan="on",

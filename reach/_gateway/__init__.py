@@ -6,6 +6,7 @@ Imported only by the CLI subcommand or by an application that wants the app itse
 
 from .app import build_app
 from .deps import EdgeDeps
+from .edge import Edge, build_edge
 from .settings import GatewaySettings, Scope
 
-__all__ = ["EdgeDeps", "GatewaySettings", "Scope", "build_app"]
+__all__ = ["Edge", "EdgeDeps", "GatewaySettings", "Scope", "build_app", "build_edge"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -20,7 +20,7 @@ from .deps import EdgeDeps
 from .errors import install_error_handlers
 from .middleware import EdgeMiddleware
 
-__all__ = ["GatewayApp", "build_app"]
+__all__ = ["GatewayApp", "Part", "build_app"]
 
 _DESCRIPTION = """\
 HTTP in front of an Agent-Reach fleet: call capabilities, submit and follow durable tasks,
@@ -42,23 +42,40 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+class Part(Protocol):
+    """Background work of a mounted piece (the status page's feed, the A2A endpoint):
+    started after the client connects, closed before it closes."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 def build_app(
     deps: EdgeDeps,
     *,
     routers: Sequence[APIRouter] = (),
     mounts: Mapping[str, ASGIApp] | None = None,
+    parts: Sequence[Part] = (),
     manage_client: bool = False,
 ) -> FastAPI:
     """The app. ``manage_client``: connect ``deps.client`` at startup and close it at
-    shutdown (the CLI); otherwise the caller owns the client's connection."""
+    shutdown (the CLI); otherwise the caller owns the client's connection. ``parts`` are
+    started and closed with the app, in order and in reverse."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_client:
             await deps.client.connect()
+        started: list[Part] = []
         try:
+            for part in parts:
+                await part.start()
+                started.append(part)
             yield
         finally:
+            for part in reversed(started):
+                await part.close()
             deps.detach_metrics()
             if manage_client:
                 await deps.client.close()

@@ -128,6 +128,19 @@ async def test_the_reach_gateway_command_serves_until_sigterm(reach_settings: Re
             r = await http.post("/v1/capabilities/demo.echo", json={}, headers=headers)
             assert (r.status_code, r.json()["agent_id"]) == (200, "echo-1")
             assert (await http.post("/v1/capabilities/demo.echo")).status_code == 401
+            page = await http.get("/")  # the status page is served at the root
+            assert (page.status_code, page.headers["content-type"]) == (
+                200,
+                "text/html; charset=utf-8",
+            )
+            # an open event stream ends when the command stops (not after a grace period)
+            async with http.stream("GET", "/v1/status/events", headers=headers) as stream:
+                chunks = stream.aiter_bytes()
+                assert b"retry:" in await anext(chunks)
+                proc.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(30):
+                    async for _ in chunks:
+                        pass
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,33 @@
+"""The whole edge in one app: the gateway's routes, the status page at ``/`` and the A2A
+endpoint under ``/a2a``, with their background work started and stopped with the app.
+What ``reach gateway`` serves; an application embedding the edge calls ``build_edge``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from .app import build_app
+from .deps import EdgeDeps
+from .page import StatusFeed, page_routes
+
+__all__ = ["Edge", "build_edge"]
+
+
+@dataclass
+class Edge:
+    app: FastAPI
+    feed: StatusFeed
+
+    def shutdown(self) -> None:
+        """End the open event streams now: a server waits for open responses before the
+        app's lifespan ends, so its exit signal calls this first."""
+        self.feed.shutdown()
+
+
+def build_edge(deps: EdgeDeps, *, manage_client: bool = False) -> Edge:
+    feed = StatusFeed(deps.client)
+    page = page_routes(deps.client, feed=feed, dependencies=[deps.guard(None)])
+    app = build_app(deps, routers=[page], parts=[feed], manage_client=manage_client)
+    return Edge(app, feed)
