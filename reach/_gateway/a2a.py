@@ -13,7 +13,7 @@ background: streams live as long as their HTTP request.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from a2a.server.context import ServerCallContext
@@ -24,17 +24,23 @@ from fastapi.responses import JSONResponse, Response
 
 from .._client import Client
 from .a2a_cards import Named, card_of, fleet
-from .a2a_handler import AGENT_NAME, ReachRequestHandler
+from .a2a_handler import AGENT_NAME, SCOPES, ReachRequestHandler
 
-__all__ = ["a2a_routes"]
+__all__ = ["ScopesOf", "a2a_routes"]
+
+#: the scopes an ``Authorization`` header grants (``call``, ``submit``, ``admin``); raises
+#: the gateway's own 401 error for a missing or unknown token
+ScopesOf = Callable[[str | None], Collection[str]]
 
 
 class _NamedContext(DefaultServerCallContextBuilder):
-    """The SDK's call context, plus the agent name the URL addresses."""
+    """The SDK's call context, plus the agent name the URL addresses and the scopes the
+    request's token was found to grant (None: no authentication)."""
 
     def build(self, request: Request) -> ServerCallContext:
         context = super().build(request)
         context.state[AGENT_NAME] = request.path_params.get("name", "")
+        context.state[SCOPES] = getattr(request.state, "reach_scopes", None)
         return context
 
 
@@ -43,14 +49,18 @@ def a2a_routes(
     base_url: str = "",
     *,
     prefix: str = "/a2a",
+    scopes_of: ScopesOf | None = None,
     task_wait: float = 30.0,
     cancel_wait: float = 10.0,
 ) -> APIRouter:
     """The A2A endpoint as a FastAPI router (``app.include_router(a2a_routes(client))``).
 
     ``base_url`` is where clients reach the gateway (``https://gw.example``), written into
-    the cards; empty: the URL each request came in on. ``task_wait`` and ``cancel_wait``:
-    see ``ReachRequestHandler``.
+    the cards; empty: the URL each request came in on. ``scopes_of`` turns on bearer
+    tokens: every request needs a valid one (the cards say so), a call needs ``call``, a
+    durable task (submit, get, cancel, follow, list) ``submit``; ``admin`` may do all.
+    None: no authentication. ``task_wait`` and ``cancel_wait``: see
+    ``ReachRequestHandler``.
     """
     handler = ReachRequestHandler(client, task_wait=task_wait, cancel_wait=cancel_wait)
     [route] = create_jsonrpc_routes(
@@ -59,12 +69,20 @@ def a2a_routes(
     dispatch: Callable[[Request], Awaitable[Response]] = route.endpoint
     router = APIRouter(prefix=prefix, tags=["A2A"])
 
+    def granted(request: Request) -> Collection[str] | None:
+        """The token's scopes; the gateway's 401 without a valid one."""
+        if scopes_of is None:
+            return None
+        return scopes_of(request.headers.get("authorization"))
+
     def card(named: Named, request: Request) -> dict[str, Any]:
         base = base_url.rstrip("/") or str(request.base_url).rstrip("/")
-        return agent_card_to_dict(card_of(named, f"{base}{prefix}/{named.name}"))
+        url = f"{base}{prefix}/{named.name}"
+        return agent_card_to_dict(card_of(named, url, bearer=scopes_of is not None))
 
     @router.get("/", summary="The A2A agent cards of every agent name in the routing table")
     async def index(request: Request) -> JSONResponse:
+        granted(request)
         names = fleet(await client.agents())
         return JSONResponse({"agents": [card(names[n], request) for n in sorted(names)]})
 
@@ -73,6 +91,7 @@ def a2a_routes(
         summary="The A2A agent card of agent name {name}: its capabilities as skills",
     )
     async def agent_card(name: str, request: Request) -> JSONResponse:
+        granted(request)
         named = fleet(await client.agents()).get(name)
         if named is None:
             raise HTTPException(404, f"no agent named {name!r} in the routing table")
@@ -81,6 +100,7 @@ def a2a_routes(
     async def rpc(name: str, request: Request) -> Response:
         """A2A JSON-RPC (SendMessage, SendStreamingMessage, GetTask, CancelTask,
         SubscribeToTask, ListTasks; and the v0.3 names message/send, tasks/get, ...)."""
+        request.state.reach_scopes = granted(request)  # per method: ReachRequestHandler
         return await dispatch(request)
 
     for path in ("/{name}", "/{name}/"):

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    HTTPAuthSecurityScheme,
+    SecurityRequirement,
+    SecurityScheme,
+    StringList,
+)
 from a2a.utils.constants import PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0, TransportProtocol
 
 from ..wire import AgentRecord, Status
@@ -82,10 +91,11 @@ def fleet(records: Iterable[AgentRecord]) -> dict[str, Named]:
     return names
 
 
-def card_of(named: Named, url: str) -> AgentCard:
+def card_of(named: Named, url: str, *, bearer: bool = False) -> AgentCard:
     """The A2A card of a name whose JSON-RPC endpoint is ``url`` (A2A 1.0, and 0.3 on the
-    same endpoint for older clients); streaming on, push notifications off."""
-    return AgentCard(
+    same endpoint for older clients); streaming on, push notifications off. ``bearer``:
+    the card says a bearer token is required."""
+    card = AgentCard(
         name=named.name,
         description=named.description or f"Agent-Reach agent {named.name!r}.",
         version=named.version or "0.0.0",
@@ -106,3 +116,11 @@ def card_of(named: Named, url: str) -> AgentCard:
         default_output_modes=_IO_MODES,
         skills=[named.skills[c].to_proto() for c in sorted(named.skills)],
     )
+    if bearer:
+        card.security_schemes["bearer"].CopyFrom(
+            SecurityScheme(http_auth_security_scheme=HTTPAuthSecurityScheme(scheme="Bearer"))
+        )
+        card.security_requirements.append(
+            SecurityRequirement(schemes={"bearer": StringList(list=[])})
+        )
+    return card

@@ -51,6 +51,7 @@ from a2a.utils.errors import (
     UnsupportedOperationError,
 )
 from a2a.utils.task import apply_history_length, validate_history_length, validate_page_size
+from starlette.exceptions import HTTPException
 
 from .._client import Client
 from .._tasks import TaskRecord, TaskRef
@@ -60,10 +61,12 @@ from ..wire.tasks import TaskState as S
 from .a2a_cards import CALL, MODES, TASK, fleet
 from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
 
-__all__ = ["AGENT_NAME", "Plan", "ReachRequestHandler"]
+__all__ = ["AGENT_NAME", "SCOPES", "Plan", "ReachRequestHandler"]
 
 #: key of the agent name (the URL's ``{name}``) in the SDK's ``ServerCallContext.state``
 AGENT_NAME = "reach.agent_name"
+#: key of the scopes the request's token grants (None: no authentication)
+SCOPES = "reach.scopes"
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -110,6 +113,14 @@ class ReachRequestHandler(RequestHandler):
 
     # -- messages --------------------------------------------------------------------
 
+    @staticmethod
+    def allow(context: ServerCallContext, scope: str) -> None:
+        """HTTP 403 unless the token has ``scope`` (or ``admin``). The SDK's 1.0 dispatcher
+        passes an ``HTTPException`` on; its v0.3 adapter makes it an ``InternalError``."""
+        granted = context.state.get(SCOPES)
+        if granted is not None and scope not in granted and "admin" not in granted:
+            raise HTTPException(403, f"this token lacks the {scope!r} scope")
+
     async def plan(self, params: SendMessageRequest, context: ServerCallContext) -> Plan:
         """Which skill, how, and with what payload (see the README's A2A section)."""
         msg = params.message
@@ -150,6 +161,7 @@ class ReachRequestHandler(RequestHandler):
             priority = Priority(opts.get("priority", "normal"))
         except ValueError:
             raise InvalidParamsError("metadata 'priority' must be high, normal or low") from None
+        self.allow(context, "call" if mode == CALL else "submit")
         return Plan(
             capability=skill.capability,
             mode=mode,
@@ -260,6 +272,7 @@ class ReachRequestHandler(RequestHandler):
 
     @validate_request_params
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task:
+        self.allow(context, "submit")
         validate_history_length(params)
         ref = await self._ref(params.id)
         with a2a_errors():
@@ -268,6 +281,7 @@ class ReachRequestHandler(RequestHandler):
 
     @validate_request_params
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
+        self.allow(context, "submit")
         ref = await self._ref(params.id)
         with a2a_errors():
             rec = await ref.status()
@@ -286,6 +300,7 @@ class ReachRequestHandler(RequestHandler):
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[Event, None]:
+        self.allow(context, "submit")
         ref = await self._ref(params.id)
         with a2a_errors():
             rec = await ref.status()
@@ -301,6 +316,7 @@ class ReachRequestHandler(RequestHandler):
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
         """The newest tasks of this agent name's durable skills (one page: no page token)."""
+        self.allow(context, "submit")
         validate_history_length(params)
         if params.HasField("page_size"):
             validate_page_size(params.page_size)

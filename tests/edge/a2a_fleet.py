@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 import reach
 from reach import Agent, Client, ReachSettings, Registry, TaskContext
-from reach._gateway.a2a import a2a_routes
+from reach._gateway.a2a import ScopesOf, a2a_routes
 from reach.testing import eventually
 
 
@@ -57,6 +57,7 @@ def helper_agent(settings: ReachSettings, hold: Hold) -> Agent:
         "helper",
         tags=["demo", "text"],
         version="2.1.0",
+        drain_timeout=5,  # a test that fails leaves text.hold running: do not wait 30 s
         metadata={"description": "Text helpers for the A2A tests"},
         settings=settings,
     )
@@ -108,7 +109,9 @@ class Fleet:
 
 
 @asynccontextmanager
-async def a2a_fleet(settings: ReachSettings) -> AsyncIterator[Fleet]:
+async def a2a_fleet(
+    settings: ReachSettings, scopes_of: ScopesOf | None = None
+) -> AsyncIterator[Fleet]:
     settings = settings.model_copy(update={"task_ack_wait": 2.0, "task_retry_base": 0.05})
     hold = Hold()
     app = FastAPI()
@@ -118,7 +121,7 @@ async def a2a_fleet(settings: ReachSettings) -> AsyncIterator[Fleet]:
         solo_agent(settings),
         Client(settings=settings, name="a2a-gateway") as client,
     ):
-        app.include_router(a2a_routes(client))
+        app.include_router(a2a_routes(client, scopes_of=scopes_of))
 
         async def listed() -> bool:
             return {r.info.name for r in await client.agents()} == {"helper", "solo"}

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from a2a.client import (
     A2ACardResolver,
+    A2AClientError,
     AgentCardResolutionError,
     Client,
     ClientConfig,
@@ -24,6 +25,7 @@ from a2a.types import (
     AgentCard,
     CancelTaskRequest,
     GetTaskRequest,
+    ListTasksRequest,
     Message,
     Part,
     Role,
@@ -40,8 +42,10 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from starlette.exceptions import HTTPException
 
 from reach import ReachSettings
+from reach.testing import eventually
 
 from .a2a_fleet import Fleet, a2a_fleet
 
@@ -169,6 +173,16 @@ async def test_a_durable_task_runs_to_completion_and_get_task_reads_it(fleet, ht
     assert got.status.state == T.TASK_STATE_COMPLETED
     assert get_data_parts(got.artifacts[0].parts) == [{"words": 2}]
 
+    # ListTasks: this agent name's tasks, newest first
+    listed = await client.list_tasks(ListTasksRequest())
+    assert [t.id for t in listed.tasks] == [event.task.id, task.id]
+    done = await client.list_tasks(
+        ListTasksRequest(status=T.TASK_STATE_COMPLETED, page_size=1, include_artifacts=True)
+    )
+    assert [t.id for t in done.tasks] == [event.task.id]
+    assert get_data_parts(done.tasks[0].artifacts[0].parts) == [{"words": 2}]
+    assert not (await client.list_tasks(ListTasksRequest(status=T.TASK_STATE_FAILED))).tasks
+
 
 async def test_a_durable_task_streams_its_states_from_the_record(fleet, http):
     client = await a2a(fleet, http, "helper", streaming=True)
@@ -226,6 +240,23 @@ async def test_a_running_task_is_cancelled_and_its_subscribers_see_it(fleet, htt
     [done] = await collect(plain.send_message(send([new_text_part("a")], capability="text.count")))
     with pytest.raises(TaskNotCancelableError):
         await client.cancel_task(CancelTaskRequest(id=done.task.id))
+
+
+async def test_a_stream_the_client_leaves_stops_its_watch(fleet, http):
+    client = await a2a(fleet, http, "helper", streaming=True)
+    plain = await a2a(fleet, http, "helper", streaming=False)
+    request = send([new_data_part({})], capability="text.hold", return_immediately=True)
+    [event] = await collect(plain.send_message(request))
+    async with asyncio.timeout(30):
+        await fleet.hold.entered.wait()
+    nc = fleet.client.nc
+    before = len(nc._subs)  # the gateway connection's subscriptions (nats-py keeps them here)
+    async with aclosing(client.subscribe(SubscribeToTaskRequest(id=event.task.id))) as stream:
+        await anext(stream)
+        await eventually(lambda: len(nc._subs) > before, timeout=30)  # following the record
+    # the client went away: the gateway stops its KV watch
+    await eventually(lambda: len(nc._subs) == before, timeout=30)
+    await plain.cancel_task(CancelTaskRequest(id=event.task.id))
 
 
 async def test_an_unknown_task_is_the_sdks_not_found_error(fleet, http):
@@ -295,3 +326,51 @@ async def test_a_v03_client_uses_the_same_endpoint(fleet, http):
     [event] = await collect(client.send_message(request))
     got = await client.get_task(GetTaskRequest(id=event.task.id))
     assert got.status.state == T.TASK_STATE_COMPLETED
+
+
+TOKENS = {"call-token-0123456789": {"call"}, "task-token-0123456789": {"submit"}}
+
+
+def scopes_of(authorization: str | None) -> set[str]:
+    """The gateway's part (its own auth in production): 401 without a known token."""
+    token = (authorization or "").removeprefix("Bearer ")
+    if token not in TOKENS:
+        raise HTTPException(401, "a bearer token is required")
+    return TOKENS[token]
+
+
+async def test_tokens_and_scopes(reach_settings):
+    async with a2a_fleet(reach_settings, scopes_of) as fleet:
+        url = f"{fleet.url}/a2a/helper"
+        as_caller = {"Authorization": "Bearer call-token-0123456789"}
+        as_submitter = {"Authorization": "Bearer task-token-0123456789"}
+        async with (
+            httpx.AsyncClient(timeout=60) as anon,
+            httpx.AsyncClient(timeout=60, headers=as_caller) as caller,
+            httpx.AsyncClient(timeout=60, headers=as_submitter) as submitter,
+        ):
+            with pytest.raises(AgentCardResolutionError) as info:
+                await A2ACardResolver(anon, url).get_agent_card()
+            assert info.value.status_code == 401
+            assert (await anon.get(f"{fleet.url}/a2a/")).status_code == 401
+            card = await A2ACardResolver(caller, url).get_agent_card()
+            assert "bearer" in card.security_schemes
+            assert list(card.security_requirements[0].schemes) == ["bearer"]
+
+            def client(http: httpx.AsyncClient) -> Client:
+                return ClientFactory(ClientConfig(httpx_client=http, streaming=False)).create(card)
+
+            echo = send([new_data_part({"text": "a"})], capability="text.echo")
+            count = send([new_text_part("a b")], capability="text.count")
+            with pytest.raises(A2AClientError, match="401"):
+                await collect(client(anon).send_message(echo))
+            [reply] = await collect(client(caller).send_message(echo))
+            assert get_data_parts(reply.message.parts) == [{"echo": "a"}]
+            with pytest.raises(A2AClientError, match="403"):
+                await collect(client(caller).send_message(count))
+            [done] = await collect(client(submitter).send_message(count))
+            assert done.task.status.state == T.TASK_STATE_COMPLETED
+            with pytest.raises(A2AClientError, match="403"):
+                await client(caller).get_task(GetTaskRequest(id=done.task.id))
+            with pytest.raises(A2AClientError, match="403"):
+                await collect(client(submitter).send_message(echo))
