@@ -150,12 +150,14 @@ class ReachRequestHandler(RequestHandler):
             )
         modes = [m for m in MODES if m in skill.modes]
         mode = opts.get("mode", modes[0])
-        if mode not in skill.modes:
+        if not isinstance(mode, str) or mode not in skill.modes:
             raise InvalidParamsError(
                 f"skill {skill.capability!r} runs as {' or '.join(modes)}, not {mode!r}"
             )
         timeout = opts.get("timeout")
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+        ):
             raise InvalidParamsError("metadata 'timeout' must be a number of seconds > 0")
         try:
             priority = Priority(opts.get("priority", "normal"))
