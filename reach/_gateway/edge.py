@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from .a2a import a2a_routes
 from .app import build_app
 from .deps import EdgeDeps
 from .page import StatusFeed, page_routes
@@ -29,5 +30,6 @@ class Edge:
 def build_edge(deps: EdgeDeps, *, manage_client: bool = False) -> Edge:
     feed = StatusFeed(deps.client)
     page = page_routes(deps.client, feed=feed, dependencies=[deps.guard(None)])
-    app = build_app(deps, routers=[page], parts=[feed], manage_client=manage_client)
+    a2a = a2a_routes(deps.client, scopes_of=None if deps.settings.open else deps.auth.scopes_of)
+    app = build_app(deps, routers=[page, a2a], parts=[feed], manage_client=manage_client)
     return Edge(app, feed)

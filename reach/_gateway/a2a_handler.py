@@ -1,0 +1,371 @@
+"""The A2A request handler over a Reach client: the SDK's ``RequestHandler`` interface, which
+the SDK's JSON-RPC dispatcher calls (it does the JSON-RPC, SSE, v0.3 compatibility and the
+error bodies).
+
+Why not the SDK's ``DefaultRequestHandler`` with an ``AgentExecutor`` and a ``TaskStore``:
+that stack runs the agent inside the server process (an ``ActiveTask`` with its own queues
+per task, writing every state to its store). Here the work runs in Reach agents and its state
+is the Reach task record, written by them; the gateway only relays. So each method maps
+straight onto the client: a message is a call or a submit, ``GetTask`` reads the record,
+``CancelTask`` cancels it, and streams follow the record's KV watch. Nothing is kept in the
+gateway, so any gateway process answers for any task.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, cast
+
+from a2a.server.context import ServerCallContext
+from a2a.server.events.event_queue import Event
+from a2a.server.request_handlers import RequestHandler, validate_request_params
+from a2a.types import (
+    AgentCard,
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
+    ListTasksRequest,
+    ListTasksResponse,
+    Message,
+    Role,
+    SendMessageRequest,
+    SubscribeToTaskRequest,
+    Task,
+    TaskPushNotificationConfig,
+)
+from a2a.utils.constants import DEFAULT_LIST_TASKS_PAGE_SIZE
+from a2a.utils.errors import (
+    ExtendedAgentCardNotConfiguredError,
+    InvalidParamsError,
+    PushNotificationNotSupportedError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from a2a.utils.task import apply_history_length, validate_history_length, validate_page_size
+from starlette.exceptions import HTTPException
+
+from .._client import Client
+from .._tasks import TaskRecord, TaskRef
+from ..errors import RequestTimeout
+from ..wire import Priority
+from ..wire.tasks import TaskState as S
+from .a2a_cards import CALL, MODES, TASK, fleet
+from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
+
+__all__ = ["AGENT_NAME", "SCOPES", "Plan", "ReachRequestHandler"]
+
+#: key of the agent name (the URL's ``{name}``) in the SDK's ``ServerCallContext.state``
+AGENT_NAME = "reach.agent_name"
+#: key of the scopes the request's token grants (None: no authentication)
+SCOPES = "reach.scopes"
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a message asks for, checked before anything is sent."""
+
+    capability: str
+    mode: str
+    payload: Any
+    timeout: float | None
+    priority: Priority
+    idempotency_key: str | None
+    context_id: str
+
+
+def _options(params: SendMessageRequest) -> dict[str, Any]:
+    """The request's metadata, then the message's over it."""
+    opts: dict[str, Any] = dict(params.metadata.items())
+    opts.update(params.message.metadata.items())
+    return opts
+
+
+def _watch_key(rec: TaskRecord) -> tuple[Any, ...]:
+    """What a client can see change; the watch repeats a record around its start."""
+    return (rec.state, rec.attempt, rec.progress, rec.progress_note, rec.cancel_requested)
+
+
+class ReachRequestHandler(RequestHandler):
+    """Serves the A2A methods of every agent name from one Reach client.
+
+    ``task_wait``: how long a blocking ``SendMessage`` waits for a durable task to end
+    before it answers with the task as it is (the caller goes on with ``GetTask`` or
+    ``SubscribeToTask``); ``cancel_wait``: how long ``CancelTask`` waits for a running
+    task's agent to stop it.
+    """
+
+    def __init__(
+        self, client: Client, *, task_wait: float = 30.0, cancel_wait: float = 10.0
+    ) -> None:
+        self.client = client
+        self.task_wait = task_wait
+        self.cancel_wait = cancel_wait
+
+    # -- messages --------------------------------------------------------------------
+
+    @staticmethod
+    def allow(context: ServerCallContext, scope: str) -> None:
+        """HTTP 403 unless the token has ``scope`` (or ``admin``). The SDK's 1.0 dispatcher
+        passes an ``HTTPException`` on; its v0.3 adapter makes it an ``InternalError``."""
+        granted = context.state.get(SCOPES)
+        if granted is not None and scope not in granted and "admin" not in granted:
+            raise HTTPException(403, f"this token lacks the {scope!r} scope")
+
+    async def plan(self, params: SendMessageRequest, context: ServerCallContext) -> Plan:
+        """Which skill, how, and with what payload (see the README's A2A section)."""
+        msg = params.message
+        if msg.task_id:
+            await self._ref(msg.task_id)  # TaskNotFoundError for an unknown one
+            raise UnsupportedOperationError(
+                "a Reach task takes no further input; send a new message without a taskId"
+            )
+        name = str(context.state.get(AGENT_NAME, ""))
+        with a2a_errors():
+            named = fleet(await self.client.agents()).get(name)
+        if named is None:
+            raise InvalidParamsError(f"no agent named {name!r} in the routing table")
+        opts = _options(params)
+        cap = opts.get("capability", opts.get("skill"))
+        if cap is None:
+            if len(named.skills) != 1:
+                raise InvalidParamsError(
+                    f"agent {name!r} has {len(named.skills)} skills ({', '.join(named.skills)});"
+                    " name one in the message metadata as 'capability'"
+                )
+            cap = next(iter(named.skills))
+        skill = named.skills.get(str(cap))
+        if skill is None:
+            raise InvalidParamsError(
+                f"agent {name!r} has no skill {cap!r}; it has: {', '.join(named.skills)}"
+            )
+        modes = [m for m in MODES if m in skill.modes]
+        mode = opts.get("mode", modes[0])
+        if not isinstance(mode, str) or mode not in skill.modes:
+            raise InvalidParamsError(
+                f"skill {skill.capability!r} runs as {' or '.join(modes)}, not {mode!r}"
+            )
+        timeout = opts.get("timeout")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+        ):
+            raise InvalidParamsError("metadata 'timeout' must be a number of seconds > 0")
+        try:
+            priority = Priority(opts.get("priority", "normal"))
+        except ValueError:
+            raise InvalidParamsError("metadata 'priority' must be high, normal or low") from None
+        self.allow(context, "call" if mode == CALL else "submit")
+        return Plan(
+            capability=skill.capability,
+            mode=mode,
+            payload=payload_of(msg),
+            timeout=float(timeout) if timeout is not None else None,
+            priority=priority,
+            # a message sent again (same id) is the same task
+            idempotency_key=f"a2a:{skill.capability}:{msg.message_id}" if msg.message_id else None,
+            context_id=msg.context_id,
+        )
+
+    async def call(self, plan: Plan) -> Message:
+        """A request/reply call: the answer is one agent message."""
+        with a2a_errors():
+            reply = await self.client.call(
+                plan.capability,
+                plan.payload,
+                timeout=plan.timeout,
+                priority=plan.priority,
+                response_type=bytes,
+            )
+        meta = {
+            "reach": {
+                "capability": plan.capability,
+                "agent_id": reply.agent_id,
+                "request_id": reply.request_id,
+                "latency_ms": reply.latency_ms,
+            }
+        }
+        return Message(
+            role=Role.ROLE_AGENT,
+            message_id=str(uuid.uuid4()),
+            context_id=plan.context_id,
+            parts=[result_part(reply.data)],
+            metadata=meta,
+        )
+
+    async def submit(self, plan: Plan) -> TaskRef:
+        with a2a_errors():
+            return await self.client.submit(
+                plan.capability,
+                plan.payload,
+                priority=plan.priority,
+                timeout=plan.timeout,
+                idempotency_key=plan.idempotency_key,
+            )
+
+    @validate_request_params
+    async def on_message_send(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> Task | Message:
+        validate_history_length(params.configuration)
+        plan = await self.plan(params, context)
+        if plan.mode == CALL:
+            return await self.call(plan)
+        ref = await self.submit(plan)
+        with a2a_errors():
+            if params.configuration.return_immediately:
+                rec = await ref.status()
+            else:
+                try:
+                    rec = await ref.wait(self.task_wait)
+                except RequestTimeout:
+                    rec = await ref.status()  # still running: the caller follows it
+        return apply_history_length(task_of(rec), params.configuration)
+
+    @validate_request_params
+    async def on_message_send_stream(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Event, None]:
+        validate_history_length(params.configuration)
+        plan = await self.plan(params, context)
+        if plan.mode == CALL:
+            yield await self.call(plan)
+            return
+        ref = await self.submit(plan)
+        with a2a_errors():
+            first = await ref.status()
+        async for event in self._follow(ref, first):
+            yield event
+
+    async def _follow(self, ref: TaskRef, first: TaskRecord) -> AsyncGenerator[Event, None]:
+        """The task, then an event per change of its record, until it is final."""
+        yield task_of(first)
+        seen = _watch_key(first)
+        if first.final:
+            return
+        with a2a_errors():
+            # a generator: closed here, so its KV watch stops when the client goes away
+            watch = cast(AsyncGenerator[TaskRecord, None], ref.watch())
+            async with aclosing(watch) as changes:
+                async for rec in changes:
+                    if _watch_key(rec) == seen:
+                        continue
+                    seen = _watch_key(rec)
+                    for event in events_of(rec):
+                        yield event
+                    if rec.final:
+                        return
+
+    # -- tasks -----------------------------------------------------------------------
+
+    async def _ref(self, task_id: str) -> TaskRef:
+        if not _TASK_ID.fullmatch(task_id):
+            raise TaskNotFoundError(f"no task {task_id!r}")
+        with a2a_errors():
+            return await self.client.task(task_id)
+
+    @validate_request_params
+    async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task:
+        self.allow(context, "submit")
+        validate_history_length(params)
+        ref = await self._ref(params.id)
+        with a2a_errors():
+            rec = await ref.status()
+        return apply_history_length(task_of(rec), params)
+
+    @validate_request_params
+    async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
+        self.allow(context, "submit")
+        ref = await self._ref(params.id)
+        with a2a_errors():
+            rec = await ref.status()
+            if not rec.final:
+                rec = await ref.cancel()
+            if not rec.final:  # running: its agent stops it
+                try:
+                    rec = await ref.wait(self.cancel_wait)
+                except RequestTimeout:
+                    rec = await ref.status()
+        if rec.final and rec.state is not S.CANCELLED:
+            raise TaskNotCancelableError(f"task {params.id} already ended {rec.state.lower()}")
+        return task_of(rec)
+
+    @validate_request_params
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Event, None]:
+        self.allow(context, "submit")
+        ref = await self._ref(params.id)
+        with a2a_errors():
+            rec = await ref.status()
+        if rec.final:
+            raise UnsupportedOperationError(
+                f"task {params.id} already ended {rec.state.lower()}; read it with GetTask"
+            )
+        async for event in self._follow(ref, rec):
+            yield event
+
+    @validate_request_params
+    async def on_list_tasks(
+        self, params: ListTasksRequest, context: ServerCallContext
+    ) -> ListTasksResponse:
+        """The newest tasks of this agent name's durable skills (one page: no page token)."""
+        self.allow(context, "submit")
+        validate_history_length(params)
+        if params.HasField("page_size"):
+            validate_page_size(params.page_size)
+        limit = params.page_size or DEFAULT_LIST_TASKS_PAGE_SIZE
+        states = [s for s, a in STATES.items() if a == params.status] if params.status else [None]
+        with a2a_errors():
+            named = fleet(await self.client.agents()).get(str(context.state.get(AGENT_NAME)))
+            caps = [c for c, s in named.skills.items() if TASK in s.modes] if named else []
+            records = [
+                rec
+                for cap in caps
+                for state in states
+                for rec in await self.client.list_tasks(state, cap, limit)
+            ]
+        after = params.status_timestamp_after.ToMilliseconds()
+        records = [
+            r
+            for r in records
+            if r.updated_ms >= after and (not params.context_id or params.context_id == r.task_id)
+        ]
+        records.sort(key=lambda r: r.updated_ms, reverse=True)
+        tasks = [apply_history_length(task_of(r), params) for r in records[:limit]]
+        return ListTasksResponse(tasks=tasks, page_size=limit, total_size=len(tasks))
+
+    # -- not offered -----------------------------------------------------------------
+
+    async def on_create_task_push_notification_config(
+        self, params: TaskPushNotificationConfig, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_task_push_notification_config(
+        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_list_task_push_notification_configs(
+        self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
+    ) -> ListTaskPushNotificationConfigsResponse:
+        raise PushNotificationNotSupportedError
+
+    async def on_delete_task_push_notification_config(
+        self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> None:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_extended_agent_card(
+        self, params: GetExtendedAgentCardRequest, context: ServerCallContext
+    ) -> AgentCard:
+        raise ExtendedAgentCardNotConfiguredError
