@@ -168,7 +168,13 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     return error_response(422, body)
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+_HTTP_CODES = {
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
 
 
 async def _on_http(request: Request, exc: Exception) -> Response:

@@ -128,6 +128,9 @@ async def test_the_reach_gateway_command_serves_until_sigterm(reach_settings: Re
             r = await http.post("/v1/capabilities/demo.echo", json={}, headers=headers)
             assert (r.status_code, r.json()["agent_id"]) == (200, "echo-1")
             assert (await http.post("/v1/capabilities/demo.echo")).status_code == 401
+            cards = await http.get("/a2a/", headers=headers)  # and A2A, with the tokens
+            assert (cards.status_code, cards.json()) == (200, {"agents": []})
+            assert (await http.get("/a2a/")).status_code == 401
             page = await http.get("/")  # the status page is served at the root
             assert (page.status_code, page.headers["content-type"]) == (
                 200,
