@@ -115,7 +115,7 @@ class Tasks:
                         store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
                         await patiently(
                             nc,
-                            "task streams",
+                            "durable tasks",
                             store.ensure,
                             until=time.monotonic() + self.settings.task_patience,
                             stopped=lambda: self._closed,

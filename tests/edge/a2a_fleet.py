@@ -31,6 +31,11 @@ class Hold:
 
     entered: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: list[str] = field(default_factory=list)
+    #: text.count runs while this is set (a test clears it to look at a task mid-way)
+    counting: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.counting.set()
 
 
 @asynccontextmanager
@@ -72,6 +77,7 @@ def helper_agent(settings: ReachSettings, hold: Hold) -> Agent:
 
     @agent.task("text.count", description="Count the words, as a durable task")
     async def count(p: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+        await hold.counting.wait()
         await ctx.progress(0.5, "halfway")
         return {"words": len(p["text"].split())}
 

@@ -161,13 +161,15 @@ async def test_a_durable_task_runs_to_completion_and_get_task_reads_it(fleet, ht
     assert get_data_parts(got.history[0].parts) == [{"text": "one two three"}]
     assert get_data_parts(got.artifacts[0].parts) == [{"words": 3}]
 
-    # return_immediately: the task as submitted, then followed with GetTask
+    # return_immediately: the task as it is now (held before it ends), then GetTask
+    fleet.hold.counting.clear()
     [event] = await collect(
         client.send_message(
             send([new_text_part("a b")], capability="text.count", return_immediately=True)
         )
     )
     assert event.task.status.state in (T.TASK_STATE_SUBMITTED, T.TASK_STATE_WORKING)
+    fleet.hold.counting.set()
     await (await fleet.client.task(event.task.id)).wait(30)  # its end, as Reach sees it
     got = await client.get_task(GetTaskRequest(id=event.task.id))
     assert got.status.state == T.TASK_STATE_COMPLETED
