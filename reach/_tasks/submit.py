@@ -249,15 +249,23 @@ class Tasks:
             submitted_ms=now_ms(),
         )
 
-    async def submit(self, nc: NatsConnection, sub: TaskSubmit) -> TaskRef:
+    async def submit(
+        self, nc: NatsConnection, sub: TaskSubmit, until: float | None = None
+    ) -> TaskRef:
+        """Submit one task; tried again until ``until`` (monotonic; default: now plus
+        ``task_patience``) while JetStream does not answer."""
         self.check_size(nc, sub)
         store = await self.ready(nc)
         sub = msgspec.structs.replace(sub, notify=self.notify)
+        if until is None:
+            until = time.monotonic() + self.settings.task_patience
         if self.tracer is not None:
-            return await self._traced_submit(store, sub, self.tracer)
-        return await self._submit(store, sub)
+            return await self._traced_submit(store, sub, self.tracer, until)
+        return await self._submit(store, sub, until)
 
-    async def _traced_submit(self, store: TaskStore, sub: TaskSubmit, tracer: Tracer) -> TaskRef:
+    async def _traced_submit(
+        self, store: TaskStore, sub: TaskSubmit, tracer: Tracer, until: float
+    ) -> TaskRef:
         """A PRODUCER span around the submit; its context travels in the task."""
         with tracer.start_as_current_span(
             f"send {sub.capability}",
@@ -274,9 +282,9 @@ class Tasks:
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
             sub = msgspec.structs.replace(sub, traceparent=carrier.get("traceparent", ""))
-            return await self._submit(store, sub)
+            return await self._submit(store, sub, until)
 
-    async def _submit(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:
+    async def _submit(self, store: TaskStore, sub: TaskSubmit, until: float) -> TaskRef:
         """Claim and publish, again while JetStream cannot answer yet (a stream between
         leaders, a server restarting): the task id is the ``Nats-Msg-Id``, so the server
         stores a repeated publish once (``task_patience`` is kept inside its duplicate
@@ -295,7 +303,7 @@ class Tasks:
                 nc,
                 f"submit of task {sub.task_id} not confirmed",
                 functools.partial(self.claim_and_publish, store, sub),
-                until=time.monotonic() + self.settings.task_patience,
+                until=until,
                 advice=f"; {retry}",
                 stopped=lambda: self._closed,
             )
@@ -355,10 +363,11 @@ class Tasks:
         once; a failed submit is that item's error."""
         await self.ready(nc)
         window = asyncio.Semaphore(BATCH_WINDOW)
+        until = time.monotonic() + self.settings.task_patience  # one wait for the batch
 
         async def one(sub: TaskSubmit) -> TaskRef:
             async with window:
-                return await self.submit(nc, sub)
+                return await self.submit(nc, sub, until)
 
         results = await asyncio.gather(*(one(s) for s in subs), return_exceptions=True)
         items: list[TaskRef | BaseException] = []
