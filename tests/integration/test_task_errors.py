@@ -134,7 +134,9 @@ async def test_dead_letter_errors_are_public(reach_client: Client):
 
 async def test_a_client_closes_quietly_with_sends_buffered_while_the_server_is_away():
     async with NatsServer() as server:
-        settings = ReachSettings(nats_url=server.url, subject_prefix=unique_prefix())
+        settings = ReachSettings(
+            nats_url=server.url, subject_prefix=unique_prefix(), task_patience=1.0
+        )
         client = Client(settings=settings)
         await client.connect()
         await client.submit(CAP, {"n": 1})

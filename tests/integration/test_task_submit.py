@@ -81,7 +81,10 @@ async def test_a_batch_is_published_in_a_bounded_window(
 
 async def test_batch_idempotency_keys_and_what_a_failed_item_says():
     async with NatsServer() as server:
-        settings = ReachSettings(nats_url=server.url, subject_prefix=unique_prefix())
+        # a batch waits task_patience for the server to come back before it says so
+        settings = ReachSettings(
+            nats_url=server.url, subject_prefix=unique_prefix(), task_patience=1.0
+        )
         async with Client(settings=settings) as client:
             with pytest.raises(ConfigurationError, match="idempotency_keys"):
                 await client.submit_batch(CAP, [1, 2], idempotency_keys=["a"])
