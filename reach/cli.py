@@ -27,6 +27,7 @@ from ._cli_gateway import add_gateway_commands
 from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
 from ._cli_up import up
+from ._cli_wrap import add_wrap_commands
 from ._client import Client
 from ._codec import now_ms
 from ._nats import redact
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_task_commands(sub, with_url)  # submit, tasks, dlq
     add_status_commands(sub, with_url)  # status, top
     add_gateway_commands(sub, with_url)  # gateway
+    add_wrap_commands(sub)  # wrap: an HTTP service as an agent
     return parser
 
 

@@ -32,7 +32,7 @@ from .control import ControlListeners
 from .declare import Declarations
 from .exposure import Exposure
 from .intake import Intake, topic_handler
-from .lifecycle import Lifecycle, State
+from .lifecycle import Lifecycle, Reason, State
 from .model import AgentStats, Served, TopicSpec
 from .presence import Presence
 from .process import Serving
@@ -292,6 +292,13 @@ class Agent(Declarations, Exposure, Serving):
             # A drain that began meanwhile refuses this; it leaves the queues next (it
             # waits for this lock), the ones just joined included.
             self._life.resume()
+
+    def report_health(self, healthy: bool) -> bool:
+        """An outside health signal (a wrapped service's probe, say): False keeps the agent
+        DEGRADED until True again, across pause and resume. True if that changed it."""
+        if healthy:
+            return self._life.recover(Reason.HEALTH)
+        return self._life.degrade(Reason.HEALTH)
 
     def request_drain(self) -> None:
         """Drain and stop in the background (``$ctl drain``, SIGTERM): the same path as

@@ -9,12 +9,13 @@
                                             PAUSED <------pause----------+
     STARTING, UP, DEGRADED, PAUSED --drain--> DRAINING --stopped--> STOPPED
 
-DEGRADED is UP with a non-empty set of reasons (queue overload, handler timeouts). The
-reasons survive a pause, so ``resume`` returns to DEGRADED while they last. Nothing leaves
-DRAINING but ``stopped``: ``resume`` is refused while the agent stops. The wire status is
-derived: DRAINING and STARTING advertise PAUSED (nothing new is routed there), STOPPED
-advertises DOWN. The machine does no I/O; the Agent owns it, performs the effects, and is
-told of every advertised change through ``on_change`` (it then heartbeats at once).
+DEGRADED is UP with a non-empty set of reasons (queue overload, handler timeouts, a
+failing outside health check). The reasons survive a pause, so ``resume`` returns to
+DEGRADED while they last. Nothing leaves DRAINING but ``stopped``: ``resume`` is refused
+while the agent stops. The wire status is derived: DRAINING and STARTING advertise PAUSED
+(nothing new is routed there), STOPPED advertises DOWN. The machine does no I/O; the Agent
+owns it, performs the effects, and is told of every advertised change through ``on_change``
+(it then heartbeats at once).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Reason(enum.StrEnum):
     OVERLOAD = "queue overload"
     TIMEOUTS = "handler timeouts"
     STUCK = "handlers stuck past their deadline"
+    HEALTH = "health check failing"  # an outside signal: Agent.report_health
 
 
 _WIRE = {

@@ -1,0 +1,206 @@
+"""One request, forwarded: the Reach request becomes an HTTP request (payload, deadline,
+ids and trace context as headers) and the HTTP answer becomes a result or a Reach error.
+
+Mapping, decided here once:
+
+- 2xx: a JSON body is the result as it is (not decoded and encoded again); an empty body
+  is ``null``; any other body is returned as a JSON string (the text, UTF-8).
+- 429, 503: ``resource_exhausted`` (retryable: the caller tries another instance).
+- 408, 504: ``timeout``; any other 4xx: ``bad_request``; any other status: ``failed``.
+- no answer within the time: ``timeout``.
+- the endpoint cannot be reached (connection refused, DNS, connect timeout):
+  ``agent_unavailable``, retryable, since nothing was sent.
+- the connection broke after the request went out: ``failed``, not retried (the
+  endpoint may have acted on it).
+
+Error messages carry the HTTP status and the first bytes of the answer's body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+from opentelemetry import propagate
+
+from .._codec import now_ms
+from .._handlers import Context
+from ..errors import (
+    AgentUnavailable,
+    BadRequest,
+    HandlerFailed,
+    RemoteError,
+    RequestTimeout,
+    ResourceExhausted,
+)
+from ..wire import Header
+from .spec import Endpoint
+
+__all__ = ["SNIPPET", "HttpHeader", "WrapStats", "forward", "outgoing_headers", "result_of"]
+
+log = logging.getLogger("reach.wrap")
+
+#: characters of an error answer's body quoted in the Reach error message
+SNIPPET = 200
+
+
+class HttpHeader:
+    """What the wrapped endpoint receives besides the payload (absent ones are not sent)."""
+
+    REQUEST_ID = "Reach-Request-Id"
+    #: when the caller stops waiting (or the endpoint's timeout, if sooner): unix epoch ms
+    DEADLINE = "Reach-Deadline"
+    #: the same as milliseconds left when the request was sent
+    TIMEOUT_MS = "Reach-Timeout-Ms"
+    PRIORITY = "Reach-Priority"
+    #: the caller's ``Reach-Idempotency-Key``, under the name HTTP services know
+    IDEMPOTENCY_KEY = "Idempotency-Key"
+    TRACEPARENT = "traceparent"
+    TRACESTATE = "tracestate"
+
+
+@dataclass(slots=True)
+class WrapStats:
+    """What the wrapper saw of its endpoints (the agent counts the Reach side)."""
+
+    forwarded: int = 0
+    ok: int = 0
+    #: error answers by HTTP status
+    http_errors: dict[int, int] = field(default_factory=dict)
+    timeouts: int = 0
+    unreachable: int = 0
+    broken: int = 0
+
+
+def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> dict[str, str]:
+    """The endpoint's own headers, then Reach's: ids, the deadline and the trace context."""
+    headers = dict(ep.headers)
+    budget_ms = int(budget * 1000)
+    deadline = now_ms() + budget_ms
+    if ctx.deadline_ms is not None and ctx.deadline_ms <= deadline:
+        deadline = ctx.deadline_ms  # the caller's own, exactly
+    headers[HttpHeader.DEADLINE] = str(deadline)
+    headers[HttpHeader.TIMEOUT_MS] = str(budget_ms)
+    headers[HttpHeader.REQUEST_ID] = ctx.request_id
+    headers[HttpHeader.PRIORITY] = ctx.priority.value
+    incoming = ctx.headers
+    key = incoming.get(Header.IDEMPOTENCY_KEY)
+    if key:
+        headers[HttpHeader.IDEMPOTENCY_KEY] = key
+    for name in (Header.TRACEPARENT, Header.TRACESTATE):
+        value = incoming.get(name)
+        if value:
+            headers[name] = value
+    # With a tracer, the handler's span is current: the endpoint continues from it (no span:
+    # nothing is written, and the caller's context above goes through unchanged).
+    propagate.inject(headers)
+    return headers
+
+
+def _request(
+    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, headers: dict[str, str]
+) -> httpx.Request:
+    method = ep.method.upper()
+    if method == "GET":
+        return http.build_request(method, ep.url, params=_query(payload), headers=headers)
+    if payload:
+        headers["Content-Type"] = "application/json"
+    return http.build_request(method, ep.url, content=payload, headers=headers)
+
+
+def _query(payload: bytes) -> dict[str, Any] | None:
+    """A GET's payload: a JSON object of scalars (or lists of them), as query parameters."""
+    if not payload:
+        return None
+    try:
+        value = msgspec.json.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"invalid payload: {exc}") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest("a GET endpoint takes a JSON object of query parameters")
+    return {k: _param(v) for k, v in value.items()}
+
+
+def _param(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_param(v) for v in value]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None or isinstance(value, str | int | float):
+        return "" if value is None else value
+    raise BadRequest("query parameters must be scalars or lists of scalars")
+
+
+def _snippet(response: httpx.Response) -> str:
+    text = response.content[: SNIPPET * 4].decode("utf-8", "replace")
+    text = " ".join(text.split())
+    return text if len(text) <= SNIPPET else text[: SNIPPET - 1] + "…"
+
+
+def error_for(response: httpx.Response) -> RemoteError:
+    """The Reach error for a non-2xx answer."""
+    status = response.status_code
+    snippet = _snippet(response)
+    message = f"upstream HTTP {status}" + (f": {snippet}" if snippet else "")
+    cls: type[RemoteError]
+    if status in (429, 503):
+        cls = ResourceExhausted
+    elif status in (408, 504):
+        cls = RequestTimeout
+    elif 400 <= status < 500:
+        cls = BadRequest
+    else:
+        cls = HandlerFailed  # 5xx, and 1xx/3xx (redirects are not followed)
+    return cls(message)
+
+
+def result_of(response: httpx.Response) -> Any:
+    """A 2xx answer as the capability's result: JSON bytes as they are, else text."""
+    body = response.content
+    if not body:
+        return None
+    try:
+        msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return response.text
+    return body
+
+
+async def forward(
+    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, ctx: Context, stats: WrapStats
+) -> Any:
+    """Serve one request by calling ``ep``; wait at most its timeout, or the caller's
+    remaining time if that is shorter."""
+    budget = ep.timeout
+    remaining = ctx.remaining()
+    if remaining is not None:
+        budget = min(budget, remaining)
+    request = _request(http, ep, payload, outgoing_headers(ep, ctx, budget))
+    stats.forwarded += 1
+    try:
+        # httpx's timeouts bound each phase; this bounds the whole exchange.
+        async with asyncio.timeout(budget):
+            response = await http.send(request)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        stats.unreachable += 1
+        log.warning("wrap %s: %s %s unreachable: %r", ep.capability, request.method, ep.url, exc)
+        raise AgentUnavailable(f"upstream unreachable ({type(exc).__name__})") from None
+    except (TimeoutError, httpx.TimeoutException):
+        stats.timeouts += 1
+        raise RequestTimeout(f"upstream gave no answer within {budget:.3g}s") from None
+    except httpx.HTTPError as exc:
+        stats.broken += 1
+        log.warning("wrap %s: %s %s failed: %r", ep.capability, request.method, ep.url, exc)
+        raise HandlerFailed(f"upstream exchange failed ({type(exc).__name__})") from None
+    if 200 <= response.status_code < 300:
+        stats.ok += 1
+        return result_of(response)
+    code = response.status_code
+    stats.http_errors[code] = stats.http_errors.get(code, 0) + 1
+    raise error_for(response)

@@ -1,0 +1,88 @@
+"""The wrapped service's health, turned into the agent's status: a failing probe makes the
+agent DEGRADED (high priority goes elsewhere), ``pause_after`` failures in a row make it
+PAUSED (out of the queue groups), and the first success undoes both."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from .._agent import Agent, State
+from .spec import HealthCheck
+
+__all__ = ["HealthMonitor"]
+
+log = logging.getLogger("reach.wrap")
+
+
+class HealthMonitor:
+    """Probes ``check.url`` and reports to ``agent``. ``check_once`` is one round; ``run``
+    is the loop the wrapper owns. It resumes the agent only if it paused it itself: a pause
+    by an operator stays."""
+
+    def __init__(self, agent: Agent, http: httpx.AsyncClient, check: HealthCheck) -> None:
+        self.agent = agent
+        self.check = check
+        self._http = http
+        #: failed probes in a row (0 while healthy)
+        self.failures = 0
+        self.probes = 0
+        #: why the last probe failed ("" when it passed)
+        self.last_error = ""
+        self.paused_by_health = False
+
+    async def probe(self) -> str:
+        """One GET of the health URL: "" when healthy, else why not."""
+        try:
+            async with asyncio.timeout(self.check.timeout):
+                response = await self._http.get(self.check.url, timeout=self.check.timeout)
+        except (TimeoutError, httpx.TimeoutException):
+            return f"no answer within {self.check.timeout:g}s"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if 200 <= response.status_code < 300:
+            return ""
+        return f"HTTP {response.status_code}"
+
+    async def check_once(self) -> bool:
+        """Probe once and bring the agent's status in line; True when healthy."""
+        why = await self.probe()
+        self.probes += 1
+        agent = self.agent
+        if not why:
+            if self.failures:
+                log.info(
+                    "wrap %s: health is back after %d failure(s)", agent.agent_id, self.failures
+                )
+            self.failures, self.last_error = 0, ""
+            agent.report_health(True)  # before resuming: straight back to UP
+            if self.paused_by_health:
+                self.paused_by_health = False
+                await agent.resume()
+            return True
+        self.failures += 1
+        self.last_error = why
+        if agent.report_health(False):
+            log.warning("wrap %s: health check failed (%s): DEGRADED", agent.agent_id, why)
+        pause_after = self.check.pause_after
+        if pause_after and self.failures == pause_after and agent.state in _SERVING:
+            await agent.pause()
+            self.paused_by_health = agent.state is State.PAUSED
+            log.warning(
+                "wrap %s: %d health checks failed in a row (%s): PAUSED",
+                agent.agent_id,
+                self.failures,
+                why,
+            )
+        return False
+
+    async def run(self) -> None:
+        """Probe now, then every ``interval`` seconds, until cancelled."""
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self.check.interval)
+
+
+_SERVING = frozenset({State.UP, State.DEGRADED})

@@ -1,0 +1,150 @@
+"""An ordinary Reach agent whose capabilities are HTTP endpoints: it registers, heartbeats,
+reports load, takes priorities and drains like any other, and forwards each request with one
+pooled ``httpx.AsyncClient``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from .._agent import Agent, Context
+from .._owner import TaskOwner
+from .._telemetry.core import Telemetry
+from ..errors import NotStarted
+from ..settings import ReachSettings
+from .forward import WrapStats, forward
+from .health import HealthMonitor
+from .spec import Endpoint, WrapSpec
+
+__all__ = ["HttpWrapper"]
+
+log = logging.getLogger("reach.wrap")
+
+
+class HttpWrapper:
+    """Serve every endpoint of ``spec`` as a capability of one agent (``self.agent``).
+
+    The HTTP pool holds ``max_concurrency`` connections (one more for the health probe), as
+    many as the agent has workers, so a request never waits for a connection. The pool and
+    the probe loop are opened by ``start`` and closed by ``stop``; ``serve_forever`` runs
+    until SIGTERM/SIGINT or ``reach drain``, then drains and closes all of it.
+    """
+
+    def __init__(
+        self,
+        spec: WrapSpec,
+        *,
+        settings: ReachSettings | None = None,
+        telemetry: Telemetry | None = None,
+        url: str | None = None,
+        drain_timeout: float | None = None,
+    ) -> None:
+        self.spec = spec
+        self.stats = WrapStats()
+        self.agent = Agent(
+            spec.agent_name,
+            spec.agent_id,
+            tags=spec.tags,
+            max_concurrency=spec.max_concurrency,
+            version=spec.version,
+            description=spec.description,
+            metadata={"wrapped": "http"},
+            settings=settings,
+            telemetry=telemetry,
+            url=url,
+            drain_timeout=drain_timeout,
+        )
+        for ep in spec.endpoints:
+            description = ep.description or f"HTTP {ep.method.upper()} endpoint, wrapped"
+            self.agent.capability(ep.capability, version=ep.version, description=description)(
+                self._handler(ep)
+            )
+        self._http: httpx.AsyncClient | None = None
+        self._owner = TaskOwner(f"wrap {self.agent.agent_id}")
+        #: the health loop's state, while running with a health check
+        self.health: HealthMonitor | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise NotStarted("the wrapper is not running")
+        return self._http
+
+    def _handler(self, ep: Endpoint) -> Callable[[bytes, Context], Awaitable[Any]]:
+        async def serve(payload: bytes, ctx: Context) -> Any:
+            return await forward(self.http, ep, payload, ctx, self.stats)
+
+        serve.__name__ = f"wrap_{ep.capability.replace('.', '_')}"
+        return serve
+
+    def _pool(self) -> httpx.AsyncClient:
+        size = self.spec.max_concurrency + (1 if self.spec.health is not None else 0)
+        return httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            timeout=httpx.Timeout(max(e.timeout for e in self.spec.endpoints)),
+            follow_redirects=False,
+        )
+
+    async def start(self) -> None:
+        """Open the pool, start the agent, then the health loop (its first probe at once)."""
+        if self._http is not None:
+            return
+        self._http = self._pool()
+        try:
+            await self.agent.start()
+        except BaseException:
+            http, self._http = self._http, None
+            await http.aclose()
+            raise
+        check = self.spec.health
+        if check is not None:
+            self.health = HealthMonitor(self.agent, self._http, check)
+            self._owner.reopen()
+            self._owner.keep(self.health.run, "health")
+        log.info(
+            "wrap %s: %s",
+            self.agent.agent_id,
+            ", ".join(f"{e.capability} -> {e.method.upper()} {e.url}" for e in self.spec.endpoints),
+        )
+
+    async def stop(self) -> None:
+        """Stop probing, drain the agent (in-flight requests finish), close the pool."""
+        await self._owner.close()
+        try:
+            await self.agent.stop()
+        finally:
+            http, self._http = self._http, None
+            if http is not None:
+                await http.aclose()
+
+    async def serve_forever(self) -> None:
+        """Serve until SIGTERM/SIGINT, ``reach drain <agent_id>`` or cancellation."""
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        await self.start()
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self.agent.request_drain)
+                    installed.append(sig)
+            await self.agent.wait_drain_requested()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
