@@ -86,6 +86,7 @@ async def _wrap(args: argparse.Namespace, settings: ReachSettings) -> int:
         settings = ReachSettings(nats_url=args.nats_url)
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     wrapper = HttpWrapper(spec, settings=settings)
     print(
         f"# wrapping as agent {wrapper.agent.agent_id}: "

@@ -106,7 +106,11 @@ def _request(
 ) -> httpx.Request:
     method = ep.method.upper()
     if method == "GET":
-        return http.build_request(method, ep.url, params=_query(payload), headers=headers)
+        url = httpx.URL(ep.url)
+        params = _query(payload)
+        if params:
+            url = url.copy_merge_params(params)  # the URL's own query stays
+        return http.build_request(method, url, headers=headers)
     if payload:
         headers["Content-Type"] = "application/json"
     return http.build_request(method, ep.url, content=payload, headers=headers)

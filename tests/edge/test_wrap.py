@@ -1,0 +1,208 @@
+"""The HTTP wrapper against a real HTTP service and a real nats-server: results, the error
+mapping, and what the wrapped service is told (deadline, ids, trace context)."""
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+import reach
+from reach import Client, Priority, Telemetry
+from reach._codec import now_ms
+from reach._wrap import HttpWrapper
+from reach._wrap.forward import SNIPPET
+
+from .wrap_upstream import free_port, serve_upstream, spec
+
+
+@pytest.fixture
+async def upstream():
+    async with serve_upstream() as up:
+        yield up
+
+
+def wrapper(settings, *endpoints, **kw) -> HttpWrapper:
+    return HttpWrapper(spec(*endpoints, **kw), settings=settings)
+
+
+async def test_json_in_json_out_served_by_the_wrapper(reach_settings, reach_client, upstream):
+    w = wrapper(reach_settings, {"capability": "t.echo", "url": upstream.url("/echo")})
+    async with w:
+        reply = await reach_client.call("t.echo", {"q": "hi", "n": [1, 2]}, timeout=10)
+    assert reply.value == {"got": {"q": "hi", "n": [1, 2]}}
+    assert reply.agent_id == w.agent.agent_id
+    seen = upstream.last("/echo")
+    assert seen.method == "POST"
+    assert seen.headers["content-type"] == "application/json"
+    assert w.stats.forwarded == w.stats.ok == 1
+
+
+async def test_method_and_query_parameters(reach_settings, reach_client, upstream):
+    w = wrapper(
+        reach_settings,
+        {"capability": "t.put", "url": upstream.url("/echo"), "method": "put"},
+        {"capability": "t.get", "url": upstream.url("/query?fixed=1"), "method": "GET"},
+    )
+    async with w:
+        assert await reach_client.request("t.put", [1], timeout=10) == {"got": [1]}
+        got = await reach_client.request("t.get", {"q": "a b", "n": 2, "ok": True}, timeout=10)
+        assert got == {"fixed": "1", "q": "a b", "n": "2", "ok": "true"}
+        assert await reach_client.request("t.get", None, timeout=10) == {"fixed": "1"}
+        with pytest.raises(reach.BadRequest, match="JSON object of query parameters"):
+            await reach_client.request("t.get", [1, 2], timeout=10)
+    assert upstream.last("/echo").method == "PUT"
+
+
+async def test_text_answers_are_strings_and_empty_ones_null(reach_settings, reach_client, upstream):
+    w = wrapper(
+        reach_settings,
+        {"capability": "t.text", "url": upstream.url("/text")},
+        {"capability": "t.empty", "url": upstream.url("/empty")},
+    )
+    async with w:
+        assert await reach_client.request("t.text", {}, timeout=10) == "plain words"
+        assert await reach_client.request("t.empty", {}, timeout=10) is None
+    assert upstream.last("/empty").body == b"{}"
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "code"),
+    [
+        (400, reach.BadRequest, "bad_request"),
+        (404, reach.BadRequest, "bad_request"),
+        (422, reach.BadRequest, "bad_request"),
+        (429, reach.ResourceExhausted, "resource_exhausted"),
+        (503, reach.ResourceExhausted, "resource_exhausted"),
+        (500, reach.HandlerFailed, "failed"),
+        (502, reach.HandlerFailed, "failed"),
+        (504, reach.RequestTimeout, "timeout"),
+    ],
+)
+async def test_http_errors_map_to_reach_codes(
+    reach_settings, reach_client, upstream, status, error, code
+):
+    w = wrapper(reach_settings, {"capability": "t.err", "url": upstream.url(f"/status/{status}")})
+    async with w:
+        with pytest.raises(error) as info:
+            await reach_client.request("t.err", {}, timeout=10, max_attempts=1)
+    assert info.value.code == code
+    assert f"upstream HTTP {status}" in info.value.message
+    assert f"nope {status}" in info.value.message  # the body's first bytes
+    assert w.stats.http_errors == {status: 1}
+
+
+async def test_a_long_error_body_is_cut_short(reach_settings, reach_client, upstream):
+    w = wrapper(
+        reach_settings, {"capability": "t.big", "url": upstream.url("/status/400?size=9000")}
+    )
+    async with w:
+        with pytest.raises(reach.BadRequest) as info:
+            await reach_client.request("t.big", {}, timeout=10)
+    quoted = info.value.message.split("upstream HTTP 400: ", 1)[1]
+    assert quoted.startswith('{"detail":"xxx')
+    assert len(quoted) == SNIPPET
+
+
+async def test_no_answer_within_the_endpoint_timeout_is_a_timeout(
+    reach_settings, reach_client, upstream
+):
+    w = wrapper(
+        reach_settings, {"capability": "t.slow", "url": upstream.url("/hold"), "timeout": 0.3}
+    )
+    async with w:
+        with pytest.raises(reach.RequestTimeout, match=r"upstream gave no answer within 0\.3s"):
+            await reach_client.request("t.slow", {}, timeout=30, max_attempts=1)
+    assert w.stats.timeouts == 1
+    assert upstream.last("/hold").headers["reach-timeout-ms"] == "300"
+
+
+async def test_the_callers_shorter_deadline_bounds_the_http_call(
+    reach_settings, reach_client, upstream
+):
+    w = wrapper(
+        reach_settings, {"capability": "t.slow", "url": upstream.url("/hold"), "timeout": 60}
+    )
+    async with w:
+        with pytest.raises(reach.RequestTimeout):
+            await reach_client.request("t.slow", {}, timeout=0.5, max_attempts=1)
+    assert int(upstream.last("/hold").headers["reach-timeout-ms"]) <= 500
+
+
+async def test_an_unreachable_endpoint_is_agent_unavailable(reach_settings, reach_client):
+    w = wrapper(reach_settings, {"capability": "t.gone", "url": f"http://127.0.0.1:{free_port()}/"})
+    async with w:
+        with pytest.raises(reach.AgentUnavailable) as info:
+            await reach_client.request("t.gone", {}, timeout=10, max_attempts=1)
+    assert "upstream unreachable (ConnectError)" in info.value.message
+    assert w.stats.unreachable == 1
+
+
+async def test_deadline_ids_idempotency_key_and_trace_context_are_forwarded(
+    reach_settings, reach_client, upstream
+):
+    w = wrapper(
+        reach_settings,
+        {
+            "capability": "t.ask",
+            "url": upstream.url("/echo"),
+            "timeout": 5,
+            "headers": {"Authorization": "Bearer k", "Reach-Request-Id": "spoofed"},
+        },
+    )
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with w:
+        deadline = now_ms() + 3000
+        msg = await reach_client.nc.request(
+            reach_client.subjects.cap("t.ask"),
+            b'{"q": 1}',
+            headers={
+                "Reach-Deadline": str(deadline),
+                "Reach-Request-Id": "req-42",
+                "Reach-Idempotency-Key": "idem-7",
+                "Reach-Priority": "high",
+                "traceparent": trace,
+                "tracestate": "vendor=1",
+            },
+            timeout=10,
+        )
+        assert msg.data == b'{"got":{"q":1}}'
+        # A far deadline: the endpoint's own timeout is what the service is told.
+        far = now_ms() + 600_000
+        await reach_client.nc.request(
+            reach_client.subjects.cap("t.ask"), b"{}", headers={"Reach-Deadline": str(far)}
+        )
+    first, second = [s.headers for s in upstream.seen]
+    assert first["reach-deadline"] == str(deadline)  # the caller's own, to the millisecond
+    assert 0 < int(first["reach-timeout-ms"]) <= 3000
+    assert first["reach-request-id"] == "req-42"
+    assert first["idempotency-key"] == "idem-7"
+    assert first["reach-priority"] == "high"
+    assert first["traceparent"] == trace
+    assert first["tracestate"] == "vendor=1"
+    assert first["authorization"] == "Bearer k"
+    assert int(second["reach-deadline"]) < far
+    assert int(second["reach-timeout-ms"]) == 5000
+    assert "idempotency-key" not in second
+    assert "traceparent" not in second
+    assert second["reach-request-id"]  # the protocol's default: from the reply subject
+
+
+async def test_with_a_tracer_the_service_continues_the_handlers_span(reach_settings, upstream):
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = Telemetry(tracer_provider=provider)
+    w = HttpWrapper(
+        spec({"capability": "t.traced", "url": upstream.url("/echo")}),
+        settings=reach_settings,
+        telemetry=telemetry,
+    )
+    async with w, Client(settings=reach_settings, telemetry=telemetry) as client:
+        await client.request("t.traced", {}, timeout=10, priority=Priority.NORMAL)
+    server = next(s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER)
+    ctx = server.get_span_context()
+    version, trace_id, parent_id, _flags = upstream.last("/echo").headers["traceparent"].split("-")
+    assert version == "00"
+    assert int(trace_id, 16) == ctx.trace_id
+    assert int(parent_id, 16) == ctx.span_id  # the HTTP call is the handler span's child
