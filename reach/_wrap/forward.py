@@ -102,18 +102,20 @@ def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> dict[str, str
 
 
 def _request(
-    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, headers: dict[str, str]
+    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, headers: dict[str, str], budget: float
 ) -> httpx.Request:
+    """The HTTP request; httpx's own timeouts are the budget, so it usually gives up by
+    itself, cleanly, before anything has to cancel it."""
     method = ep.method.upper()
     if method == "GET":
         url = httpx.URL(ep.url)
         params = _query(payload)
         if params:
             url = url.copy_merge_params(params)  # the URL's own query stays
-        return http.build_request(method, url, headers=headers)
+        return http.build_request(method, url, headers=headers, timeout=budget)
     if payload:
         headers["Content-Type"] = "application/json"
-    return http.build_request(method, ep.url, content=payload, headers=headers)
+    return http.build_request(method, ep.url, content=payload, headers=headers, timeout=budget)
 
 
 def _query(payload: bytes) -> dict[str, Any] | None:
@@ -185,10 +187,10 @@ async def forward(
     remaining = ctx.remaining()
     if remaining is not None:
         budget = min(budget, remaining)
-    request = _request(http, ep, payload, outgoing_headers(ep, ctx, budget))
+    request = _request(http, ep, payload, outgoing_headers(ep, ctx, budget), budget)
     stats.forwarded += 1
     try:
-        # httpx's timeouts bound each phase; this bounds the whole exchange.
+        # httpx's timeouts bound each phase (connect, write, each read); this, the whole.
         async with asyncio.timeout(budget):
             response = await http.send(request)
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
