@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -131,9 +132,11 @@ async def scan_page(
     *,
     last_per_subject: bool,
     limit: int | None = None,
+    each: Callable[[Seen], None] | None = None,
 ) -> tuple[list[Seen], int]:
     """``scan``, stopping after ``limit`` messages (None: all), in stream order; also the
-    number of messages there were to see when it started."""
+    number of messages there were to see when it started. With ``each``, every message
+    goes to it as it comes instead of into the list (memory stays flat however many)."""
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.ALL,
         ack_policy=AckPolicy.NONE,
@@ -147,7 +150,7 @@ async def scan_page(
     except nats.js.errors.NotFoundError:
         return [], 0
     seen: list[Seen] = []
-    total = 0
+    total = count = 0
     try:
         total = pending = (await psub.consumer_info()).num_pending or 0
         if limit is not None:
@@ -160,10 +163,15 @@ async def scan_page(
             for m in msgs:
                 md = m.metadata
                 at = int(md.timestamp.timestamp() * 1000)
-                seen.append(Seen(m.subject, md.sequence.stream, dict(m.headers or {}), at))
+                one = Seen(m.subject, md.sequence.stream, dict(m.headers or {}), at)
+                if each is None:
+                    seen.append(one)
+                else:
+                    each(one)
+                count += 1
                 pending = md.num_pending
             if limit is not None:
-                pending = min(pending, limit - len(seen))
+                pending = min(pending, limit - count)
     finally:
         try:
             await psub.unsubscribe()
@@ -182,6 +190,18 @@ async def record_index(store: TaskStore) -> list[RecordMeta]:
     prefix = f"$KV.{store.bucket}."
     seen = await scan(store.js, f"KV_{store.bucket}", f"{prefix}>", last_per_subject=True)
     return [m for m in (record_meta(prefix, s) for s in seen) if m is not None]
+
+
+async def each_record(store: TaskStore, visit: Callable[[RecordMeta], None]) -> None:
+    """``record_index`` one record at a time (a sweep keeps only what it needs)."""
+    prefix = f"$KV.{store.bucket}."
+
+    def one(s: Seen) -> None:
+        m = record_meta(prefix, s)
+        if m is not None:
+            visit(m)
+
+    await scan_page(store.js, f"KV_{store.bucket}", f"{prefix}>", last_per_subject=True, each=one)
 
 
 def record_meta(prefix: str, s: Seen) -> RecordMeta | None:

@@ -36,7 +36,7 @@ from .._nats import TRANSIENT
 from .._subjects import Subjects
 from ..settings import ReachSettings
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
-from .admin import RecordMeta, record_index, scan
+from .admin import RecordMeta, each_record, scan
 from .states import IllegalTransition, advance, end_attempt, is_final
 from .store import Conflict, Stored, TaskStore
 from .submit import publish_task
@@ -152,13 +152,17 @@ class Sweeper:
         looked up in the task stream ``_PARALLEL`` at a time; those whose message is gone
         are recovered one by one."""
         self.stats.sweeps += 1
-        index = await record_index(self.store)
         states: dict[str, int] = {}
-        for m in index:
+        ids: list[str] = []  # only the non-final ones: memory does not grow with history
+
+        def visit(m: RecordMeta) -> None:
             if m.state is not None:
                 states[m.state.value] = states.get(m.state.value, 0) + 1
+            if not _final(m):
+                ids.append(m.task_id)
+
+        await each_record(self.store, visit)
         self.stats.states = states
-        ids = [m.task_id for m in index if not _final(m)]
         gone: list[str] = []
         for i in range(0, len(ids), _PARALLEL):
             batch = ids[i : i + _PARALLEL]
