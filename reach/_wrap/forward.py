@@ -12,8 +12,10 @@ Mapping, decided here once:
   ``agent_unavailable``, retryable, since nothing was sent.
 - the connection broke after the request went out: ``failed``, not retried (the
   endpoint may have acted on it).
+- an answer over ``max_body`` bytes (decompressed): ``failed``; reading stops there.
 
-Error messages carry the HTTP status and the first bytes of the answer's body.
+Error messages carry the HTTP status and the first bytes of the answer's body (at most
+``SNIPPET_BYTES`` of it are read).
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ from ..errors import (
 from ..wire import Header
 from .spec import Endpoint
 
-__all__ = ["SNIPPET", "HttpHeader", "WrapStats", "forward", "outgoing_headers", "result_of"]
+__all__ = ["SNIPPET", "Forwarder", "HttpHeader", "WrapStats", "outgoing_headers"]
 
 log = logging.getLogger("reach.wrap")
 
 #: characters of an error answer's body quoted in the Reach error message
 SNIPPET = 200
+#: bytes of an error answer's body read for it (the rest is not read)
+SNIPPET_BYTES = 800
 
 
 class HttpHeader:
@@ -74,6 +78,8 @@ class WrapStats:
     timeouts: int = 0
     unreachable: int = 0
     broken: int = 0
+    #: answers over ``max_body`` bytes
+    too_large: int = 0
 
 
 def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> dict[str, str]:
@@ -143,16 +149,37 @@ def _param(value: Any) -> Any:
     raise BadRequest("query parameters must be scalars or lists of scalars")
 
 
-def _snippet(response: httpx.Response) -> str:
-    text = response.content[: SNIPPET * 4].decode("utf-8", "replace")
+async def _read(response: httpx.Response, limit: int) -> bytes | None:
+    """The (decompressed) body, or None as soon as it is over ``limit`` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _head(response: httpx.Response) -> bytes:
+    """The first ``SNIPPET_BYTES`` of the body, for an error message."""
+    head = b""
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= SNIPPET_BYTES:
+            break
+    return head[:SNIPPET_BYTES]
+
+
+def _snippet(body: bytes) -> str:
+    text = body[: SNIPPET * 4].decode("utf-8", "replace")
     text = " ".join(text.split())
     return text if len(text) <= SNIPPET else text[: SNIPPET - 1] + "…"
 
 
-def error_for(response: httpx.Response) -> RemoteError:
-    """The Reach error for a non-2xx answer."""
-    status = response.status_code
-    snippet = _snippet(response)
+def error_for(status: int, body: bytes) -> RemoteError:
+    """The Reach error for a non-2xx answer (``body``: its first bytes)."""
+    snippet = _snippet(body)
     message = f"upstream HTTP {status}" + (f": {snippet}" if snippet else "")
     cls: type[RemoteError]
     if status in (429, 503):
@@ -166,47 +193,70 @@ def error_for(response: httpx.Response) -> RemoteError:
     return cls(message)
 
 
-def result_of(response: httpx.Response) -> Any:
+def result_of(body: bytes, encoding: str | None) -> Any:
     """A 2xx answer as the capability's result: JSON bytes as they are, else text."""
-    body = response.content
     if not body:
         return None
     try:
         msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return response.text
+        return body.decode(encoding or "utf-8", "replace")
     return body
 
 
-async def forward(
-    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, ctx: Context, stats: WrapStats
-) -> Any:
-    """Serve one request by calling ``ep``; wait at most its timeout, or the caller's
-    remaining time if that is shorter."""
-    budget = ep.timeout
-    remaining = ctx.remaining()
-    if remaining is not None:
-        budget = min(budget, remaining)
-    request = _request(http, ep, payload, outgoing_headers(ep, ctx, budget), budget)
-    stats.forwarded += 1
-    try:
-        # httpx's timeouts bound each phase (connect, write, each read); this, the whole.
-        async with asyncio.timeout(budget):
-            response = await http.send(request)
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        stats.unreachable += 1
-        log.warning("wrap %s: %s %s unreachable: %r", ep.capability, request.method, ep.url, exc)
-        raise AgentUnavailable(f"upstream unreachable ({type(exc).__name__})") from None
-    except (TimeoutError, httpx.TimeoutException):
-        stats.timeouts += 1
-        raise RequestTimeout(f"upstream gave no answer within {budget:.3g}s") from None
-    except httpx.HTTPError as exc:
-        stats.broken += 1
-        log.warning("wrap %s: %s %s failed: %r", ep.capability, request.method, ep.url, exc)
-        raise HandlerFailed(f"upstream exchange failed ({type(exc).__name__})") from None
-    if 200 <= response.status_code < 300:
-        stats.ok += 1
-        return result_of(response)
-    code = response.status_code
-    stats.http_errors[code] = stats.http_errors.get(code, 0) + 1
-    raise error_for(response)
+@dataclass(slots=True)
+class Forwarder:
+    """A wrapper's way out: its pool, its counts and the cap on an answer's size (the
+    connection's ``max_payload``, by default: a larger result could not be sent anyway)."""
+
+    http: httpx.AsyncClient
+    stats: WrapStats
+    max_body: int
+
+    async def __call__(self, ep: Endpoint, payload: bytes, ctx: Context) -> Any:
+        """Serve one request by calling ``ep``; wait at most its timeout, or the caller's
+        remaining time if that is shorter."""
+        stats = self.stats
+        budget = ep.timeout
+        remaining = ctx.remaining()
+        if remaining is not None:
+            if remaining <= 0:
+                stats.timeouts += 1
+                raise RequestTimeout("no time left to call the upstream")
+            budget = min(budget, remaining)
+        http = self.http
+        request = _request(http, ep, payload, outgoing_headers(ep, ctx, budget), budget)
+        stats.forwarded += 1
+        try:
+            # httpx's timeouts bound each phase (connect, write, each read); this, the whole.
+            async with asyncio.timeout(budget):
+                response = await http.send(request, stream=True)
+                try:
+                    code = response.status_code
+                    if 200 <= code < 300:
+                        body = await _read(response, self.max_body)
+                    else:
+                        body = await _head(response)
+                finally:
+                    await response.aclose()
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            stats.unreachable += 1
+            log.warning(
+                "wrap %s: %s %s unreachable: %r", ep.capability, request.method, ep.url, exc
+            )
+            raise AgentUnavailable(f"upstream unreachable ({type(exc).__name__})") from None
+        except (TimeoutError, httpx.TimeoutException):
+            stats.timeouts += 1
+            raise RequestTimeout(f"upstream gave no answer within {budget:.3g}s") from None
+        except httpx.HTTPError as exc:
+            stats.broken += 1
+            log.warning("wrap %s: %s %s failed: %r", ep.capability, request.method, ep.url, exc)
+            raise HandlerFailed(f"upstream exchange failed ({type(exc).__name__})") from None
+        if body is None:
+            stats.too_large += 1
+            raise HandlerFailed(f"upstream answer over {self.max_body} bytes")
+        if 200 <= code < 300:
+            stats.ok += 1
+            return result_of(body, response.encoding)
+        stats.http_errors[code] = stats.http_errors.get(code, 0) + 1
+        raise error_for(code, body)

@@ -74,6 +74,9 @@ class WrapSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     name: str = ""
     agent_id: str | None = None
     max_concurrency: int = 8
+    #: the largest answer body taken (bytes, decompressed); 0: the NATS connection's
+    #: ``max_payload``, since a larger result could not be sent back anyway
+    max_body: int = 0
     tags: list[str] = msgspec.field(default_factory=list)
     version: str = "1.0.0"
     description: str = ""
@@ -87,6 +90,8 @@ class WrapSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("each capability may be wrapped once")
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if self.max_body < 0:
+            raise ValueError("max_body must be >= 0 (0: the connection's max_payload)")
         validate_agent_id(self.agent_name)
         if self.agent_id is not None:
             validate_agent_id(self.agent_id)

@@ -19,7 +19,7 @@ from .._owner import TaskOwner
 from .._telemetry.core import Telemetry
 from ..errors import NotStarted
 from ..settings import ReachSettings
-from .forward import WrapStats, forward
+from .forward import Forwarder, WrapStats
 from .health import HealthMonitor
 from .spec import Endpoint, WrapSpec
 
@@ -67,6 +67,7 @@ class HttpWrapper:
                 self._handler(ep)
             )
         self._http: httpx.AsyncClient | None = None
+        self._forwarder: Forwarder | None = None
         self._owner = TaskOwner(f"wrap {self.agent.agent_id}")
         #: the health loop's state, while running with a health check
         self.health: HealthMonitor | None = None
@@ -79,7 +80,9 @@ class HttpWrapper:
 
     def _handler(self, ep: Endpoint) -> Callable[[bytes, Context], Awaitable[Any]]:
         async def serve(payload: bytes, ctx: Context) -> Any:
-            return await forward(self.http, ep, payload, ctx, self.stats)
+            if self._forwarder is None:
+                raise NotStarted("the wrapper is not running")
+            return await self._forwarder(ep, payload, ctx)
 
         serve.__name__ = f"wrap_{ep.capability.replace('.', '_')}"
         return serve
@@ -103,6 +106,8 @@ class HttpWrapper:
             http, self._http = self._http, None
             await http.aclose()
             raise
+        max_body = self.spec.max_body or self.agent.client.nc.max_payload
+        self._forwarder = Forwarder(self._http, self.stats, max_body)
         check = self.spec.health
         if check is not None:
             self.health = HealthMonitor(self.agent, self._http, check)
@@ -121,6 +126,7 @@ class HttpWrapper:
             await self.agent.stop()
         finally:
             http, self._http = self._http, None
+            self._forwarder = None
             if http is not None:
                 await http.aclose()
 

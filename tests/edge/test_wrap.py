@@ -12,8 +12,9 @@ from reach import Client, Priority, Telemetry
 from reach._codec import now_ms
 from reach._wrap import HttpWrapper
 from reach._wrap.forward import SNIPPET
+from reach.testing import eventually
 
-from .wrap_upstream import free_port, serve_upstream, spec
+from .wrap_upstream import free_port, serve_raw, serve_upstream, spec
 
 
 @pytest.fixture
@@ -71,6 +72,7 @@ async def test_text_answers_are_strings_and_empty_ones_null(reach_settings, reac
     [
         (400, reach.BadRequest, "bad_request"),
         (404, reach.BadRequest, "bad_request"),
+        (408, reach.RequestTimeout, "timeout"),
         (422, reach.BadRequest, "bad_request"),
         (429, reach.ResourceExhausted, "resource_exhausted"),
         (503, reach.ResourceExhausted, "resource_exhausted"),
@@ -126,7 +128,52 @@ async def test_the_callers_shorter_deadline_bounds_the_http_call(
     async with w:
         with pytest.raises(reach.RequestTimeout):
             await reach_client.request("t.slow", {}, timeout=0.5, max_attempts=1)
+        await eventually(lambda: w.stats.timeouts == 1)
     assert int(upstream.last("/hold").headers["reach-timeout-ms"]) <= 500
+
+
+async def test_an_answer_over_max_body_is_failed_and_not_read_further(
+    reach_settings, reach_client, upstream
+):
+    w = wrapper(
+        reach_settings,
+        {"capability": "t.fits", "url": upstream.url("/big?size=1000")},
+        {"capability": "t.big", "url": upstream.url("/big?size=5000")},
+        max_body=1000,
+    )
+    async with w:
+        assert await reach_client.request("t.fits", {}, timeout=10) == "x" * 998
+        with pytest.raises(reach.HandlerFailed, match="upstream answer over 1000 bytes"):
+            await reach_client.request("t.big", {}, timeout=10)
+    assert w.stats.too_large == 1
+
+
+async def test_max_body_defaults_to_max_payload_and_counts_decompressed_bytes(
+    reach_settings, reach_client, upstream
+):
+    url = upstream.url("/big?gzip=1&size=3000000")  # ~3 MB of x, a few kB on the wire
+    w = wrapper(reach_settings, {"capability": "t.bomb", "url": url})
+    async with w:
+        limit = w.agent.client.nc.max_payload
+        with pytest.raises(reach.HandlerFailed, match=f"upstream answer over {limit} bytes"):
+            await reach_client.request("t.bomb", {}, timeout=10)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"",  # the connection closed with no answer at all
+        b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"a"',
+    ],
+    ids=["no-answer", "cut-short-body"],
+)
+async def test_a_connection_broken_after_sending_is_failed(reach_settings, reach_client, answer):
+    async with serve_raw(answer) as port:
+        w = wrapper(reach_settings, {"capability": "t.cut", "url": f"http://127.0.0.1:{port}/"})
+        async with w:
+            with pytest.raises(reach.HandlerFailed, match="upstream exchange failed"):
+                await reach_client.request("t.cut", {}, timeout=10, max_attempts=1)
+    assert w.stats.broken == 1
 
 
 async def test_an_unreachable_endpoint_is_agent_unavailable(reach_settings, reach_client):
@@ -206,3 +253,27 @@ async def test_with_a_tracer_the_service_continues_the_handlers_span(reach_setti
     assert version == "00"
     assert int(trace_id, 16) == ctx.trace_id
     assert int(parent_id, 16) == ctx.span_id  # the HTTP call is the handler span's child
+
+
+async def test_no_time_left_is_a_timeout_without_calling_the_endpoint(reach_client, upstream):
+    import httpx
+
+    from reach._wrap.forward import Forwarder, WrapStats
+
+    ep = spec({"capability": "t.late", "url": upstream.url("/echo")}).endpoints[0]
+    ctx = reach.Context(
+        agent_id="a-1",
+        client=reach_client,
+        capability="t.late",
+        request_id="r-1",
+        priority=Priority.NORMAL,
+        deadline_ms=now_ms() - 1,
+        caller="",
+        attempt=1,
+    )
+    async with httpx.AsyncClient() as http:
+        fwd = Forwarder(http, WrapStats(), max_body=1000)
+        with pytest.raises(reach.RequestTimeout, match="no time left"):
+            await fwd(ep, b"{}", ctx)
+    assert upstream.seen == []
+    assert fwd.stats.timeouts == 1

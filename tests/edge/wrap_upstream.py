@@ -3,6 +3,7 @@ free loopback port. It records every request it gets (method, path, headers, que
 
 import asyncio
 import contextlib
+import gzip
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -82,6 +83,16 @@ class Upstream:
             await self.release.wait()
             return JSONResponse({"held": True})
 
+        async def big(request: Request) -> Response:
+            """``size`` bytes of JSON (a string of x), gzip-encoded with ``gzip=1``."""
+            await record(request)
+            body = b'"' + b"x" * (int(request.query_params["size"]) - 2) + b'"'
+            if request.query_params.get("gzip"):
+                zipped = gzip.compress(body)
+                headers = {"content-encoding": "gzip"}
+                return Response(zipped, media_type="application/json", headers=headers)
+            return Response(body, media_type="application/json")
+
         async def health(request: Request) -> Response:
             self.health_probes += 1
             return PlainTextResponse("ok" if self.healthy else "down", 200 if self.healthy else 503)
@@ -94,6 +105,7 @@ class Upstream:
                 Route("/empty", empty, methods=["POST"]),
                 Route("/status/{code:int}", status, methods=["POST"]),
                 Route("/hold", hold, methods=["POST"]),
+                Route("/big", big, methods=["POST"]),
                 Route("/health", health, methods=["GET"]),
             ]
         )
@@ -137,6 +149,27 @@ async def serve_upstream() -> AsyncIterator[Upstream]:
             yield up
         finally:
             up.release.set()  # held requests end before the server waits for them
+
+
+@contextlib.asynccontextmanager
+async def serve_raw(answer: bytes) -> AsyncIterator[int]:
+    """A bare TCP service on a free loopback port (yielded): it reads a request's head,
+    writes ``answer`` (maybe a cut-short response, maybe nothing) and hangs up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 def free_port() -> int:
