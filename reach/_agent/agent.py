@@ -32,7 +32,7 @@ from .control import ControlListeners
 from .declare import Declarations
 from .exposure import Exposure
 from .intake import Intake, topic_handler
-from .lifecycle import Lifecycle, Reason, State
+from .lifecycle import Lifecycle, Pause, Reason, State
 from .model import AgentStats, Served, TopicSpec
 from .presence import Presence
 from .process import Serving
@@ -272,33 +272,47 @@ class Agent(Declarations, Exposure, Serving):
         log.info("agent %s serving %s", self.agent_id, ", ".join(self._caps) or "no capabilities")
 
     async def pause(self) -> None:
-        """Take no new work: leave the queue groups (direct calls get ``agent_unavailable``)
-        and stop pulling tasks; running work goes on."""
+        """The operator's pause (a health check's is apart): take no new work, leave the
+        queue groups (direct calls get ``agent_unavailable``); running work goes on."""
+        await self._pause(Pause.OPERATOR)
+
+    async def resume(self) -> None:
+        """Undo ``pause``: UP (or DEGRADED) unless a health check's pause holds too."""
+        await self._resume(Pause.OPERATOR)
+
+    async def report_health(self, healthy: bool, *, pause: bool = False) -> bool:
+        """An outside health signal (a wrapped service's probe): False makes the agent
+        DEGRADED (with ``pause``, PAUSED too) until True. True if the state changed."""
+        before = self._life.state
+        if healthy:
+            self._life.recover(Reason.HEALTH)
+            if Pause.HEALTH in self._life.paused_by:
+                await self._resume(Pause.HEALTH)
+        else:
+            self._life.degrade(Reason.HEALTH)
+            if pause and Pause.HEALTH not in self._life.paused_by:
+                await self._pause(Pause.HEALTH)
+        return self._life.state is not before
+
+    async def _pause(self, by: Pause) -> None:
         async with self._control_lock:
-            if self._life.pause() and self._nc is not None:
+            if self._life.pause(by) and self._nc is not None:
                 await self._subs.leave_queues(self._nc)
                 await self._tasks.pause()
 
-    async def resume(self) -> None:
-        """Back into the queue groups, UP (or DEGRADED while a reason holds); refused while
-        the agent drains or stops."""
+    async def _resume(self, by: Pause) -> None:
         async with self._control_lock:
             nc = self._nc
-            if self._life.state is not State.PAUSED or nc is None:
+            if nc is None:
+                return
+            if not self._life.resumes(by):
+                self._life.resume(by)  # another pause holds: only this one is dropped
                 return
             await self._subs.join_queues(nc, self._caps)
             await flush_nats(nc)
             await self._tasks.resume()
-            # A drain that began meanwhile refuses this; it leaves the queues next (it
-            # waits for this lock), the ones just joined included.
-            self._life.resume()
-
-    def report_health(self, healthy: bool) -> bool:
-        """An outside health signal (a wrapped service's probe, say): False keeps the agent
-        DEGRADED until True again, across pause and resume. True if that changed it."""
-        if healthy:
-            return self._life.recover(Reason.HEALTH)
-        return self._life.degrade(Reason.HEALTH)
+            # A drain that began meanwhile refuses this; it leaves the queues next.
+            self._life.resume(by)
 
     def request_drain(self) -> None:
         """Drain and stop in the background (``$ctl drain``, SIGTERM): the same path as

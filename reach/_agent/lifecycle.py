@@ -11,11 +11,12 @@
 
 DEGRADED is UP with a non-empty set of reasons (queue overload, handler timeouts, a
 failing outside health check). The reasons survive a pause, so ``resume`` returns to
-DEGRADED while they last. Nothing leaves DRAINING but ``stopped``: ``resume`` is refused
-while the agent stops. The wire status is derived: DRAINING and STARTING advertise PAUSED
-(nothing new is routed there), STOPPED advertises DOWN. The machine does no I/O; the Agent
-owns it, performs the effects, and is told of every advertised change through ``on_change``
-(it then heartbeats at once).
+DEGRADED while they last. PAUSED has reasons too (``Pause``: an operator, a failing health
+check): it lasts while any is held, so neither undoes the other's pause. Nothing leaves
+DRAINING but ``stopped``: ``resume`` is refused while the agent stops. The wire status is
+derived: DRAINING and STARTING advertise PAUSED (nothing new is routed there), STOPPED
+advertises DOWN. The machine does no I/O; the Agent owns it, performs the effects, and is
+told of every advertised change through ``on_change`` (it then heartbeats at once).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 from ..wire import Status
 
-__all__ = ["Lifecycle", "Reason", "State", "TimeoutWatch"]
+__all__ = ["Lifecycle", "Pause", "Reason", "State", "TimeoutWatch"]
 
 
 class State(enum.StrEnum):
@@ -45,6 +46,13 @@ class Reason(enum.StrEnum):
     TIMEOUTS = "handler timeouts"
     STUCK = "handlers stuck past their deadline"
     HEALTH = "health check failing"  # an outside signal: Agent.report_health
+
+
+class Pause(enum.StrEnum):
+    """Who paused an agent (it stays PAUSED while any of them holds)."""
+
+    OPERATOR = "operator"  # Agent.pause/resume, `reach pause`, $ctl
+    HEALTH = "health check"  # Agent.report_health(False, pause=True)
 
 
 _WIRE = {
@@ -66,6 +74,7 @@ class Lifecycle:
 
     __slots__ = (
         "_on_change",
+        "_pauses",
         "_phase",
         "_reasons",
         "refuse_direct",
@@ -78,6 +87,7 @@ class Lifecycle:
         self._on_change = on_change
         self._phase = State.STOPPED  # STARTING, UP, PAUSED, DRAINING or STOPPED
         self._reasons: set[Reason] = set()
+        self._pauses: set[Pause] = set()
         self.state = State.STOPPED
         self.status = Status.DOWN
         self.refuse_high = False  # DEGRADED: high priority goes to an UP instance
@@ -86,6 +96,10 @@ class Lifecycle:
     @property
     def reasons(self) -> frozenset[Reason]:
         return frozenset(self._reasons)
+
+    @property
+    def paused_by(self) -> frozenset[Pause]:
+        return frozenset(self._pauses)
 
     @property
     def running(self) -> bool:
@@ -102,19 +116,32 @@ class Lifecycle:
         if self._phase is not State.STOPPED:
             return False
         self._reasons.clear()
+        self._pauses.clear()
         return self._go(State.STARTING)
 
     def started(self) -> bool:
         """STARTING -> UP (or DEGRADED): subscribed and flushed, ready to be announced."""
         return self._phase is State.STARTING and self._go(State.UP)
 
-    def pause(self) -> bool:
-        """UP or DEGRADED -> PAUSED."""
+    def pause(self, by: Pause = Pause.OPERATOR) -> bool:
+        """Hold ``by``'s pause while UP, DEGRADED or PAUSED; True when this one made the
+        agent PAUSED (it was not already)."""
+        if self._phase is not State.UP and self._phase is not State.PAUSED:
+            return False
+        self._pauses.add(by)
         return self._phase is State.UP and self._go(State.PAUSED)
 
-    def resume(self) -> bool:
-        """PAUSED -> UP (or DEGRADED while a reason holds); refused in any other state."""
-        return self._phase is State.PAUSED and self._go(State.UP)
+    def resumes(self, by: Pause = Pause.OPERATOR) -> bool:
+        """Would ``resume(by)`` make the agent UP (or DEGRADED)? No other pause holds."""
+        return self._phase is State.PAUSED and self._pauses <= {by}
+
+    def resume(self, by: Pause = Pause.OPERATOR) -> bool:
+        """Drop ``by``'s pause; PAUSED -> UP (or DEGRADED while a reason holds) when no
+        other pause is left. True when that happened; refused unless PAUSED."""
+        if self._phase is not State.PAUSED:
+            return False
+        self._pauses.discard(by)
+        return not self._pauses and self._go(State.UP)
 
     def drain(self) -> bool:
         """Anything running -> DRAINING (stop, ``$ctl drain`` or a signal asked)."""

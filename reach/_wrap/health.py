@@ -9,7 +9,7 @@ import logging
 
 import httpx
 
-from .._agent import Agent, State
+from .._agent import Agent
 from .spec import HealthCheck
 
 __all__ = ["HealthMonitor"]
@@ -19,8 +19,8 @@ log = logging.getLogger("reach.wrap")
 
 class HealthMonitor:
     """Probes ``check.url`` and reports to ``agent``. ``check_once`` is one round; ``run``
-    is the loop the wrapper owns. It resumes the agent only if it paused it itself: a pause
-    by an operator stays."""
+    is the loop the wrapper owns. Its pause is its own: an operator's pause outlives the
+    recovery, and an operator's resume does not end a health pause."""
 
     def __init__(self, agent: Agent, http: httpx.AsyncClient, check: HealthCheck) -> None:
         self.agent = agent
@@ -31,7 +31,6 @@ class HealthMonitor:
         self.probes = 0
         #: why the last probe failed ("" when it passed)
         self.last_error = ""
-        self.paused_by_health = False
 
     async def probe(self) -> str:
         """One GET of the health URL: "" when healthy, else why not."""
@@ -48,7 +47,12 @@ class HealthMonitor:
 
     async def check_once(self) -> bool:
         """Probe once and bring the agent's status in line; True when healthy."""
-        why = await self.probe()
+        return await self.record(await self.probe())
+
+    async def record(self, why: str) -> bool:
+        """Report one probe's outcome (``why`` it failed, "" if it passed) to the agent.
+        The pause is the health check's own (an operator's pause or resume is another),
+        so a resume that fails is simply tried again at the next healthy probe."""
         self.probes += 1
         agent = self.agent
         if not why:
@@ -57,24 +61,19 @@ class HealthMonitor:
                     "wrap %s: health is back after %d failure(s)", agent.agent_id, self.failures
                 )
             self.failures, self.last_error = 0, ""
-            agent.report_health(True)  # before resuming: straight back to UP
-            if self.paused_by_health:
-                self.paused_by_health = False
-                await agent.resume()
+            await agent.report_health(True)
             return True
         self.failures += 1
         self.last_error = why
-        if agent.report_health(False):
-            log.warning("wrap %s: health check failed (%s): DEGRADED", agent.agent_id, why)
         pause_after = self.check.pause_after
-        if pause_after and self.failures == pause_after and agent.state in _SERVING:
-            await agent.pause()
-            self.paused_by_health = agent.state is State.PAUSED
+        pause = bool(pause_after) and self.failures >= pause_after
+        if await agent.report_health(False, pause=pause):
             log.warning(
-                "wrap %s: %d health checks failed in a row (%s): PAUSED",
+                "wrap %s: %d health check(s) failed in a row (%s): %s",
                 agent.agent_id,
                 self.failures,
                 why,
+                agent.state,
             )
         return False
 
@@ -88,6 +87,3 @@ class HealthMonitor:
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
             await asyncio.sleep(self.check.interval)
-
-
-_SERVING = frozenset({State.UP, State.DEGRADED})

@@ -131,6 +131,70 @@ async def test_a_pause_by_an_operator_outlives_the_health_recovery(settings, ups
         assert w.agent.state is State.PAUSED  # not the health check's pause to undo
 
 
+async def test_health_pause_then_operator_pause_survives_the_recovery(settings, upstream):
+    w = wrapped(upstream, settings, pause_after=1)
+    async with w:
+        assert w.health is not None
+        await eventually(lambda: w.health.probes == 1)
+        upstream.healthy = False
+        assert not await w.health.check_once()
+        assert w.agent.state is State.PAUSED  # the health check's pause
+        await w.agent.resume()  # an operator's resume during the outage...
+        assert w.agent.state is State.PAUSED  # ...does not undo it
+        await w.agent.pause()  # then the operator pauses it too
+        upstream.healthy = True
+        assert await w.health.check_once()
+        assert w.agent.state is State.PAUSED  # the operator's pause stays
+        await w.agent.resume()
+        assert w.agent.state is State.UP
+
+
+async def test_operator_resume_during_an_outage_then_health_still_pauses(settings, upstream):
+    w = wrapped(upstream, settings, pause_after=2)
+    async with w:
+        assert w.health is not None
+        await eventually(lambda: w.health.probes == 1)
+        upstream.healthy = False
+        assert not await w.health.check_once()
+        assert not await w.health.check_once()
+        assert w.agent.state is State.PAUSED
+        await w.agent.resume()
+        assert w.agent.state is State.PAUSED
+        # Failures past pause_after keep it paused, and recovery still resumes it.
+        assert not await w.health.check_once()
+        assert w.agent.state is State.PAUSED
+        upstream.healthy = True
+        assert await w.health.check_once()
+        assert w.agent.state is State.UP
+
+
+async def test_a_resume_that_fails_is_tried_again_at_the_next_probe(settings, upstream):
+    w = wrapped(upstream, settings, pause_after=1)
+    async with w:
+        assert w.health is not None
+        await eventually(lambda: w.health.probes == 1)
+        upstream.healthy = False
+        assert not await w.health.check_once()
+        assert w.agent.state is State.PAUSED
+        subs = w.agent._subs
+        join = subs.join_queues
+        failures = []
+
+        async def join_fails_once(*args, **kw):
+            if not failures:
+                failures.append(1)
+                raise ConnectionError("injected: the join failed")
+            return await join(*args, **kw)
+
+        subs.join_queues = join_fails_once
+        upstream.healthy = True
+        with pytest.raises(ConnectionError, match="injected"):
+            await w.health.check_once()
+        assert w.agent.state is State.PAUSED
+        assert await w.health.check_once()
+        assert w.agent.state is State.UP
+
+
 async def control(client: Client, agent_id: str, command: str) -> ControlReply:
     """What `reach drain <agent_id>` sends."""
     msg = await client.nc.request(

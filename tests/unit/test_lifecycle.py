@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reach._agent.lifecycle import Lifecycle, Reason, State, TimeoutWatch
+from reach._agent.lifecycle import Lifecycle, Pause, Reason, State, TimeoutWatch
 from reach.wire import Status
 
 
@@ -84,6 +84,46 @@ def test_a_reason_can_come_and_go_while_paused():
     assert life.state is State.DEGRADED
 
 
+def test_paused_while_any_pause_reason_holds():
+    life, told = up()
+    assert life.pause(Pause.HEALTH)
+    assert not life.pause(Pause.OPERATOR)  # already PAUSED: the reason is kept
+    assert life.paused_by == {Pause.HEALTH, Pause.OPERATOR}
+    assert not life.resumes(Pause.HEALTH)
+    assert not life.resume(Pause.HEALTH)  # the operator's pause stays
+    assert (life.state, life.paused_by) == (State.PAUSED, {Pause.OPERATOR})
+    assert life.resumes(Pause.OPERATOR)
+    assert life.resume()  # the operator's, by default
+    assert (life.state, life.paused_by) == (State.UP, frozenset())
+    assert told == [Status.PAUSED, Status.UP]
+
+
+def test_an_operator_resume_does_not_undo_a_health_pause():
+    life, _ = up()
+    life.pause(Pause.HEALTH)
+    assert not life.resumes(Pause.OPERATOR)
+    assert not life.resume(Pause.OPERATOR)
+    assert life.state is State.PAUSED
+    assert life.resume(Pause.HEALTH)
+    assert life.state is State.UP
+
+
+def test_pause_reasons_are_forgotten_at_start_and_refused_while_not_serving():
+    life, _ = machine()
+    life.start()
+    assert not life.pause(Pause.HEALTH)  # STARTING
+    assert life.paused_by == frozenset()
+    life.started()
+    life.pause(Pause.OPERATOR)
+    life.drain()
+    assert not life.pause(Pause.HEALTH)
+    assert not life.resume(Pause.OPERATOR)
+    life.stopped()
+    life.start()
+    life.started()
+    assert (life.state, life.paused_by) == (State.UP, frozenset())
+
+
 @pytest.mark.parametrize("before", ["starting", "up", "degraded", "paused"])
 def test_drain_from_every_running_state(before):
     life, _ = machine()
@@ -141,7 +181,18 @@ def test_machine_without_listener():
     assert life.status is Status.UP
 
 
-COMMANDS = ["start", "started", "pause", "resume", "drain", "stopped", "degrade", "recover"]
+COMMANDS = [
+    "start",
+    "started",
+    "pause",
+    "resume",
+    "pause_health",
+    "resume_health",
+    "drain",
+    "stopped",
+    "degrade",
+    "recover",
+]
 
 
 @given(st.lists(st.sampled_from(COMMANDS), max_size=40))
@@ -150,6 +201,8 @@ def test_every_sequence_keeps_the_derived_fields_consistent(commands):
     for command in commands:
         if command in ("degrade", "recover"):
             getattr(life, command)(Reason.OVERLOAD)
+        elif command.endswith("_health"):
+            getattr(life, command.removesuffix("_health"))(Pause.HEALTH)
         else:
             getattr(life, command)()
         assert life.refuse_high == (life.state is State.DEGRADED)
@@ -157,6 +210,10 @@ def test_every_sequence_keeps_the_derived_fields_consistent(commands):
         assert life.running == (life.state is not State.STOPPED)
         if life.state is State.DEGRADED:
             assert life.reasons
+        if life.state is State.PAUSED:
+            assert life.paused_by
+        if life.state in (State.UP, State.DEGRADED):
+            assert not life.paused_by
         # the listener heard every change of the advertised status, and only changes
         assert all(a != b for a, b in itertools.pairwise(told))
         assert (told[-1] if told else Status.DOWN) == life.status
