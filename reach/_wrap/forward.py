@@ -61,6 +61,8 @@ class HttpHeader:
     #: the same as milliseconds left when the request was sent
     TIMEOUT_MS = "Reach-Timeout-Ms"
     PRIORITY = "Reach-Priority"
+    #: 1 on the first attempt; a caller's retry on another instance counts up
+    ATTEMPT = "Reach-Attempt"
     #: the caller's ``Reach-Idempotency-Key``, under the name HTTP services know
     IDEMPOTENCY_KEY = "Idempotency-Key"
     TRACEPARENT = "traceparent"
@@ -82,9 +84,10 @@ class WrapStats:
     too_large: int = 0
 
 
-def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> dict[str, str]:
-    """The endpoint's own headers, then Reach's: ids, the deadline and the trace context."""
-    headers = dict(ep.headers)
+def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> httpx.Headers:
+    """The endpoint's own headers, then Reach's: ids, the deadline and the trace context.
+    Case-insensitive, so a name is sent once (the spec refuses Reach's names anyway)."""
+    headers = httpx.Headers(ep.headers)
     budget_ms = int(budget * 1000)
     deadline = now_ms() + budget_ms
     if ctx.deadline_ms is not None and ctx.deadline_ms <= deadline:
@@ -93,6 +96,7 @@ def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> dict[str, str
     headers[HttpHeader.TIMEOUT_MS] = str(budget_ms)
     headers[HttpHeader.REQUEST_ID] = ctx.request_id
     headers[HttpHeader.PRIORITY] = ctx.priority.value
+    headers[HttpHeader.ATTEMPT] = str(ctx.attempt)
     incoming = ctx.headers
     key = incoming.get(Header.IDEMPOTENCY_KEY)
     if key:
@@ -108,7 +112,7 @@ def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> dict[str, str
 
 
 def _request(
-    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, headers: dict[str, str], budget: float
+    http: httpx.AsyncClient, ep: Endpoint, payload: bytes, headers: httpx.Headers, budget: float
 ) -> httpx.Request:
     """The HTTP request; httpx's own timeouts are the budget, so it usually gives up by
     itself, cleanly, before anything has to cancel it."""
@@ -117,7 +121,10 @@ def _request(
         url = httpx.URL(ep.url)
         params = _query(payload)
         if params:
-            url = url.copy_merge_params(params)  # the URL's own query stays
+            fixed = sorted(set(params) & set(url.params.keys()))
+            if fixed:
+                raise BadRequest(f"query parameter {fixed[0]!r} is set by the endpoint's URL")
+            url = url.copy_merge_params(params)
         return http.build_request(method, url, headers=headers, timeout=budget)
     if payload:
         headers["Content-Type"] = "application/json"

@@ -3,6 +3,7 @@ from arguments or from a TOML file (``reach wrap --config wrap.toml``)."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,35 @@ __all__ = ["METHODS", "Endpoint", "HealthCheck", "WrapSpec", "build_spec", "load
 
 #: the HTTP methods a wrapped endpoint may use; GET sends the payload as query parameters
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+
+
+#: headers Reach sets itself (with any ``Reach-*`` name), or HTTP's framing: refused in
+#: an endpoint's own headers
+RESERVED_HEADERS = frozenset(
+    {
+        "idempotency-key",
+        "traceparent",
+        "tracestate",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "host",
+    }
+)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _check_headers(headers: dict[str, str]) -> None:
+    for name, value in headers.items():
+        if not _TOKEN.fullmatch(name):
+            raise ValueError(f"header {name!r} is not a valid header name")
+        low = name.lower()
+        if low.startswith("reach-") or low in RESERVED_HEADERS:
+            raise ValueError(f"header {name!r} is set by Reach; declare another")
+        if _CONTROL.search(value):
+            raise ValueError(f"header {name!r}: its value has control characters")
 
 
 def _check_url(url: str, what: str) -> None:
@@ -35,8 +65,8 @@ class Endpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     timeout: float = 5.0
     version: str = "1.0"
     description: str = ""
-    #: sent with every request (an API key of the wrapped service, say); Reach's own
-    #: headers take precedence over these
+    #: sent with every request (an API key of the wrapped service, say); Reach's own names
+    #: (``Reach-*``, ``Idempotency-Key``, trace context) and HTTP's framing are refused
     headers: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -46,6 +76,7 @@ class Endpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError(f"method {self.method!r}: use one of {', '.join(sorted(METHODS))}")
         if not self.timeout > 0:
             raise ValueError("timeout must be > 0 seconds")
+        _check_headers(self.headers)
 
 
 class HealthCheck(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

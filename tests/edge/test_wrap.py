@@ -52,7 +52,11 @@ async def test_method_and_query_parameters(reach_settings, reach_client, upstrea
         assert await reach_client.request("t.get", None, timeout=10) == {"fixed": "1"}
         with pytest.raises(reach.BadRequest, match="JSON object of query parameters"):
             await reach_client.request("t.get", [1, 2], timeout=10)
+        # The URL's own parameters (an API key, say) are not the caller's to change.
+        with pytest.raises(reach.BadRequest, match="query parameter 'fixed' is set by"):
+            await reach_client.request("t.get", {"fixed": "2", "q": 1}, timeout=10)
     assert upstream.last("/echo").method == "PUT"
+    assert upstream.last("/query").query == {"fixed": "1"}  # the refused one was not sent
 
 
 async def test_text_answers_are_strings_and_empty_ones_null(reach_settings, reach_client, upstream):
@@ -194,7 +198,7 @@ async def test_deadline_ids_idempotency_key_and_trace_context_are_forwarded(
             "capability": "t.ask",
             "url": upstream.url("/echo"),
             "timeout": 5,
-            "headers": {"Authorization": "Bearer k", "Reach-Request-Id": "spoofed"},
+            "headers": {"Authorization": "Bearer k", "X-Tenant": "t1"},
         },
     )
     trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -208,6 +212,7 @@ async def test_deadline_ids_idempotency_key_and_trace_context_are_forwarded(
                 "Reach-Request-Id": "req-42",
                 "Reach-Idempotency-Key": "idem-7",
                 "Reach-Priority": "high",
+                "Reach-Attempt": "2",
                 "traceparent": trace,
                 "tracestate": "vendor=1",
             },
@@ -227,12 +232,35 @@ async def test_deadline_ids_idempotency_key_and_trace_context_are_forwarded(
     assert first["reach-priority"] == "high"
     assert first["traceparent"] == trace
     assert first["tracestate"] == "vendor=1"
+    assert first["reach-attempt"] == "2"
     assert first["authorization"] == "Bearer k"
+    assert first["x-tenant"] == "t1"
     assert int(second["reach-deadline"]) < far
     assert int(second["reach-timeout-ms"]) == 5000
     assert "idempotency-key" not in second
     assert "traceparent" not in second
+    assert second["reach-attempt"] == "1"
     assert second["reach-request-id"]  # the protocol's default: from the reply subject
+
+
+@pytest.mark.parametrize(
+    ("headers", "said"),
+    [
+        ({"reach-request-id": "x"}, "set by Reach"),
+        ({"REACH-DEADLINE": "1"}, "set by Reach"),
+        ({"Content-Type": "text/plain"}, "set by Reach"),
+        ({"idempotency-key": "k"}, "set by Reach"),
+        ({"Traceparent": "00-x"}, "set by Reach"),
+        ({"Host": "elsewhere"}, "set by Reach"),
+        ({"X Bad": "v"}, "not a valid header name"),
+        ({"": "v"}, "not a valid header name"),
+        ({"X-Ok": "line\r\nInjected: 1"}, "control characters"),
+    ],
+)
+def test_reserved_or_malformed_endpoint_headers_are_refused(headers, said):
+    ep = {"capability": "t.h", "url": "http://127.0.0.1:9/", "headers": headers}
+    with pytest.raises(reach.ConfigurationError, match=said):
+        spec(ep)
 
 
 async def test_with_a_tracer_the_service_continues_the_handlers_span(reach_settings, upstream):
