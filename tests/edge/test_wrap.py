@@ -305,3 +305,16 @@ async def test_no_time_left_is_a_timeout_without_calling_the_endpoint(reach_clie
             await fwd(ep, b"{}", ctx)
     assert upstream.seen == []
     assert fwd.stats.timeouts == 1
+
+
+async def test_proxy_variables_do_not_reroute_wrapped_traffic(
+    reach_settings, reach_client, upstream, monkeypatch
+):
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, dead)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    w = wrapper(reach_settings, {"capability": "t.direct", "url": upstream.url("/echo")})
+    async with w:
+        assert await reach_client.request("t.direct", 1, timeout=10) == {"got": 1}
