@@ -89,8 +89,7 @@ async def _wrap(args: argparse.Namespace, settings: ReachSettings) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     wrapper = HttpWrapper(spec, settings=settings)
     print(
-        f"# wrapping as agent {wrapper.agent.agent_id}: "
-        + ", ".join(f"{e.capability} -> {e.method.upper()} {e.url}" for e in spec.endpoints),
+        f"# wrapping as agent {wrapper.agent.agent_id}: {spec.describe()}",
         file=sys.stderr,
         flush=True,
     )

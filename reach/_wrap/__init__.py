@@ -9,7 +9,7 @@ owned pool).
 
 from .forward import HttpHeader, WrapStats
 from .health import HealthMonitor
-from .spec import Endpoint, HealthCheck, WrapSpec, build_spec, load_config
+from .spec import Endpoint, HealthCheck, WrapSpec, build_spec, load_config, redact
 from .wrapper import HttpWrapper
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "WrapStats",
     "build_spec",
     "load_config",
+    "redact",
 ]

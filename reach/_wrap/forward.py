@@ -40,7 +40,7 @@ from ..errors import (
     ResourceExhausted,
 )
 from ..wire import Header
-from .spec import Endpoint
+from .spec import Endpoint, redact
 
 __all__ = ["SNIPPET", "Forwarder", "HttpHeader", "WrapStats", "outgoing_headers"]
 
@@ -249,7 +249,7 @@ class Forwarder:
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             stats.unreachable += 1
             log.warning(
-                "wrap %s: %s %s unreachable: %r", ep.capability, request.method, ep.url, exc
+                "wrap %s: %s %s unreachable: %r", ep.capability, request.method, redact(ep.url), exc
             )
             raise AgentUnavailable(f"upstream unreachable ({type(exc).__name__})") from None
         except (TimeoutError, httpx.TimeoutException):
@@ -257,7 +257,9 @@ class Forwarder:
             raise RequestTimeout(f"upstream gave no answer within {budget:.3g}s") from None
         except httpx.HTTPError as exc:
             stats.broken += 1
-            log.warning("wrap %s: %s %s failed: %r", ep.capability, request.method, ep.url, exc)
+            log.warning(
+                "wrap %s: %s %s failed: %r", ep.capability, request.method, redact(ep.url), exc
+            )
             raise HandlerFailed(f"upstream exchange failed ({type(exc).__name__})") from None
         if body is None:
             stats.too_large += 1

@@ -14,7 +14,15 @@ import msgspec
 from .._subjects import validate_agent_id, validate_capability
 from ..errors import ConfigurationError
 
-__all__ = ["METHODS", "Endpoint", "HealthCheck", "WrapSpec", "build_spec", "load_config"]
+__all__ = [
+    "METHODS",
+    "Endpoint",
+    "HealthCheck",
+    "WrapSpec",
+    "build_spec",
+    "load_config",
+    "redact",
+]
 
 #: the HTTP methods a wrapped endpoint may use; GET sends the payload as query parameters
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
@@ -49,10 +57,18 @@ def _check_headers(headers: dict[str, str]) -> None:
             raise ValueError(f"header {name!r}: its value has control characters")
 
 
+def redact(url: str) -> str:
+    """``url`` fit for logs: no user or password, and the query (an API key, often) as
+    ``?…``."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}" + ("?…" if parts.query else "")
+
+
 def _check_url(url: str, what: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{what} {url!r} is not an http(s) URL with a host")
+        raise ValueError(f"{what} {redact(url)!r} is not an http(s) URL with a host")
 
 
 class Endpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,6 +142,12 @@ class WrapSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         validate_agent_id(self.agent_name)
         if self.agent_id is not None:
             validate_agent_id(self.agent_id)
+
+    def describe(self) -> str:
+        """Its endpoints for logs, with their URLs redacted."""
+        return ", ".join(
+            f"{e.capability} -> {e.method.upper()} {redact(e.url)}" for e in self.endpoints
+        )
 
     @property
     def agent_name(self) -> str:

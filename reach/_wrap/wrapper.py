@@ -122,7 +122,7 @@ class HttpWrapper:
         log.info(
             "wrap %s: %s",
             self.agent.agent_id,
-            ", ".join(f"{e.capability} -> {e.method.upper()} {e.url}" for e in self.spec.endpoints),
+            self.spec.describe(),
         )
 
     async def stop(self) -> None:

@@ -318,3 +318,24 @@ async def test_proxy_variables_do_not_reroute_wrapped_traffic(
     w = wrapper(reach_settings, {"capability": "t.direct", "url": upstream.url("/echo")})
     async with w:
         assert await reach_client.request("t.direct", 1, timeout=10) == {"got": 1}
+
+
+def test_redact_drops_userinfo_and_query():
+    from reach._wrap import redact
+
+    assert redact("http://u:pw@h.example:8080/a/b?api_key=s&x=1#f") == "http://h.example:8080/a/b?…"
+    assert redact("https://h.example/ask") == "https://h.example/ask"
+    assert redact("http://[::1]:9/") == "http://[::1]:9/"
+
+
+async def test_logs_show_no_credentials_of_the_endpoint_url(reach_settings, reach_client, caplog):
+    url = f"http://user:pw-s3cret@127.0.0.1:{free_port()}/ask?api_key=k-s3cret"
+    w = wrapper(reach_settings, {"capability": "t.secret", "url": url})
+    with caplog.at_level("INFO", logger="reach.wrap"):
+        async with w:
+            with pytest.raises(reach.AgentUnavailable):
+                await reach_client.request("t.secret", {}, timeout=10, max_attempts=1)
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name == "reach.wrap")
+    assert "t.secret -> POST http://127.0.0.1:" in said
+    assert "unreachable" in said
+    assert "s3cret" not in said
