@@ -78,12 +78,13 @@ class HealthMonitor:
         return False
 
     async def run(self) -> None:
-        """Probe now, then every ``interval`` seconds, until cancelled."""
+        """Probe every ``interval`` seconds, until cancelled (the wrapper probes once
+        itself before the agent starts)."""
         task = asyncio.current_task()
         while True:
+            await asyncio.sleep(self.check.interval)
             await self.check_once()
             # On Python 3.11, asyncio.wait_for (in nats-py's flush, which pause and resume
             # await) can swallow a cancellation that lands as its PONG arrives: stop anyway.
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
-            await asyncio.sleep(self.check.interval)

@@ -69,6 +69,8 @@ class HttpWrapper:
         self._http: httpx.AsyncClient | None = None
         self._forwarder: Forwarder | None = None
         self._owner = TaskOwner(f"wrap {self.agent.agent_id}")
+        self._probing: asyncio.Task[Any] | None = None
+        self._closing: asyncio.Future[None] | None = None
         #: the health loop's state, while running with a health check
         self.health: HealthMonitor | None = None
 
@@ -102,39 +104,59 @@ class HttpWrapper:
         )
 
     async def start(self) -> None:
-        """Open the pool, start the agent, then the health loop (its first probe at once)."""
+        """Open the pool, probe the health once, start the agent (DEGRADED or PAUSED at
+        once if that probe failed), then the probe loop and the watch for a drain."""
         if self._http is not None:
             return
-        self._http = self._pool()
-        try:
-            await self.agent.start()
-        except BaseException:
-            http, self._http = self._http, None
-            await http.aclose()
-            raise
-        max_body = self.spec.max_body or self.agent.client.nc.max_payload
-        self._forwarder = Forwarder(self._http, self.stats, max_body)
+        http = self._http = self._pool()
         check = self.spec.health
-        if check is not None:
-            self.health = HealthMonitor(self.agent, self._http, check)
+        monitor = None if check is None else HealthMonitor(self.agent, http, check)
+        try:
+            first = "" if monitor is None else await monitor.probe()
+            await self.agent.start()
+            max_body = self.spec.max_body or self.agent.client.nc.max_payload
+            self._forwarder = Forwarder(http, self.stats, max_body)
             self._owner.reopen()
-            self._owner.keep(self.health.run, "health")
-        log.info(
-            "wrap %s: %s",
-            self.agent.agent_id,
-            self.spec.describe(),
-        )
+            if monitor is not None:
+                self.health = monitor
+                await monitor.record(first)
+                self._probing = self._owner.keep(monitor.run, "health")
+            self._owner.spawn(self._follow(), "follow")
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("wrap %s: %s", self.agent.agent_id, self.spec.describe())
+
+    async def _follow(self) -> None:
+        """A drain asked of the agent itself (``$ctl drain``): stop probing, let the agent
+        finish its work and stop, then close the pool, as ``stop`` would."""
+        await self.agent.wait_drain_requested()
+        probing, self._probing = self._probing, None
+        if probing is not None:
+            probing.cancel()
+            await asyncio.wait([probing])
+        await self.agent.stop()
+        await self._close_pool()
+
+    async def _close_pool(self) -> None:
+        """Close the pool once; ``stop`` cancelling ``_follow`` midway waits for it too."""
+        http, self._http = self._http, None
+        self._forwarder = None
+        if http is not None:
+            self._closing = asyncio.ensure_future(http.aclose())
+        closing = self._closing
+        if closing is not None:
+            await asyncio.shield(closing)
+            self._closing = None
 
     async def stop(self) -> None:
         """Stop probing, drain the agent (in-flight requests finish), close the pool."""
         await self._owner.close()
+        self._probing = None
         try:
             await self.agent.stop()
         finally:
-            http, self._http = self._http, None
-            self._forwarder = None
-            if http is not None:
-                await http.aclose()
+            await self._close_pool()
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, ``reach drain <agent_id>`` or cancellation."""

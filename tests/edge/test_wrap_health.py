@@ -97,7 +97,7 @@ async def test_failing_health_degrades_then_pauses_and_recovery_resumes(settings
 
 
 async def test_the_probe_loop_pauses_on_an_unreachable_service_and_resumes(settings, upstream):
-    w = wrapped(upstream, settings, interval=0.02, pause_after=3)
+    w = wrapped(upstream, settings, interval=0.05, pause_after=3)
     async with w, Client(settings=settings, routing="queue") as client:
         assert w.health is not None
         await eventually(lambda: w.health.probes >= 1)
@@ -110,7 +110,7 @@ async def test_the_probe_loop_pauses_on_an_unreachable_service_and_resumes(setti
         assert await takes_queue_work(client)
 
     unreachable = wrapped(
-        upstream, settings, interval=0.02, health_url=f"http://127.0.0.1:{free_port()}/"
+        upstream, settings, interval=0.05, health_url=f"http://127.0.0.1:{free_port()}/"
     )
     async with unreachable:
         await eventually(lambda: unreachable.agent.state is State.PAUSED)
@@ -219,6 +219,7 @@ async def test_drain_finishes_in_flight_requests_then_stops_and_closes_the_pool(
         serving = asyncio.create_task(w.serve_forever())
         try:
             await eventually(lambda: "h-drain" in registry.records())
+            pool = w.http
             in_flight = asyncio.create_task(client.request("h.hold", {}, timeout=30))
             await eventually(lambda: upstream.held == 1)
 
@@ -235,5 +236,34 @@ async def test_drain_finishes_in_flight_requests_then_stops_and_closes_the_pool(
             serving.cancel()
         assert w.agent.state is State.STOPPED
         await eventually(lambda: "h-drain" not in registry.records())
+        assert pool.is_closed
         with pytest.raises(reach.NotStarted):
-            _ = w.http  # the pool is closed
+            _ = w.http
+
+
+async def test_the_first_probe_comes_before_the_agent_is_up(settings, upstream):
+    upstream.healthy = False
+    async with wrapped(upstream, settings, pause_after=3) as w:
+        assert w.health is not None
+        assert (w.health.probes, w.agent.state) == (1, State.DEGRADED)  # no UP in between
+    async with wrapped(upstream, settings, pause_after=1) as w:
+        assert w.agent.state is State.PAUSED
+    upstream.healthy = True
+    async with wrapped(upstream, settings) as w:
+        assert w.agent.state is State.UP
+
+
+async def test_a_drain_under_async_with_stops_the_probes_and_closes_the_pool(settings, upstream):
+    async with (
+        Client(settings=settings) as client,
+        wrapped(upstream, settings, interval=0.05) as w,
+    ):
+        pool = w.http
+        await eventually(lambda: w.health is not None and w.health.probes >= 2)
+        await control(client, "h-1", "drain")
+        await eventually(lambda: w.agent.state is State.STOPPED)
+        await eventually(lambda: pool.is_closed)
+        assert len(w._owner) == 0  # the probe loop ended with the agent
+        with pytest.raises(reach.NotStarted):
+            _ = w.http
+    assert pool.is_closed
