@@ -160,18 +160,23 @@ async def test_the_example_config_wraps_the_example_service(reach_settings, reac
             assert info.capabilities[0].description == "Answer a customer's question"
 
 
-async def test_reach_wrap_serves_until_sigterm_then_drains(nats_server, reach_settings, upstream):
+async def test_reach_wrap_serves_until_sigterm_then_drains(
+    nats_server, reach_settings, upstream, tmp_path
+):
+    config = tmp_path / "wrap.toml"
+    config.write_text(
+        'agent_id = "cli-wrap-1"\n'
+        f'[[endpoints]]\ncapability = "cli.echo"\nurl = "{upstream.url("/echo")}"\n'
+        f'[[endpoints]]\ncapability = "cli.hold"\nurl = "{upstream.url("/hold")}"\n'
+        "timeout = 30\n"
+    )
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "reach.cli",
         "wrap",
-        "--capability",
-        "cli.echo",
-        "--url",
-        upstream.url("/echo"),
-        "--agent-id",
-        "cli-wrap-1",
+        "--config",
+        str(config),
         "--nats-url",
         nats_server.url,
         stderr=asyncio.subprocess.PIPE,
@@ -187,13 +192,25 @@ async def test_reach_wrap_serves_until_sigterm_then_drains(nats_server, reach_se
             reply = await client.call("cli.echo", {"x": 1}, timeout=10)
             assert reply.value == {"got": {"x": 1}}
             assert reply.agent_id == "cli-wrap-1"
-        proc.send_signal(signal.SIGTERM)
+            in_flight = asyncio.create_task(client.request("cli.hold", {}, timeout=30))
+            await eventually(lambda: upstream.held == 1)
+            proc.send_signal(signal.SIGTERM)
+            await eventually(lambda: draining(client, "cli-wrap-1"))
+            assert proc.returncode is None  # it waits for the request in flight
+            upstream.release.set()
+            assert await in_flight == {"held": True}
         async with asyncio.timeout(30):
             assert await proc.wait() == 0
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def draining(client: reach.Client, agent_id: str) -> bool:
+    """Its heartbeat says PAUSED: a draining agent advertises that."""
+    msg = await client.nc.request(client.subjects.ping(agent_id), b"", timeout=5)
+    return msgspec.json.decode(msg.data)["status"] == "PAUSED"
 
 
 async def served(client: reach.Client) -> bool:
