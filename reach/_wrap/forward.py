@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +44,7 @@ from ..errors import (
 from ..wire import Header
 from .spec import Endpoint, redact
 
-__all__ = ["SNIPPET", "Forwarder", "HttpHeader", "WrapStats", "outgoing_headers"]
+__all__ = ["SNIPPET", "Forwarder", "HttpHeader", "Throttle", "WrapStats", "outgoing_headers"]
 
 log = logging.getLogger("reach.wrap")
 
@@ -82,6 +84,30 @@ class WrapStats:
     broken: int = 0
     #: answers over ``max_body`` bytes
     too_large: int = 0
+
+
+class Throttle:
+    """At most one warning per kind every ``every`` seconds: while an upstream is down,
+    every request fails alike, and one line a request would flood the log. The warnings
+    held back are counted and the next one says how many."""
+
+    def __init__(self, every: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self._last: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], int] = {}
+
+    def warn(self, key: tuple[str, str], msg: str, *args: object) -> None:
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every:
+            self._held[key] = self._held.get(key, 0) + 1
+            return
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held:
+            msg += f" (and {held} more like it since the last such warning)"
+        log.warning(msg, *args)
 
 
 def outgoing_headers(ep: Endpoint, ctx: Context, budget: float) -> httpx.Headers:
@@ -219,6 +245,7 @@ class Forwarder:
     http: httpx.AsyncClient
     stats: WrapStats
     max_body: int
+    warnings: Throttle = field(default_factory=Throttle)
 
     async def __call__(self, ep: Endpoint, payload: bytes, ctx: Context) -> Any:
         """Serve one request by calling ``ep``; wait at most its timeout, or the caller's
@@ -248,8 +275,13 @@ class Forwarder:
                     await response.aclose()
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             stats.unreachable += 1
-            log.warning(
-                "wrap %s: %s %s unreachable: %r", ep.capability, request.method, redact(ep.url), exc
+            self.warnings.warn(
+                (ep.capability, "unreachable"),
+                "wrap %s: %s %s unreachable: %r",
+                ep.capability,
+                request.method,
+                redact(ep.url),
+                exc,
             )
             raise AgentUnavailable(f"upstream unreachable ({type(exc).__name__})") from None
         except (TimeoutError, httpx.TimeoutException):
@@ -257,12 +289,24 @@ class Forwarder:
             raise RequestTimeout(f"upstream gave no answer within {budget:.3g}s") from None
         except httpx.HTTPError as exc:
             stats.broken += 1
-            log.warning(
-                "wrap %s: %s %s failed: %r", ep.capability, request.method, redact(ep.url), exc
+            self.warnings.warn(
+                (ep.capability, "broken"),
+                "wrap %s: %s %s failed: %r",
+                ep.capability,
+                request.method,
+                redact(ep.url),
+                exc,
             )
             raise HandlerFailed(f"upstream exchange failed ({type(exc).__name__})") from None
         if body is None:
             stats.too_large += 1
+            self.warnings.warn(
+                (ep.capability, "too_large"),
+                "wrap %s: an answer of %s was over max_body (%d bytes)",
+                ep.capability,
+                redact(ep.url),
+                self.max_body,
+            )
             raise HandlerFailed(f"upstream answer over {self.max_body} bytes")
         if 200 <= code < 300:
             stats.ok += 1

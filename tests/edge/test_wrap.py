@@ -339,3 +339,36 @@ async def test_logs_show_no_credentials_of_the_endpoint_url(reach_settings, reac
     assert "t.secret -> POST http://127.0.0.1:" in said
     assert "unreachable" in said
     assert "s3cret" not in said
+
+
+async def test_warnings_about_a_down_upstream_are_rate_limited(reach_client, caplog):
+    import httpx
+
+    from reach._wrap.forward import Forwarder, Throttle, WrapStats
+
+    ep = spec({"capability": "t.down", "url": f"http://127.0.0.1:{free_port()}/"}).endpoints[0]
+    ctx = reach.Context(
+        agent_id="a-1",
+        client=reach_client,
+        capability="t.down",
+        request_id="r-1",
+        priority=Priority.NORMAL,
+        deadline_ms=None,
+        caller="",
+        attempt=1,
+    )
+    now = [100.0]
+    async with httpx.AsyncClient() as http:
+        fwd = Forwarder(http, WrapStats(), 1000, Throttle(every=30.0, clock=lambda: now[0]))
+        with caplog.at_level("WARNING", logger="reach.wrap"):
+            for _ in range(5):
+                with pytest.raises(reach.AgentUnavailable):
+                    await fwd(ep, b"{}", ctx)
+            now[0] += 31
+            with pytest.raises(reach.AgentUnavailable):
+                await fwd(ep, b"{}", ctx)
+    said = [r.getMessage() for r in caplog.records if r.name == "reach.wrap"]
+    assert len(said) == 2
+    assert "unreachable" in said[0]
+    assert "4 more like it since the last" in said[1]
+    assert fwd.stats.unreachable == 6
