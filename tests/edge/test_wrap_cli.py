@@ -233,3 +233,16 @@ def test_reach_and_its_cli_load_no_http_library():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_wrapper_is_public_as_reach_wrap_and_only_loads_httpx_there():
+    code = (
+        "import sys, reach; assert 'httpx' not in sys.modules;"
+        " from reach.wrap import HttpWrapper, load_config; import reach._wrap as w;"
+        " assert HttpWrapper is w.HttpWrapper and load_config is w.load_config;"
+        " print('httpx' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "True"
