@@ -239,12 +239,12 @@ def result_of(body: bytes, encoding: str | None) -> Any:
 
 @dataclass(slots=True)
 class Forwarder:
-    """A wrapper's way out: its pool, its counts and the cap on an answer's size (the
-    connection's ``max_payload``, by default: a larger result could not be sent anyway)."""
+    """A wrapper's way out: its pool, its counts and the cap on an answer's size (0: the
+    agent connection's ``max_payload``, as a larger result could not be sent anyway)."""
 
     http: httpx.AsyncClient
     stats: WrapStats
-    max_body: int
+    max_body: int = 0
     warnings: Throttle = field(default_factory=Throttle)
 
     async def __call__(self, ep: Endpoint, payload: bytes, ctx: Context) -> Any:
@@ -259,6 +259,7 @@ class Forwarder:
                 raise RequestTimeout("no time left to call the upstream")
             budget = min(budget, remaining)
         http = self.http
+        limit = self.max_body or ctx.client.nc.max_payload
         request = _request(http, ep, payload, outgoing_headers(ep, ctx, budget), budget)
         stats.forwarded += 1
         try:
@@ -268,7 +269,7 @@ class Forwarder:
                 try:
                     code = response.status_code
                     if 200 <= code < 300:
-                        body = await _read(response, self.max_body)
+                        body = await _read(response, limit)
                     else:
                         body = await _head(response)
                 finally:
@@ -305,9 +306,9 @@ class Forwarder:
                 "wrap %s: an answer of %s was over max_body (%d bytes)",
                 ep.capability,
                 redact(ep.url),
-                self.max_body,
+                limit,
             )
-            raise HandlerFailed(f"upstream answer over {self.max_body} bytes")
+            raise HandlerFailed(f"upstream answer over {limit} bytes")
         if 200 <= code < 300:
             stats.ok += 1
             return result_of(body, response.encoding)

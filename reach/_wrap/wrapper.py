@@ -111,11 +111,11 @@ class HttpWrapper:
         http = self._http = self._pool()
         check = self.spec.health
         monitor = None if check is None else HealthMonitor(self.agent, http, check)
+        # Ready before the agent: it takes requests as soon as its subscriptions are live.
+        self._forwarder = Forwarder(http, self.stats, self.spec.max_body)
         try:
             first = "" if monitor is None else await monitor.probe()
             await self.agent.start()
-            max_body = self.spec.max_body or self.agent.client.nc.max_payload
-            self._forwarder = Forwarder(http, self.stats, max_body)
             self._owner.reopen()
             if monitor is not None:
                 self.health = monitor
