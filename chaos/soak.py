@@ -52,7 +52,9 @@ async def soak(minutes: float, churn: float, work: Path) -> Result:
     tasks_sent: list[str] = []
     heard = 0
     async with NatsServer() as server:
-        settings = settings_for(server.url, "soak")
+        # Records are kept a minute, not a day: the server's memory holds what is stored,
+        # so only with retention shorter than the run is a steady state reached to judge
+        settings = settings_for(server.url, "soak", task_retention=60.0)
         registry = await registry_proc(settings)
         agents = [AgentProc(settings, f"soak-{i}", work / "runs") for i in range(3)]
         try:
