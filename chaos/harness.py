@@ -166,6 +166,8 @@ class AgentProc:
             "REACH_LEASE_TTL": str(s.lease_ttl),
             "REACH_TASK_ACK_WAIT": str(s.task_ack_wait),
             "REACH_TASK_RETENTION": str(s.task_retention),
+            "REACH_TASK_TIMEOUT": str(s.task_timeout),
+            "REACH_TASK_IDEMPOTENCY_TTL": str(s.task_idempotency_ttl),
             "REACH_REPLICAS": str(s.replicas),  # on a cluster, what it makes is R3 too
             "REACH_DRAIN_TIMEOUT": "10",
             **self.extra_env(),

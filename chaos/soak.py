@@ -54,7 +54,9 @@ async def soak(minutes: float, churn: float, work: Path) -> Result:
     async with NatsServer() as server:
         # Records are kept a minute, not a day: the server's memory holds what is stored,
         # so only with retention shorter than the run is a steady state reached to judge
-        settings = settings_for(server.url, "soak", task_retention=60.0)
+        settings = settings_for(
+            server.url, "soak", task_retention=60.0, task_timeout=30.0, task_idempotency_ttl=60.0
+        )
         registry = await registry_proc(settings)
         agents = [AgentProc(settings, f"soak-{i}", work / "runs") for i in range(3)]
         try:
