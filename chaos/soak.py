@@ -46,11 +46,28 @@ async def registry_proc(settings: reach.ReachSettings) -> asyncio.subprocess.Pro
     )  # fmt: skip
 
 
+async def check_ended(client: reach.Client, unchecked: dict[str, float]) -> int:
+    """Read the record of every task submitted over 3 s ago; forget those that ended
+    (how many SUCCEEDED); the others are read again next time."""
+    succeeded, horizon = 0, time.monotonic() - 3
+    for task_id in [t for t, at in unchecked.items() if at < horizon]:
+        rec = await client.task_record(task_id)
+        if rec.state in (
+            reach.TaskState.SUCCEEDED,
+            reach.TaskState.FAILED,
+            reach.TaskState.CANCELLED,
+        ):
+            succeeded += rec.state is reach.TaskState.SUCCEEDED
+            del unchecked[task_id]
+    return succeeded
+
+
 async def soak(minutes: float, churn: float, work: Path) -> Result:
     result = Result("soak")
     ledger = Ledger()
     tasks_sent: list[str] = []
-    heard = 0
+    heard = done = 0
+    unchecked: dict[str, float] = {}  # task id -> when submitted, until its end is read
     async with NatsServer() as server:
         # Records are kept a minute, not a day: the server's memory holds what is stored,
         # so only with retention shorter than the run is a steady state reached to judge
@@ -84,6 +101,7 @@ async def soak(minutes: float, churn: float, work: Path) -> Result:
                         if n % 5 == 0:
                             ref = await client.submit("chaos.job", {"n": n, "ms": 5})
                             tasks_sent.append(ref.task_id)
+                            unchecked[ref.task_id] = time.monotonic()
                         await asyncio.sleep(0.02)
 
                 side = asyncio.ensure_future(broadcasts_and_tasks())
@@ -96,6 +114,7 @@ async def soak(minutes: float, churn: float, work: Path) -> Result:
                 }
                 warm: dict[str, int] = {}
                 next_churn, victim = started + churn, 0
+                next_check = started + 5
                 while (elapsed := time.monotonic() - started) < total:
                     if not warm and elapsed >= WARMUP * total:
                         warm = {name: rss_kib(pid) for name, pid in pids.items()}
@@ -107,6 +126,10 @@ async def soak(minutes: float, churn: float, work: Path) -> Result:
                         await a.start()
                         victim += 1
                         next_churn = time.monotonic() + churn
+                    if time.monotonic() >= next_check:
+                        # records live a minute: read each task's end while it is there
+                        done += await check_ended(client, unchecked)
+                        next_check = time.monotonic() + 5
                     await asyncio.sleep(0.5)
                 end = {name: rss_kib(pid) for name, pid in pids.items()}
                 end |= {a.agent_id: rss_kib(a.pid) for a in agents}
@@ -115,9 +138,8 @@ async def soak(minutes: float, churn: float, work: Path) -> Result:
                 await topic.unsubscribe()
                 listener.cancel()
                 await asyncio.gather(listener, return_exceptions=True)
-                done = 0
-                for task_id in tasks_sent:
-                    rec = await (await client.task(task_id)).wait(timeout=60)
+                for task_id in list(unchecked):
+                    rec = await (await client.task(task_id)).wait(timeout=30)
                     done += rec.state is reach.TaskState.SUCCEEDED
                 elapsed = time.monotonic() - started
         finally:
