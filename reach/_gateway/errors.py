@@ -36,6 +36,7 @@ from ..errors import (
 )
 
 __all__ = [
+    "HTTP_CODES",
     "STATUS_BY_CODE",
     "EdgeError",
     "error_response",
@@ -168,19 +169,22 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     return error_response(422, body)
 
 
-_HTTP_CODES = {
+#: the code of a refusal that carries only an HTTP status
+HTTP_CODES = {
     401: "unauthorized",
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
     413: "payload_too_large",
+    415: "unsupported_media_type",
+    421: "misdirected_request",
 }
 
 
 async def _on_http(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (unknown path, wrong method) in the same shape."""
     assert isinstance(exc, HTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "failed")
+    code = HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "failed")
     body = {"code": code, "message": str(exc.detail), "retryable": False}
     return error_response(exc.status_code, body, dict(exc.headers or {}))
 

@@ -62,13 +62,16 @@ def echo_agent(
 
 @contextlib.asynccontextmanager
 async def asgi(
-    client: Client, **settings: Any
+    client: Client, *, headers: dict[str, str] | None = None, **settings: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, EdgeDeps]]:
-    """The gateway app over httpx's ASGI transport (the client connected by the caller)."""
+    """The gateway app over httpx's ASGI transport (the client connected by the caller);
+    ``headers`` go with every request."""
     deps = EdgeDeps(client, GatewaySettings(**settings))
     app = build_app(deps)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://127.0.0.1:8080", headers=headers
+    ) as http:
         yield http, deps
 
 

@@ -36,7 +36,7 @@ async def test_a_chunked_body_over_the_limit_is_413_on_the_wire(reach_settings):
 
     async with (
         served(reach_settings, max_body_bytes=4096) as (url, _),
-        httpx.AsyncClient(base_url=url) as http,
+        httpx.AsyncClient(base_url=url, headers={"content-type": "application/json"}) as http,
     ):
         r = await http.post("/v1/capabilities/demo.echo", content=chunks())
         assert r.request.headers["transfer-encoding"] == "chunked"

@@ -38,6 +38,10 @@ def test_settings_read_tokens_as_json_from_the_environment(monkeypatch):
         ({"host": "192.0.2.7"}, "not loopback"),
         ({"default_timeout": 10, "max_timeout": 5}, "default_timeout"),
         ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"shutdown_grace": 0}, "shutdown_grace"),
+        ({"max_streams": 0}, "max_streams"),
+        ({"public_url": "gw.example"}, "http"),
+        ({"public_url": "https://gw.example/?x=1"}, "query"),
     ],
 )
 def test_settings_refuse(kwargs, needle):
