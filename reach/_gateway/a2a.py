@@ -52,6 +52,7 @@ def a2a_routes(
     scopes_of: ScopesOf | None = None,
     task_wait: float = 30.0,
     cancel_wait: float = 10.0,
+    max_timeout: float = 300.0,
 ) -> APIRouter:
     """The A2A endpoint as a FastAPI router (``app.include_router(a2a_routes(client))``).
 
@@ -59,10 +60,12 @@ def a2a_routes(
     the cards; empty: the URL each request came in on. ``scopes_of`` turns on bearer
     tokens: every request needs a valid one (the cards say so), a call needs ``call``, a
     durable task (submit, get, cancel, follow, list) ``submit``; ``admin`` may do all.
-    None: no authentication. ``task_wait`` and ``cancel_wait``: see
-    ``ReachRequestHandler``.
+    None: no authentication. ``task_wait``, ``cancel_wait`` and ``max_timeout`` (the
+    longest call timeout a message may ask for): see ``ReachRequestHandler``.
     """
-    handler = ReachRequestHandler(client, task_wait=task_wait, cancel_wait=cancel_wait)
+    handler = ReachRequestHandler(
+        client, task_wait=task_wait, cancel_wait=cancel_wait, max_timeout=max_timeout
+    )
     [route] = create_jsonrpc_routes(
         handler, rpc_url="/{name}", context_builder=_NamedContext(), enable_v0_3_compat=True
     )

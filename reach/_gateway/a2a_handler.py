@@ -60,6 +60,8 @@ from ..wire import Priority
 from ..wire.tasks import TaskState as S
 from .a2a_cards import CALL, MODES, TASK, fleet
 from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
+from .errors import EdgeError
+from .inputs import check_timeout
 
 __all__ = ["AGENT_NAME", "SCOPES", "Plan", "ReachRequestHandler"]
 
@@ -105,11 +107,17 @@ class ReachRequestHandler(RequestHandler):
     """
 
     def __init__(
-        self, client: Client, *, task_wait: float = 30.0, cancel_wait: float = 10.0
+        self,
+        client: Client,
+        *,
+        task_wait: float = 30.0,
+        cancel_wait: float = 10.0,
+        max_timeout: float = 300.0,
     ) -> None:
         self.client = client
         self.task_wait = task_wait
         self.cancel_wait = cancel_wait
+        self.max_timeout = max_timeout
 
     # -- messages --------------------------------------------------------------------
 
@@ -125,6 +133,7 @@ class ReachRequestHandler(RequestHandler):
         """Which skill, how, and with what payload (see the README's A2A section)."""
         msg = params.message
         if msg.task_id:
+            self.allow(context, "submit")
             await self._ref(msg.task_id)  # TaskNotFoundError for an unknown one
             raise UnsupportedOperationError(
                 "a Reach task takes no further input; send a new message without a taskId"
@@ -154,11 +163,7 @@ class ReachRequestHandler(RequestHandler):
             raise InvalidParamsError(
                 f"skill {skill.capability!r} runs as {' or '.join(modes)}, not {mode!r}"
             )
-        timeout = opts.get("timeout")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-        ):
-            raise InvalidParamsError("metadata 'timeout' must be a number of seconds > 0")
+        timeout = self._timeout(opts.get("timeout"), mode)
         try:
             priority = Priority(opts.get("priority", "normal"))
         except ValueError:
@@ -168,12 +173,25 @@ class ReachRequestHandler(RequestHandler):
             capability=skill.capability,
             mode=mode,
             payload=payload_of(msg),
-            timeout=float(timeout) if timeout is not None else None,
+            timeout=timeout,
             priority=priority,
             # a message sent again (same id) is the same task
             idempotency_key=f"a2a:{skill.capability}:{msg.message_id}" if msg.message_id else None,
             context_id=msg.context_id,
         )
+
+    def _timeout(self, value: Any, mode: str) -> float | None:
+        """The metadata's timeout, finite and bounded like the gateway's: a call's by
+        ``max_timeout``, a task's (per attempt) by how long its record is kept."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidParamsError("metadata 'timeout' must be a number of seconds > 0")
+        limit = self.max_timeout if mode == CALL else self.client.settings.task_retention
+        try:
+            return check_timeout(float(value), limit, "metadata 'timeout'")
+        except EdgeError as exc:
+            raise InvalidParamsError(exc.message) from None
 
     async def call(self, plan: Plan) -> Message:
         """A request/reply call: the answer is one agent message."""
