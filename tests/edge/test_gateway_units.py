@@ -76,7 +76,8 @@ def test_scopes_admin_may_do_everything():
     [
         (reach.BadRequest("x"), 400),
         (reach.ConfigurationError("x"), 400),
-        (reach.Unauthorized("x"), 403),
+        (reach.ConfigurationError("payload of 9 bytes is too large for a task: at most 5"), 413),
+        (reach.Unauthorized("NATS refused connection 'gw' permission to publish"), 502),
         (reach.CapabilityNotFound("x"), 404),
         (reach.TaskNotFound("t1"), 404),
         (reach.DeadLetterNotFound(3, "S"), 404),
@@ -96,6 +97,8 @@ def test_scopes_admin_may_do_everything():
 )
 def test_every_reach_error_has_a_status(error, status):
     assert http_status(error) == status
+    if status == 413:
+        assert error_body(error)["code"] == "payload_too_large"
     if isinstance(error, reach.RemoteError) and error.code in STATUS_BY_CODE:
         assert STATUS_BY_CODE[error.code] == status
 
