@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response
 
 from .._client import Client
 from .a2a_cards import Named, card_of, fleet
-from .a2a_handler import AGENT_NAME, SCOPES, ReachRequestHandler
+from .a2a_handler import AGENT_NAME, CALLER, SCOPES, ReachRequestHandler
+from .auth import OPEN_CALLER, caller_id
 
 __all__ = ["ScopesOf", "a2a_routes"]
 
@@ -41,6 +42,7 @@ class _NamedContext(DefaultServerCallContextBuilder):
         context = super().build(request)
         context.state[AGENT_NAME] = request.path_params.get("name", "")
         context.state[SCOPES] = getattr(request.state, "reach_scopes", None)
+        context.state[CALLER] = getattr(request.state, "reach_caller", OPEN_CALLER)
         return context
 
 
@@ -104,6 +106,8 @@ def a2a_routes(
         """A2A JSON-RPC (SendMessage, SendStreamingMessage, GetTask, CancelTask,
         SubscribeToTask, ListTasks; and the v0.3 names message/send, tasks/get, ...)."""
         request.state.reach_scopes = granted(request)  # per method: ReachRequestHandler
+        if scopes_of is not None:
+            request.state.reach_caller = caller_id(request.headers.get("authorization"))
         return await dispatch(request)
 
     for path in ("/{name}", "/{name}/"):

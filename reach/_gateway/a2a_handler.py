@@ -60,15 +60,18 @@ from ..wire import Priority
 from ..wire.tasks import TaskState as S
 from .a2a_cards import CALL, MODES, TASK, fleet
 from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
+from .auth import OPEN_CALLER, scoped_key
 from .errors import EdgeError
 from .inputs import check_timeout
 
-__all__ = ["AGENT_NAME", "SCOPES", "Plan", "ReachRequestHandler"]
+__all__ = ["AGENT_NAME", "CALLER", "SCOPES", "Plan", "ReachRequestHandler"]
 
 #: key of the agent name (the URL's ``{name}``) in the SDK's ``ServerCallContext.state``
 AGENT_NAME = "reach.agent_name"
 #: key of the scopes the request's token grants (None: no authentication)
 SCOPES = "reach.scopes"
+#: key of who is asking (``auth.caller_id``): idempotency keys are theirs
+CALLER = "reach.caller"
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -175,8 +178,15 @@ class ReachRequestHandler(RequestHandler):
             payload=payload_of(msg),
             timeout=timeout,
             priority=priority,
-            # a message sent again (same id) is the same task
-            idempotency_key=f"a2a:{skill.capability}:{msg.message_id}" if msg.message_id else None,
+            # a message sent again (same id, same caller) is the same task
+            idempotency_key=(
+                scoped_key(
+                    str(context.state.get(CALLER, OPEN_CALLER)),
+                    f"a2a:{skill.capability}:{msg.message_id}",
+                )
+                if msg.message_id
+                else None
+            ),
             context_id=msg.context_id,
         )
 

@@ -100,3 +100,17 @@ async def test_cards_carry_the_public_url(reach_settings):
         r = await http.get("/a2a/echo/.well-known/agent-card.json", headers={"host": "gw.example"})
         urls = [i["url"] for i in r.json()["supportedInterfaces"]]
         assert set(urls) == {"https://gw.example/edge/a2a/echo"}
+
+
+async def test_a2a_message_ids_are_per_token(reach_settings):
+    """The message id is the submit's idempotency key, scoped to the token: two callers
+    sending the same id get two tasks, one caller sending it again gets the same one."""
+    async with edge(reach_settings, tokens=TOKENS) as http:
+        params = {**message("demo.job"), "configuration": {"returnImmediately": True}}
+        ids = []
+        for token in (SUBMIT, ADMIN, SUBMIT):
+            r = await http.post(
+                "/a2a/worker", json=rpc("SendMessage", params), headers={**A2A, **auth(token)}
+            )
+            ids.append(r.json()["result"]["task"]["id"])
+        assert ids[0] == ids[2] != ids[1]
