@@ -26,6 +26,7 @@ from .._client import Client
 from .a2a_cards import Named, card_of, fleet
 from .a2a_handler import AGENT_NAME, CALLER, SCOPES, ReachRequestHandler
 from .auth import OPEN_CALLER, caller_id
+from .streams import StreamSlots
 
 __all__ = ["ScopesOf", "a2a_routes"]
 
@@ -55,6 +56,7 @@ def a2a_routes(
     task_wait: float = 30.0,
     cancel_wait: float = 10.0,
     max_timeout: float = 300.0,
+    streams: StreamSlots | None = None,
 ) -> APIRouter:
     """The A2A endpoint as a FastAPI router (``app.include_router(a2a_routes(client))``).
 
@@ -63,10 +65,15 @@ def a2a_routes(
     tokens: every request needs a valid one (the cards say so), a call needs ``call``, a
     durable task (submit, get, cancel, follow, list) ``submit``; ``admin`` may do all.
     None: no authentication. ``task_wait``, ``cancel_wait`` and ``max_timeout`` (the
-    longest call timeout a message may ask for): see ``ReachRequestHandler``.
+    longest call timeout a message may ask for) and ``streams`` (the bound on open
+    streams, shared with the gateway's): see ``ReachRequestHandler``.
     """
     handler = ReachRequestHandler(
-        client, task_wait=task_wait, cancel_wait=cancel_wait, max_timeout=max_timeout
+        client,
+        task_wait=task_wait,
+        cancel_wait=cancel_wait,
+        max_timeout=max_timeout,
+        streams=streams,
     )
     [route] = create_jsonrpc_routes(
         handler, rpc_url="/{name}", context_builder=_NamedContext(), enable_v0_3_compat=True

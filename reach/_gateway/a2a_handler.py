@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -63,6 +63,7 @@ from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part,
 from .auth import OPEN_CALLER, scoped_key
 from .errors import EdgeError
 from .inputs import check_timeout
+from .streams import StreamSlots
 
 __all__ = ["AGENT_NAME", "CALLER", "SCOPES", "Plan", "ReachRequestHandler"]
 
@@ -106,7 +107,8 @@ class ReachRequestHandler(RequestHandler):
     ``task_wait``: how long a blocking ``SendMessage`` waits for a durable task to end
     before it answers with the task as it is (the caller goes on with ``GetTask`` or
     ``SubscribeToTask``); ``cancel_wait``: how long ``CancelTask`` waits for a running
-    task's agent to stop it.
+    task's agent to stop it; ``max_timeout``: the longest call timeout a message may ask
+    for; ``streams``: the bound on streams following a task (None: none).
     """
 
     def __init__(
@@ -116,13 +118,23 @@ class ReachRequestHandler(RequestHandler):
         task_wait: float = 30.0,
         cancel_wait: float = 10.0,
         max_timeout: float = 300.0,
+        streams: StreamSlots | None = None,
     ) -> None:
         self.client = client
+        self.streams = streams
         self.task_wait = task_wait
         self.cancel_wait = cancel_wait
         self.max_timeout = max_timeout
 
     # -- messages --------------------------------------------------------------------
+
+    def room(self) -> None:
+        """HTTP 503 (``Retry-After``) when every stream slot is taken: checked before a
+        stream starts, since the SDK's dispatcher passes on what comes before the first
+        event."""
+        if self.streams is not None and self.streams.full():
+            err = self.streams.refusal()
+            raise HTTPException(503, err.message, headers=err.headers)
 
     @staticmethod
     def allow(context: ServerCallContext, scope: str) -> None:
@@ -267,6 +279,7 @@ class ReachRequestHandler(RequestHandler):
         if plan.mode == CALL:
             yield await self.call(plan)
             return
+        self.room()
         ref = await self.submit(plan)
         with a2a_errors():
             first = await ref.status()
@@ -279,7 +292,8 @@ class ReachRequestHandler(RequestHandler):
         seen = _watch_key(first)
         if first.final:
             return
-        with a2a_errors():
+        slot = self.streams.slot() if self.streams is not None else nullcontext()
+        with a2a_errors(), slot:
             # a generator: closed here, so its KV watch stops when the client goes away
             watch = cast(AsyncGenerator[TaskRecord, None], ref.watch())
             async with aclosing(watch) as changes:
@@ -331,6 +345,7 @@ class ReachRequestHandler(RequestHandler):
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[Event, None]:
         self.allow(context, "submit")
+        self.room()
         ref = await self._ref(params.id)
         with a2a_errors():
             rec = await ref.status()

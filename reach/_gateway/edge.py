@@ -36,6 +36,7 @@ def build_edge(deps: EdgeDeps, *, manage_client: bool = False) -> Edge:
         settings.public_url or "",
         scopes_of=None if settings.open else deps.auth.scopes_of,
         max_timeout=settings.max_timeout,
+        streams=deps.streams,
     )
     app = build_app(deps, routers=[page, a2a], parts=[feed], manage_client=manage_client)
     return Edge(app, feed)

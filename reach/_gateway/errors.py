@@ -188,6 +188,7 @@ HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     421: "misdirected_request",
+    503: "resource_exhausted",
 }
 
 
@@ -195,7 +196,7 @@ async def _on_http(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (unknown path, wrong method) in the same shape."""
     assert isinstance(exc, HTTPException)
     code = HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "failed")
-    body = {"code": code, "message": str(exc.detail), "retryable": False}
+    body = {"code": code, "message": str(exc.detail), "retryable": exc.status_code in _RETRY_AFTER}
     return error_response(exc.status_code, body, dict(exc.headers or {}))
 
 

@@ -145,7 +145,11 @@ def router(deps: EdgeDeps) -> APIRouter:
     )
     async def task_events_stream(task_id: str, request: Request) -> StreamingResponse:
         ref = await client.task(check_task_id(task_id))  # 404 before the stream starts
-        stream: AsyncIterator[str] = task_events(ref, deps.settings.sse_ping, record_json)
+        if deps.streams.full():
+            raise deps.streams.refusal()
+        stream: AsyncIterator[str] = task_events(
+            ref, deps.settings.sse_ping, record_json, deps.streams
+        )
         return StreamingResponse(
             stream,
             media_type="text/event-stream",

@@ -16,6 +16,7 @@ import uvicorn
 import reach
 from reach import Agent, Client, Context, ReachSettings
 from reach._gateway import EdgeDeps, GatewaySettings, build_app
+from reach._gateway.edge import build_edge
 from reach.testing import eventually
 
 CALL = "c" * 20  # tokens of the auth tests, one per scope set
@@ -77,12 +78,13 @@ async def asgi(
 
 @contextlib.asynccontextmanager
 async def served(
-    reach_settings: ReachSettings, **settings: Any
+    reach_settings: ReachSettings, *, edge: bool = False, **settings: Any
 ) -> AsyncIterator[tuple[str, EdgeDeps]]:
     """The gateway on a real uvicorn (loopback, a free port), owning its client through
-    the app's lifespan: connected at startup, closed at shutdown."""
+    the app's lifespan: connected at startup, closed at shutdown. ``edge``: the whole
+    edge (``build_edge``: the page and A2A too), as ``reach gateway`` serves it."""
     deps = EdgeDeps(Client(settings=reach_settings, name="gw"), GatewaySettings(**settings))
-    app = build_app(deps, manage_client=True)
+    app = build_edge(deps, manage_client=True).app if edge else build_app(deps, manage_client=True)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None)
     server = uvicorn.Server(config)
     sock = config.bind_socket()

@@ -12,6 +12,7 @@ from reach._gateway.auth import Auth
 from reach._gateway.errors import STATUS_BY_CODE, EdgeError, error_body, http_status
 from reach._gateway.inputs import CallOptions, call_options
 from reach._gateway.settings import GatewaySettings, Scope
+from reach._gateway.streams import Latest, StreamSlots
 from reach.errors import Attempt
 
 TOKEN = "0123456789abcdef0123"
@@ -144,3 +145,27 @@ def test_call_options_from_query_and_headers():
         call_options({"timeout": "61"}, {}, 60)
     with pytest.raises(EdgeError, match="tags"):
         call_options({"tags": ",".join(f"t{i}" for i in range(65))}, {}, 60)
+
+
+async def test_latest_keeps_only_the_newest_and_never_the_end_before_it():
+    latest: Latest[int] = Latest()
+    for n in (1, 2, 3):
+        latest.put(n)
+    latest.end()
+    assert (await latest.take(), latest.skipped) == (3, 2)  # the final one is kept
+    assert await latest.take() is None  # then how the watch ended
+    failed: Latest[int] = Latest()
+    failed.put(1)
+    failed.end(reach.ReachError("watch failed"))
+    assert await failed.take() == 1
+    assert isinstance(await failed.take(), reach.ReachError)
+
+
+def test_stream_slots_refuse_past_the_limit_and_free_on_exit():
+    slots = StreamSlots(1)
+    with slots.slot():
+        assert slots.full()
+        with pytest.raises(EdgeError) as info, slots.slot():
+            pass
+        assert (info.value.status, info.value.retryable, slots.refused) == (503, True, 1)
+    assert (slots.open, slots.full()) == (0, False)
