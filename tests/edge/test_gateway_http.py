@@ -86,11 +86,16 @@ async def test_a_client_that_hangs_up_ends_its_stream(reach_settings):
         r = await http.post("/v1/tasks", json={"capability": "demo.job", "payload": {"hold": True}})
         task_id = r.json()["task_id"]
         await asyncio.wait_for(entered.wait(), 30)
+        nc = deps.client.nc
+        before = len(nc._subs)  # the gateway's NATS subscriptions (nats-py keeps them here)
         async with http.stream("GET", f"/v1/tasks/{task_id}/events") as stream:
-            async for line in stream.aiter_lines():
-                if line.startswith("event: state"):
-                    break  # hang up with the task still running
-        await eventually(lambda: deps.metrics.in_flight == 0)  # its watch stopped too
+            lines = stream.aiter_lines()
+            while not (await anext(lines)).startswith("event: state"):
+                pass
+            assert len(nc._subs) > before  # the stream follows the record: a KV watch
+        # hung up with the task still running: the watch stops
+        await eventually(lambda: len(nc._subs) == before, timeout=30)
+        assert deps.streams.open == 0
         gate.set()
 
 
