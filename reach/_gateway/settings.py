@@ -27,7 +27,7 @@ MIN_TOKEN_LENGTH = 16
 class Scope(enum.StrEnum):
     """What a token may do; ``admin`` may do everything."""
 
-    CALL = "call"  # request/reply calls, the route query
+    CALL = "call"  # request/reply calls (the routing table and route query: any token)
     SUBMIT = "submit"  # durable tasks: submit, read, follow, cancel
     ADMIN = "admin"
 

@@ -333,3 +333,12 @@ async def test_an_unexpected_error_is_a_500_in_the_json_shape(reach_client, monk
         assert "a bug" not in r.text
         assert deps.metrics.in_flight == 0
     assert any("a bug" in (rec.exc_text or "") or rec.exc_info for rec in caplog.records)
+
+
+async def test_the_route_query_refuses_direct_routing(reach_settings, reach_client):
+    """``direct`` needs the instance to call, which a route query does not name."""
+    async with echo_agent(reach_settings, "echo-1"), asgi(reach_client) as (http, _):
+        r = await http.post("/v1/route", json={"capability": "demo.echo", "routing": "direct"})
+        err = error_of(r)
+        assert (r.status_code, err["code"]) == (400, "bad_request")
+        assert "direct" in err["message"]
