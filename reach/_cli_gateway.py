@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -85,7 +86,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
                 lifespan="on",
                 log_config=None,  # our handlers (configure_logging) print uvicorn's records
                 access_log=args.access_log,
-                timeout_graceful_shutdown=int(max(1, gateway.shutdown_grace)),
+                timeout_graceful_shutdown=math.ceil(gateway.shutdown_grace),
                 server_header=False,
                 proxy_headers=False,  # client addresses are not used; one layer less per request
             )

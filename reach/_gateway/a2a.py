@@ -24,7 +24,9 @@ from fastapi.responses import JSONResponse, Response
 
 from .._client import Client
 from .a2a_cards import Named, card_of, fleet
-from .a2a_handler import AGENT_NAME, SCOPES, ReachRequestHandler
+from .a2a_handler import AGENT_NAME, CALLER, SCOPES, ReachRequestHandler
+from .auth import OPEN_CALLER, caller_id
+from .streams import StreamSlots
 
 __all__ = ["ScopesOf", "a2a_routes"]
 
@@ -41,6 +43,7 @@ class _NamedContext(DefaultServerCallContextBuilder):
         context = super().build(request)
         context.state[AGENT_NAME] = request.path_params.get("name", "")
         context.state[SCOPES] = getattr(request.state, "reach_scopes", None)
+        context.state[CALLER] = getattr(request.state, "reach_caller", OPEN_CALLER)
         return context
 
 
@@ -52,6 +55,8 @@ def a2a_routes(
     scopes_of: ScopesOf | None = None,
     task_wait: float = 30.0,
     cancel_wait: float = 10.0,
+    max_timeout: float = 300.0,
+    streams: StreamSlots | None = None,
 ) -> APIRouter:
     """The A2A endpoint as a FastAPI router (``app.include_router(a2a_routes(client))``).
 
@@ -59,10 +64,17 @@ def a2a_routes(
     the cards; empty: the URL each request came in on. ``scopes_of`` turns on bearer
     tokens: every request needs a valid one (the cards say so), a call needs ``call``, a
     durable task (submit, get, cancel, follow, list) ``submit``; ``admin`` may do all.
-    None: no authentication. ``task_wait`` and ``cancel_wait``: see
-    ``ReachRequestHandler``.
+    None: no authentication. ``task_wait``, ``cancel_wait`` and ``max_timeout`` (the
+    longest call timeout a message may ask for) and ``streams`` (the bound on open
+    streams, shared with the gateway's): see ``ReachRequestHandler``.
     """
-    handler = ReachRequestHandler(client, task_wait=task_wait, cancel_wait=cancel_wait)
+    handler = ReachRequestHandler(
+        client,
+        task_wait=task_wait,
+        cancel_wait=cancel_wait,
+        max_timeout=max_timeout,
+        streams=streams,
+    )
     [route] = create_jsonrpc_routes(
         handler, rpc_url="/{name}", context_builder=_NamedContext(), enable_v0_3_compat=True
     )
@@ -101,6 +113,8 @@ def a2a_routes(
         """A2A JSON-RPC (SendMessage, SendStreamingMessage, GetTask, CancelTask,
         SubscribeToTask, ListTasks; and the v0.3 names message/send, tasks/get, ...)."""
         request.state.reach_scopes = granted(request)  # per method: ReachRequestHandler
+        if scopes_of is not None:
+            request.state.reach_caller = caller_id(request.headers.get("authorization"))
         return await dispatch(request)
 
     for path in ("/{name}", "/{name}/"):

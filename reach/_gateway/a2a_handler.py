@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -60,13 +60,19 @@ from ..wire import Priority
 from ..wire.tasks import TaskState as S
 from .a2a_cards import CALL, MODES, TASK, fleet
 from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
+from .auth import OPEN_CALLER, scoped_key
+from .errors import EdgeError
+from .inputs import check_timeout
+from .streams import StreamSlots
 
-__all__ = ["AGENT_NAME", "SCOPES", "Plan", "ReachRequestHandler"]
+__all__ = ["AGENT_NAME", "CALLER", "SCOPES", "Plan", "ReachRequestHandler"]
 
 #: key of the agent name (the URL's ``{name}``) in the SDK's ``ServerCallContext.state``
 AGENT_NAME = "reach.agent_name"
 #: key of the scopes the request's token grants (None: no authentication)
 SCOPES = "reach.scopes"
+#: key of who is asking (``auth.caller_id``): idempotency keys are theirs
+CALLER = "reach.caller"
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -101,17 +107,34 @@ class ReachRequestHandler(RequestHandler):
     ``task_wait``: how long a blocking ``SendMessage`` waits for a durable task to end
     before it answers with the task as it is (the caller goes on with ``GetTask`` or
     ``SubscribeToTask``); ``cancel_wait``: how long ``CancelTask`` waits for a running
-    task's agent to stop it.
+    task's agent to stop it; ``max_timeout``: the longest call timeout a message may ask
+    for; ``streams``: the bound on streams following a task (None: none).
     """
 
     def __init__(
-        self, client: Client, *, task_wait: float = 30.0, cancel_wait: float = 10.0
+        self,
+        client: Client,
+        *,
+        task_wait: float = 30.0,
+        cancel_wait: float = 10.0,
+        max_timeout: float = 300.0,
+        streams: StreamSlots | None = None,
     ) -> None:
         self.client = client
+        self.streams = streams
         self.task_wait = task_wait
         self.cancel_wait = cancel_wait
+        self.max_timeout = max_timeout
 
     # -- messages --------------------------------------------------------------------
+
+    def room(self) -> None:
+        """HTTP 503 (``Retry-After``) when every stream slot is taken: checked before a
+        stream starts, since the SDK's dispatcher passes on what comes before the first
+        event."""
+        if self.streams is not None and self.streams.full():
+            err = self.streams.refusal()
+            raise HTTPException(503, err.message, headers=err.headers)
 
     @staticmethod
     def allow(context: ServerCallContext, scope: str) -> None:
@@ -125,6 +148,7 @@ class ReachRequestHandler(RequestHandler):
         """Which skill, how, and with what payload (see the README's A2A section)."""
         msg = params.message
         if msg.task_id:
+            self.allow(context, "submit")
             await self._ref(msg.task_id)  # TaskNotFoundError for an unknown one
             raise UnsupportedOperationError(
                 "a Reach task takes no further input; send a new message without a taskId"
@@ -154,11 +178,7 @@ class ReachRequestHandler(RequestHandler):
             raise InvalidParamsError(
                 f"skill {skill.capability!r} runs as {' or '.join(modes)}, not {mode!r}"
             )
-        timeout = opts.get("timeout")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-        ):
-            raise InvalidParamsError("metadata 'timeout' must be a number of seconds > 0")
+        timeout = self._timeout(opts.get("timeout"), mode)
         try:
             priority = Priority(opts.get("priority", "normal"))
         except ValueError:
@@ -168,12 +188,32 @@ class ReachRequestHandler(RequestHandler):
             capability=skill.capability,
             mode=mode,
             payload=payload_of(msg),
-            timeout=float(timeout) if timeout is not None else None,
+            timeout=timeout,
             priority=priority,
-            # a message sent again (same id) is the same task
-            idempotency_key=f"a2a:{skill.capability}:{msg.message_id}" if msg.message_id else None,
+            # a message sent again (same id, same caller) is the same task
+            idempotency_key=(
+                scoped_key(
+                    str(context.state.get(CALLER, OPEN_CALLER)),
+                    f"a2a:{skill.capability}:{msg.message_id}",
+                )
+                if msg.message_id
+                else None
+            ),
             context_id=msg.context_id,
         )
+
+    def _timeout(self, value: Any, mode: str) -> float | None:
+        """The metadata's timeout, finite and bounded like the gateway's: a call's by
+        ``max_timeout``, a task's (per attempt) by how long its record is kept."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidParamsError("metadata 'timeout' must be a number of seconds > 0")
+        limit = self.max_timeout if mode == CALL else self.client.settings.task_retention
+        try:
+            return check_timeout(float(value), limit, "metadata 'timeout'")
+        except EdgeError as exc:
+            raise InvalidParamsError(exc.message) from None
 
     async def call(self, plan: Plan) -> Message:
         """A request/reply call: the answer is one agent message."""
@@ -239,6 +279,7 @@ class ReachRequestHandler(RequestHandler):
         if plan.mode == CALL:
             yield await self.call(plan)
             return
+        self.room()
         ref = await self.submit(plan)
         with a2a_errors():
             first = await ref.status()
@@ -251,7 +292,8 @@ class ReachRequestHandler(RequestHandler):
         seen = _watch_key(first)
         if first.final:
             return
-        with a2a_errors():
+        slot = self.streams.slot() if self.streams is not None else nullcontext()
+        with a2a_errors(), slot:
             # a generator: closed here, so its KV watch stops when the client goes away
             watch = cast(AsyncGenerator[TaskRecord, None], ref.watch())
             async with aclosing(watch) as changes:
@@ -303,6 +345,7 @@ class ReachRequestHandler(RequestHandler):
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[Event, None]:
         self.allow(context, "submit")
+        self.room()
         ref = await self._ref(params.id)
         with a2a_errors():
             rec = await ref.status()

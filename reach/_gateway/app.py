@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -30,16 +30,22 @@ the HTTP status of their code. With tokens configured, send `Authorization: Bear
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, with the hot route's fast path (``routes_call.FastPath``) taken first."""
+    """FastAPI, with the hot route's fast path (``routes_call.FastPath``) taken first, as
+    long as the app's middleware is the gateway's own: once an embedder adds some (auth,
+    CORS, logging), every request goes through it."""
 
     fast_path: routes_call.FastPath | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         fast = self.fast_path
-        if fast is not None and fast.takes(scope):
+        if fast is not None and self._only_ours() and fast.takes(scope):
             await fast(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    def _only_ours(self) -> bool:
+        mine = self.user_middleware
+        return len(mine) == 1 and mine[0].cls is cast(Any, EdgeMiddleware)
 
 
 class Part(Protocol):
@@ -91,7 +97,7 @@ def build_app(
         telemetry={"metrics": False, "logs": False},
     )
     install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, metrics=deps.metrics, max_body=deps.settings.max_body_bytes)
+    app.add_middleware(EdgeMiddleware, metrics=deps.metrics, settings=deps.settings)
     deps.attach_metrics()
     call = routes_call.call_route(deps)
     app.fast_path = routes_call.FastPath(call, deps)

@@ -3,11 +3,13 @@ are not FastAPI routes).
 
 No token configured: every request may do everything; the settings then keep the gateway
 on loopback. Tokens configured: no or an unknown token is 401, a known token without the
-scope is 403. Tokens are compared in constant time, each one, so timing tells nothing.
+scope is 403. The SHA-256 digests of tokens are compared, in constant time and each one,
+so timing tells neither a token nor its length.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 
@@ -16,7 +18,12 @@ from starlette.requests import HTTPConnection
 from .errors import EdgeError
 from .settings import Scope
 
-__all__ = ["Auth"]
+__all__ = ["CALLER_DIGITS", "OPEN_CALLER", "Auth", "caller_id", "scoped_key"]
+
+#: who every caller is on a gateway without tokens
+OPEN_CALLER = "open"
+#: hex digits of a token's digest in ``caller_id`` (with the colon, 13 characters)
+CALLER_DIGITS = 12
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="reach"'}
 
@@ -25,7 +32,7 @@ class Auth:
     """Who may do what, from ``GatewaySettings.tokens``."""
 
     def __init__(self, tokens: dict[str, frozenset[Scope]]) -> None:
-        self._tokens = [(t.encode(), frozenset(s)) for t, s in tokens.items()]
+        self._tokens = [(_digest(t), frozenset(s)) for t, s in tokens.items()]
 
     @property
     def open(self) -> bool:
@@ -42,7 +49,7 @@ class Auth:
             raise EdgeError(
                 401, "unauthorized", "use 'Authorization: Bearer <token>'", headers=_CHALLENGE
             )
-        given = token.strip().encode()
+        given = _digest(token.strip())
         found: frozenset[Scope] | None = None
         for known, scopes in self._tokens:
             if hmac.compare_digest(known, given):  # every token checked: no early exit
@@ -50,6 +57,10 @@ class Auth:
         if found is None:
             raise EdgeError(401, "unauthorized", "unknown token", headers=_CHALLENGE)
         return found
+
+    def caller(self, authorization: str | None) -> str:
+        """``caller_id`` of an admitted request: ``open`` on an open gateway."""
+        return OPEN_CALLER if self.open else caller_id(authorization)
 
     def check(self, authorization: str | None, scope: Scope) -> None:
         """Raise ``EdgeError`` (401 or 403) unless the header's token has ``scope``."""
@@ -71,3 +82,22 @@ class Auth:
                 self.check(header, scope)
 
         return dependency
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def caller_id(authorization: str | None) -> str:
+    """Who is asking, for scoping what callers name themselves (idempotency keys): a short
+    digest of the bearer token, ``open`` without one. Only for a request ``Auth`` let in."""
+    _, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if not token:
+        return OPEN_CALLER
+    return hashlib.sha256(token.encode()).hexdigest()[:CALLER_DIGITS]
+
+
+def scoped_key(caller: str, key: str) -> str:
+    """An idempotency key as stored: the caller's, so two callers never share a task."""
+    return f"{caller}:{key}"

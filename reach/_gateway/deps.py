@@ -19,6 +19,7 @@ from .._telemetry.core import Telemetry
 from .auth import Auth
 from .metrics import HttpMetrics
 from .settings import GatewaySettings, Scope
+from .streams import StreamSlots
 
 __all__ = ["EdgeDeps"]
 
@@ -30,11 +31,14 @@ class EdgeDeps:
     client: Client
     settings: GatewaySettings
     auth: Auth = field(init=False)
+    #: the event streams open (task events and A2A streams), at most max_streams
+    streams: StreamSlots = field(init=False)
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
     _unsource: Callable[[], None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.auth = Auth(self.settings.tokens)
+        self.streams = StreamSlots(self.settings.max_streams)
 
     @property
     def telemetry(self) -> Telemetry:

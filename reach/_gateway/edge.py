@@ -30,6 +30,13 @@ class Edge:
 def build_edge(deps: EdgeDeps, *, manage_client: bool = False) -> Edge:
     feed = StatusFeed(deps.client)
     page = page_routes(deps.client, feed=feed, dependencies=[deps.guard(None)])
-    a2a = a2a_routes(deps.client, scopes_of=None if deps.settings.open else deps.auth.scopes_of)
+    settings = deps.settings
+    a2a = a2a_routes(
+        deps.client,
+        settings.public_url or "",
+        scopes_of=None if settings.open else deps.auth.scopes_of,
+        max_timeout=settings.max_timeout,
+        streams=deps.streams,
+    )
     app = build_app(deps, routers=[page, a2a], parts=[feed], manage_client=manage_client)
     return Edge(app, feed)

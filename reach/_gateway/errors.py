@@ -36,6 +36,7 @@ from ..errors import (
 )
 
 __all__ = [
+    "HTTP_CODES",
     "STATUS_BY_CODE",
     "EdgeError",
     "error_response",
@@ -46,7 +47,9 @@ __all__ = [
 #: wire error code -> HTTP status (the README's table is this one)
 STATUS_BY_CODE: dict[str, int] = {
     "bad_request": 400,
-    "unauthorized": 403,  # the NATS side refused the gateway's user, or an agent refused
+    # NATS refused the gateway's own user (or an agent refused): no token of the caller's
+    # would change that, so not 403, which says the caller's token lacks a scope
+    "unauthorized": 502,
     "capability_not_found": 404,
     "task_not_found": 404,
     "dead_letter_not_found": 404,
@@ -73,8 +76,16 @@ class EdgeError(ReachError):
         super().__init__(message)
 
 
+def _too_large(exc: ReachError) -> bool:
+    """A payload refused because its task record could not hold it (submit's check: a
+    ``ConfigurationError`` like any other bad argument, told apart by what it says)."""
+    return isinstance(exc, ConfigurationError) and "too large for a task" in exc.message
+
+
 def _code(exc: ReachError) -> str:
     """The code an HTTP caller branches on: Reach's, with the two lookups told apart."""
+    if _too_large(exc):
+        return "payload_too_large"
     if isinstance(exc, TaskNotFound):
         return "task_not_found"
     if isinstance(exc, DeadLetterNotFound):
@@ -87,7 +98,7 @@ def http_status(exc: ReachError) -> int:
     if isinstance(exc, EdgeError):
         return exc.status
     if isinstance(exc, ConfigurationError):
-        return 400
+        return 413 if _too_large(exc) else 400
     if isinstance(exc, ConnectionFailed | NotStarted):
         return 503  # NATS out of reach, or the gateway is shutting down
     if isinstance(exc, RemoteError):
@@ -97,7 +108,7 @@ def http_status(exc: ReachError) -> int:
             (CapabilityNotFound, 404),
             (AgentUnavailable, 503),
             (CircuitOpen, 503),
-            (Unauthorized, 403),
+            (Unauthorized, 502),
             (Cancelled, 409),
         ):
             if isinstance(exc, cls):
@@ -168,20 +179,24 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     return error_response(422, body)
 
 
-_HTTP_CODES = {
+#: the code of a refusal that carries only an HTTP status
+HTTP_CODES = {
     401: "unauthorized",
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
     413: "payload_too_large",
+    415: "unsupported_media_type",
+    421: "misdirected_request",
+    503: "resource_exhausted",
 }
 
 
 async def _on_http(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (unknown path, wrong method) in the same shape."""
     assert isinstance(exc, HTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "failed")
-    body = {"code": code, "message": str(exc.detail), "retryable": False}
+    code = HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "failed")
+    body = {"code": code, "message": str(exc.detail), "retryable": exc.status_code in _RETRY_AFTER}
     return error_response(exc.status_code, body, dict(exc.headers or {}))
 
 

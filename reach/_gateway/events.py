@@ -7,7 +7,9 @@
 and, after the final record, ``event: end`` (so an ``EventSource`` can close instead of
 reconnecting). An idle stream gets a ``: ping`` comment every ``ping`` seconds, which
 keeps proxies from cutting it. The watch runs in a task owned by the stream: it is
-cancelled and awaited when the stream ends or the HTTP client goes away.
+cancelled and awaited when the stream ends or the HTTP client goes away. A reader slower
+than the changes gets the newest record (``Latest``), never a growing queue; the stream
+holds one of the gateway's ``StreamSlots`` while it runs.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ import msgspec
 
 from .._tasks import TaskRecord, TaskRef
 from ..errors import ReachError
-from .errors import error_body
+from .errors import EdgeError, error_body
+from .streams import Latest, StreamSlots
 
 __all__ = ["sse", "task_events"]
 
 log = logging.getLogger("reach.gateway")
 
 _encode = msgspec.json.Encoder()
-_END = object()
 
 
 def sse(event: str, data: Any, event_id: int | None = None) -> str:
@@ -39,21 +41,38 @@ def sse(event: str, data: Any, event_id: int | None = None) -> str:
 
 
 async def task_events(
+    ref: TaskRef,
+    ping: float,
+    render: Callable[[TaskRecord], dict[str, Any]],
+    slots: StreamSlots,
+) -> AsyncIterator[str]:
+    try:
+        with slots.slot():
+            async for chunk in _events(ref, ping, render):
+                yield chunk
+    except EdgeError as exc:  # lost a race for the last slot
+        yield sse("error", error_body(exc))
+
+
+async def _events(
     ref: TaskRef, ping: float, render: Callable[[TaskRecord], dict[str, Any]]
 ) -> AsyncIterator[str]:
-    queue: asyncio.Queue[object] = asyncio.Queue()
+    latest: Latest[TaskRecord] = Latest()
 
     async def pump() -> None:
+        error: ReachError | None = None
         try:
             async for rec in ref.watch():
-                queue.put_nowait(rec)
+                latest.put(rec)
+                if rec.final:
+                    break
         except ReachError as exc:
-            queue.put_nowait(exc)
-        except Exception as exc:
+            error = exc
+        except Exception:
             log.exception("events of task %s: the watch failed", ref.task_id)
-            queue.put_nowait(ReachError(f"the watch of task {ref.task_id} failed: {exc}"))
+            error = ReachError(f"the watch of task {ref.task_id} failed")
         finally:
-            queue.put_nowait(_END)
+            latest.end(error)
 
     watcher = asyncio.create_task(pump(), name=f"sse {ref.task_id}")
     try:
@@ -61,7 +80,7 @@ async def task_events(
         while True:
             try:
                 async with asyncio.timeout(ping):
-                    item = await queue.get()
+                    item = await latest.take()
             except TimeoutError:
                 yield ": ping\n\n"
                 continue

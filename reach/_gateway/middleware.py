@@ -1,4 +1,5 @@
-"""One ASGI wrapper around the gateway app: the body limit and the HTTP metrics.
+"""One ASGI wrapper around the gateway app: the request guard (``guard``), the body limit
+and the HTTP metrics.
 
 The limit holds before anything parses a body: a ``Content-Length`` above it is refused
 (413) before the app runs (and the HTTP server never hands over more than a declared
@@ -6,9 +7,6 @@ length), and a body without one (chunked) is counted as it arrives, so the 413 c
 soon as the count passes the limit, whoever is reading. Before answering, the rest of a
 refused body is read and dropped, up to ``DRAIN_LIMIT`` bytes, so a client still sending
 gets the 413 rather than a reset connection; past that the connection is closed.
-
-Bodies are JSON: the gateway has no form routes, so a body sent as
-``application/x-www-form-urlencoded`` (what ``curl -d`` says by default) is read as JSON.
 """
 
 from __future__ import annotations
@@ -19,13 +17,14 @@ import time
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_response
+from .errors import HTTP_CODES, error_response
+from .guard import MAX_LENGTH_DIGITS, RequestGuard, Seen
 from .metrics import HttpMetrics
+from .settings import GatewaySettings
 
 __all__ = ["DRAIN_LIMIT", "EdgeMiddleware"]
 
 DRAIN_LIMIT = 8 * 1024 * 1024
-_FORM = b"application/x-www-form-urlencoded"
 
 log = logging.getLogger("reach.gateway")
 
@@ -35,16 +34,22 @@ def _too_large(limit: int) -> HTTPException:
 
 
 class EdgeMiddleware:
-    """``app.add_middleware(EdgeMiddleware, metrics=..., max_body=...)``. With
+    """``app.add_middleware(EdgeMiddleware, metrics=..., settings=...)``. With
     ``outermost=True`` (a route served around Starlette's stack) it also answers an
     unexpected error with a 500 in the JSON shape, as Starlette's outer layer would."""
 
     def __init__(
-        self, app: ASGIApp, *, metrics: HttpMetrics, max_body: int, outermost: bool = False
+        self,
+        app: ASGIApp,
+        *,
+        metrics: HttpMetrics,
+        settings: GatewaySettings,
+        outermost: bool = False,
     ) -> None:
         self.app = app
         self.metrics = metrics
-        self.max_body = max_body
+        self.max_body = settings.max_body_bytes
+        self.guard = RequestGuard(settings)
         self.outermost = outermost
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -93,19 +98,18 @@ class EdgeMiddleware:
 
     def _length(self, scope: Scope) -> int | tuple[HTTPException, int] | None:
         """The declared body length (None: none declared), or the refusal to send with
-        the length declared. A form content type becomes JSON on the way."""
-        length: int | tuple[HTTPException, int] | None = None
-        for i, (name, value) in enumerate(scope["headers"]):
-            if name == b"content-length":
-                if not value.isdigit():
-                    return HTTPException(400, "Content-Length is not a number"), 0
-                length = int(value)
-                if length > self.max_body:
-                    return _too_large(self.max_body), length
-            elif name == b"content-type" and value.lower().startswith(_FORM):
-                headers = list(scope["headers"])
-                headers[i] = (name, b"application/json")
-                scope["headers"] = headers
+        the length declared (the guard's, or the body limit's)."""
+        seen = Seen.of(scope)
+        length = None
+        if seen.length is not None:
+            if not seen.length.isdigit() or len(seen.length) > MAX_LENGTH_DIGITS:
+                return HTTPException(400, "Content-Length is not a number"), 0
+            length = int(seen.length)
+        refusal = self.guard.refusal(scope, seen)
+        if refusal is not None:
+            return refusal, length or 0
+        if length is not None and length > self.max_body:
+            return _too_large(self.max_body), length
         return length
 
     def _counting(self, receive: Receive) -> Receive:
@@ -139,7 +143,7 @@ async def _drain(receive: Receive) -> bool:
 
 
 async def _answer(exc: HTTPException, scope: Scope, send: Send, drained: bool) -> None:
-    code = "payload_too_large" if exc.status_code == 413 else "bad_request"
+    code = HTTP_CODES.get(exc.status_code, "bad_request")
     response = error_response(
         exc.status_code,
         {"code": code, "message": str(exc.detail), "retryable": False},

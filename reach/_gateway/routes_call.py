@@ -211,7 +211,7 @@ class FastPath:
     def __init__(self, route: Route, deps: EdgeDeps) -> None:
         self.route = route
         self.app = EdgeMiddleware(
-            route.app, metrics=deps.metrics, max_body=deps.settings.max_body_bytes, outermost=True
+            route.app, metrics=deps.metrics, settings=deps.settings, outermost=True
         )
 
     def takes(self, scope: AsgiScope) -> bool:

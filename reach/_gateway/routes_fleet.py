@@ -15,7 +15,7 @@ from .._routing import Policy, Weights, explain_miss, rank
 from ..errors import CapabilityNotFound, CircuitOpen
 from ..wire import AgentRecord, Priority, Status
 from .deps import EdgeDeps
-from .inputs import as_value_error, check_capability, check_tags, check_version
+from .inputs import as_value_error, bad, check_capability, check_tags, check_version
 
 __all__ = ["RouteBody", "capabilities_of", "router"]
 
@@ -133,6 +133,8 @@ def router(deps: EdgeDeps) -> APIRouter:
         summary="Ranked candidates with scores, and the instance the next call would take",
     )
     async def route(body: RouteBody) -> Response:
+        if body.routing is Policy.DIRECT:
+            raise bad("routing 'direct' needs an agent id, which a route query does not name")
         records = await client.agents(body.capability)
         tags = tuple(body.tags)
         weights = Weights(**client.settings.routing_weights.get(body.capability, {}))

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .._cli_common import json_or_text
 from ..wire import Priority
 from ..wire.tasks import TaskRecord
+from .auth import CALLER_DIGITS, scoped_key
 from .deps import EdgeDeps
 from .events import task_events
 from .inputs import (
@@ -27,6 +28,9 @@ from .inputs import (
 from .settings import Scope
 
 __all__ = ["SubmitBody", "record_json", "router"]
+
+#: what a submit takes, less the caller's prefix (``scoped_key``)
+_MAX_KEY = 256 - CALLER_DIGITS - 1
 
 _encode = msgspec.json.Encoder()
 
@@ -93,17 +97,29 @@ def router(deps: EdgeDeps) -> APIRouter:
     )
     async def submit_task(
         body: SubmitBody,
-        idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+        request: Request,
+        idempotency_key: Annotated[str | None, Header(max_length=_MAX_KEY)] = None,
     ) -> Response:
+        """The ``Idempotency-Key`` is the caller's: stored as ``<caller>:<key>``, the
+        caller a digest of the token (``open`` without tokens)."""
         if body.timeout is not None:
             check_timeout(body.timeout, retention, "timeout (per attempt)")
+        key = idempotency_key
+        if key is not None:
+            key = scoped_key(deps.auth.caller(request.headers.get("authorization")), key)
         ref = await client.submit(
             body.capability,
             body.payload,
             priority=body.priority,
             timeout=body.timeout,
             max_attempts=body.max_attempts,
-            idempotency_key=idempotency_key,
+            idempotency_key=(
+                None
+                if idempotency_key is None
+                else scoped_key(
+                    deps.auth.caller(request.headers.get("authorization")), idempotency_key
+                )
+            ),
             required_tags=body.tags,
             version=body.version,
         )
@@ -129,7 +145,11 @@ def router(deps: EdgeDeps) -> APIRouter:
     )
     async def task_events_stream(task_id: str, request: Request) -> StreamingResponse:
         ref = await client.task(check_task_id(task_id))  # 404 before the stream starts
-        stream: AsyncIterator[str] = task_events(ref, deps.settings.sse_ping, record_json)
+        if deps.streams.full():
+            raise deps.streams.refusal()
+        stream: AsyncIterator[str] = task_events(
+            ref, deps.settings.sse_ping, record_json, deps.streams
+        )
         return StreamingResponse(
             stream,
             media_type="text/event-stream",

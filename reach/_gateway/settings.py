@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from typing import Self
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,7 +27,7 @@ MIN_TOKEN_LENGTH = 16
 class Scope(enum.StrEnum):
     """What a token may do; ``admin`` may do everything."""
 
-    CALL = "call"  # request/reply calls, the route query
+    CALL = "call"  # request/reply calls (the routing table and route query: any token)
     SUBMIT = "submit"  # durable tasks: submit, read, follow, cancel
     ADMIN = "admin"
 
@@ -56,8 +57,15 @@ class GatewaySettings(BaseSettings):
     max_timeout: float = Field(default=300.0, gt=0)
     #: seconds between keep-alive comments on an idle event stream
     sse_ping: float = Field(default=15.0, gt=0)
-    #: seconds a stopping gateway waits for requests in flight (event streams included)
-    shutdown_grace: float = Field(default=5.0, ge=0)
+    #: seconds a stopping gateway waits for requests in flight (event streams included);
+    #: uvicorn counts whole seconds, so this is rounded up
+    shutdown_grace: float = Field(default=5.0, gt=0)
+    #: event streams open at once (task events and A2A streams, each holds a KV watch);
+    #: past it 503 with Retry-After
+    max_streams: int = Field(default=256, ge=1, le=100_000)
+    #: where clients reach the gateway (``https://gw.example``), behind a proxy: written in
+    #: the A2A cards, accepted as Origin and (open gateway) as Host; None: the request's Host
+    public_url: str | None = None
 
     @field_validator("tokens")
     @classmethod
@@ -73,6 +81,20 @@ class GatewaySettings(BaseSettings):
             if not scopes:
                 raise ValueError("every token needs at least one scope: call, submit or admin")
         return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"public_url {value!r} must be an http(s) URL, e.g. https://gw.example"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError("public_url takes no query or fragment")
+        return value.rstrip("/")
 
     @model_validator(mode="after")
     def _open_only_on_loopback(self) -> Self:

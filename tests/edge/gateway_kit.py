@@ -16,6 +16,7 @@ import uvicorn
 import reach
 from reach import Agent, Client, Context, ReachSettings
 from reach._gateway import EdgeDeps, GatewaySettings, build_app
+from reach._gateway.edge import build_edge
 from reach.testing import eventually
 
 CALL = "c" * 20  # tokens of the auth tests, one per scope set
@@ -62,24 +63,28 @@ def echo_agent(
 
 @contextlib.asynccontextmanager
 async def asgi(
-    client: Client, **settings: Any
+    client: Client, *, headers: dict[str, str] | None = None, **settings: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, EdgeDeps]]:
-    """The gateway app over httpx's ASGI transport (the client connected by the caller)."""
+    """The gateway app over httpx's ASGI transport (the client connected by the caller);
+    ``headers`` go with every request."""
     deps = EdgeDeps(client, GatewaySettings(**settings))
     app = build_app(deps)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://127.0.0.1:8080", headers=headers
+    ) as http:
         yield http, deps
 
 
 @contextlib.asynccontextmanager
 async def served(
-    reach_settings: ReachSettings, **settings: Any
+    reach_settings: ReachSettings, *, edge: bool = False, **settings: Any
 ) -> AsyncIterator[tuple[str, EdgeDeps]]:
     """The gateway on a real uvicorn (loopback, a free port), owning its client through
-    the app's lifespan: connected at startup, closed at shutdown."""
+    the app's lifespan: connected at startup, closed at shutdown. ``edge``: the whole
+    edge (``build_edge``: the page and A2A too), as ``reach gateway`` serves it."""
     deps = EdgeDeps(Client(settings=reach_settings, name="gw"), GatewaySettings(**settings))
-    app = build_app(deps, manage_client=True)
+    app = build_edge(deps, manage_client=True).app if edge else build_app(deps, manage_client=True)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None)
     server = uvicorn.Server(config)
     sock = config.bind_socket()

@@ -376,3 +376,25 @@ async def test_tokens_and_scopes(reach_settings):
                 await client(caller).get_task(GetTaskRequest(id=done.task.id))
             with pytest.raises(A2AClientError, match="403"):
                 await collect(client(submitter).send_message(echo))
+
+
+@pytest.mark.parametrize("capability", ["text.echo", "text.count"])
+@pytest.mark.parametrize("timeout", [1e12, 0, -1, "soon", True])
+async def test_a_timeout_in_the_metadata_is_finite_and_bounded(fleet, http, capability, timeout):
+    client = await a2a(fleet, http, "helper", streaming=False)
+    message = send([new_data_part({"text": "a"})], capability=capability, timeout=timeout)
+    with pytest.raises(InvalidParamsError, match="metadata 'timeout'"):
+        await collect(client.send_message(message))
+
+
+async def test_an_infinite_timeout_in_raw_json_is_invalid_params(fleet, http):
+    """The SDK's client cannot send it; raw JSON can (1e999 reads as infinity)."""
+    body = (
+        b'{"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {"message":'
+        b' {"role": "ROLE_USER", "messageId": "m-1", "parts": [{"text": "a"}],'
+        b' "metadata": {"capability": "text.echo", "timeout": 1e999}}}}'
+    )
+    headers = {"content-type": "application/json", "A2A-Version": "1.0"}
+    r = await http.post(f"{fleet.url}/a2a/helper", content=body, headers=headers)
+    error = r.json()["error"]
+    assert (error["code"], "metadata 'timeout'" in error["message"]) == (-32602, True), error

@@ -15,6 +15,7 @@ from reach.testing import eventually
 from .gateway_kit import ADMIN, CALL, SUBMIT, TOKENS, asgi, echo_agent, error_of
 
 CALL_URL = "/v1/capabilities/demo.echo"
+JSON = {"content-type": "application/json"}
 
 
 async def test_a_call_answers_with_the_result_and_who_served_it(reach_settings, reach_client):
@@ -131,6 +132,7 @@ async def test_invalid_input_is_400_before_anything_is_sent(
     # No agent runs: had the request reached NATS it would be 404, not 400; and the
     # client never checked a capability for a call (its first step on every call).
     async with Client(settings=reach_settings) as client, asgi(client) as (http, _):
+        headers = {"content-type": "application/json", **headers}
         r = await http.post(url, params=params, headers=headers, content=content)
         err = error_of(r)
         assert (r.status_code, err["code"]) == (400, "bad_request"), r.text
@@ -141,7 +143,7 @@ async def test_invalid_input_is_400_before_anything_is_sent(
 
 
 async def test_bodies_over_the_limit_are_413_with_or_without_a_content_length(reach_client):
-    async with asgi(reach_client, max_body_bytes=64) as (http, _):
+    async with asgi(reach_client, max_body_bytes=64, headers=JSON) as (http, _):
         r = await http.post(CALL_URL, content=b"[" + b"1," * 40 + b"1]")
         assert (r.status_code, error_of(r)["code"]) == (413, "payload_too_large")
 
@@ -292,16 +294,15 @@ async def test_unknown_paths_and_methods_answer_in_the_same_shape(reach_client):
         assert {"timeout", "priority", "agent_id", "tags", "version", "routing"} <= params
 
 
-async def test_a_body_sent_as_a_form_is_read_as_json(reach_settings, reach_client):
-    """What `curl -d` sends: the gateway has no form routes, so it reads JSON."""
+async def test_a_body_sent_as_a_form_is_refused(reach_settings, reach_client):
+    """What `curl -d` sends, and what a page on another site may send without asking:
+    415, the gateway reads JSON bodies only (test_gateway_guard has the rest)."""
     form = {"content-type": "application/x-www-form-urlencoded"}
     async with echo_agent(reach_settings, "echo-1"), asgi(reach_client) as (http, _):
         r = await http.post("/v1/route", content=b'{"capability": "demo.echo"}', headers=form)
-        assert r.status_code == 200, r.text
+        assert (r.status_code, error_of(r)["code"]) == (415, "unsupported_media_type")
         r = await http.post(CALL_URL, content=b'{"n": 1}', headers=form)
-        assert r.json()["result"]["echo"] == {"n": 1}
-        r = await http.post("/v1/tasks", content=b'{"capability": "demo.job"}', headers=form)
-        assert r.status_code == 202, r.text
+        assert r.status_code == 415
 
 
 async def test_the_call_route_answers_alike_through_starlettes_router(reach_settings, reach_client):
@@ -309,12 +310,12 @@ async def test_the_call_route_answers_alike_through_starlettes_router(reach_sett
     async with echo_agent(reach_settings, "echo-1"), asgi(reach_client) as (_, deps):
         app = build_app(deps)
         transport = httpx.ASGITransport(app=app, root_path="/edge")
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
             r = await http.post(CALL_URL, json={"n": 2})
             assert (r.status_code, r.json()["result"]["echo"]) == (200, {"n": 2})
             r = await http.post(CALL_URL, params={"priority": "urgent"})
             assert (r.status_code, error_of(r)["code"]) == (400, "bad_request")
-            r = await http.post(CALL_URL, content=b"[" + b"1," * 10**6 + b"1]")
+            r = await http.post(CALL_URL, content=b"[" + b"1," * 10**6 + b"1]", headers=JSON)
             assert r.status_code == 413
         labels = {"route": "/v1/capabilities/{capability}", "method": "POST", "code": "200"}
         assert deps.metrics.requests[tuple(labels.values())] >= 1
@@ -332,3 +333,12 @@ async def test_an_unexpected_error_is_a_500_in_the_json_shape(reach_client, monk
         assert "a bug" not in r.text
         assert deps.metrics.in_flight == 0
     assert any("a bug" in (rec.exc_text or "") or rec.exc_info for rec in caplog.records)
+
+
+async def test_the_route_query_refuses_direct_routing(reach_settings, reach_client):
+    """``direct`` needs the instance to call, which a route query does not name."""
+    async with echo_agent(reach_settings, "echo-1"), asgi(reach_client) as (http, _):
+        r = await http.post("/v1/route", json={"capability": "demo.echo", "routing": "direct"})
+        err = error_of(r)
+        assert (r.status_code, err["code"]) == (400, "bad_request")
+        assert "direct" in err["message"]

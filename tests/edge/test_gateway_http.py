@@ -12,6 +12,7 @@ import sys
 import httpx
 
 from reach import ReachSettings
+from reach._gateway import EdgeDeps
 from reach.testing import eventually
 
 from .gateway_kit import echo_agent, error_of, job_agent, served
@@ -36,7 +37,7 @@ async def test_a_chunked_body_over_the_limit_is_413_on_the_wire(reach_settings):
 
     async with (
         served(reach_settings, max_body_bytes=4096) as (url, _),
-        httpx.AsyncClient(base_url=url) as http,
+        httpx.AsyncClient(base_url=url, headers={"content-type": "application/json"}) as http,
     ):
         r = await http.post("/v1/capabilities/demo.echo", content=chunks())
         assert r.request.headers["transfer-encoding"] == "chunked"
@@ -85,12 +86,71 @@ async def test_a_client_that_hangs_up_ends_its_stream(reach_settings):
         r = await http.post("/v1/tasks", json={"capability": "demo.job", "payload": {"hold": True}})
         task_id = r.json()["task_id"]
         await asyncio.wait_for(entered.wait(), 30)
+        nc = deps.client.nc
+        before = len(nc._subs)  # the gateway's NATS subscriptions (nats-py keeps them here)
         async with http.stream("GET", f"/v1/tasks/{task_id}/events") as stream:
-            async for line in stream.aiter_lines():
-                if line.startswith("event: state"):
-                    break  # hang up with the task still running
-        await eventually(lambda: deps.metrics.in_flight == 0)  # its watch stopped too
+            lines = stream.aiter_lines()
+            while not (await anext(lines)).startswith("event: state"):
+                pass
+            assert len(nc._subs) > before  # the stream follows the record: a KV watch
+        # hung up with the task still running: the watch stops
+        await eventually(lambda: len(nc._subs) == before, timeout=30)
+        assert deps.streams.open == 0
         gate.set()
+
+
+async def test_event_streams_are_capped_across_tasks_and_a2a(reach_settings):
+    settings = reach_settings.model_copy(update={"task_ack_wait": 2.0})
+    gate, entered = asyncio.Event(), asyncio.Event()
+    async with (
+        job_agent(settings, gate, entered),
+        served(settings, edge=True, max_streams=1) as (url, deps),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
+        try:
+            await streams_capped(http, deps, entered)
+        finally:
+            gate.set()  # the task ends, and any stream still open with it
+
+
+async def streams_capped(http: httpx.AsyncClient, deps: EdgeDeps, entered: asyncio.Event):
+    r = await http.post("/v1/tasks", json={"capability": "demo.job", "payload": {"hold": True}})
+    task_id = r.json()["task_id"]
+    await asyncio.wait_for(entered.wait(), 30)
+    events = f"/v1/tasks/{task_id}/events"
+    a2a = {"A2A-Version": "1.0"}
+    subscribe = {"jsonrpc": "2.0", "id": 1, "method": "SubscribeToTask", "params": {"id": task_id}}
+    async with http.stream("GET", events) as stream:
+        # held, not left to the garbage collector, which would close the connection
+        lines = stream.aiter_lines()
+        while not (await anext(lines)).startswith("event: state"):
+            pass
+        assert deps.streams.open == 1
+        # another client: this one's connection is busy with the stream
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=30) as other:
+            r = await other.get(events)
+            err = error_of(r)
+            assert (r.status_code, err["code"], err["retryable"]) == (
+                503,
+                "resource_exhausted",
+                True,
+            )
+            assert r.headers["retry-after"] == "1"
+            r = await other.post("/a2a/worker", json=subscribe, headers=a2a)
+            assert (r.status_code, r.headers["retry-after"]) == (503, "1")
+        assert deps.streams.refused == 2
+    await eventually(lambda: deps.streams.open == 0)
+    # the slot is free again, for either kind
+    async with (
+        httpx.AsyncClient(base_url=str(http.base_url), timeout=30) as other,
+        other.stream("POST", "/a2a/worker", json=subscribe, headers=a2a) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.aiter_lines()
+        while not (await anext(lines)).startswith("data:"):
+            pass  # then the task as it is: its watch follows
+        await eventually(lambda: deps.streams.open == 1)
+    await eventually(lambda: deps.streams.open == 0)
 
 
 async def start_gateway(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:

@@ -10,7 +10,7 @@ import pytest
 from reach import Client, ReachSettings
 from reach.testing import eventually
 
-from .gateway_kit import asgi, error_of, job_agent, parse_sse
+from .gateway_kit import ADMIN, SUBMIT, TOKENS, asgi, error_of, job_agent, parse_sse
 
 
 @pytest.fixture
@@ -56,7 +56,27 @@ async def test_the_same_idempotency_key_gives_the_same_task(settings):
         ids = {r.json()["task_id"] for r in (first, other, plain)}
         assert len(ids) == 3
         rec = (await http.get(f"/v1/tasks/{first.json()['task_id']}")).json()
-        assert (rec["idempotency_key"], rec["state"]) == ("order-42", "PENDING")
+        assert (rec["idempotency_key"], rec["state"]) == ("open:order-42", "PENDING")
+
+
+async def test_idempotency_keys_are_per_token(settings):
+    """Two callers who pick the same key get their own tasks (and cannot find each
+    other's through it)."""
+    async with Client(settings=settings) as client, asgi(client, tokens=TOKENS) as (http, _):
+        job = {"capability": "demo.job"}
+        ids = []
+        for token in (SUBMIT, ADMIN, SUBMIT):
+            headers = {"Idempotency-Key": "order-42", "Authorization": f"Bearer {token}"}
+            r = await http.post("/v1/tasks", json=job, headers=headers)
+            assert r.status_code == 202, r.text
+            ids.append(r.json()["task_id"])
+        assert ids[0] == ids[2] != ids[1]
+        r = await http.post(
+            "/v1/tasks",
+            json=job,
+            headers={"Idempotency-Key": "k" * 244, "Authorization": f"Bearer {SUBMIT}"},
+        )
+        assert r.status_code == 422  # the key, with its caller prefix, must fit 256
 
 
 async def test_unknown_and_invalid_task_ids(settings):

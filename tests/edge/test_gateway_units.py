@@ -12,6 +12,7 @@ from reach._gateway.auth import Auth
 from reach._gateway.errors import STATUS_BY_CODE, EdgeError, error_body, http_status
 from reach._gateway.inputs import CallOptions, call_options
 from reach._gateway.settings import GatewaySettings, Scope
+from reach._gateway.streams import Latest, StreamSlots
 from reach.errors import Attempt
 
 TOKEN = "0123456789abcdef0123"
@@ -38,6 +39,10 @@ def test_settings_read_tokens_as_json_from_the_environment(monkeypatch):
         ({"host": "192.0.2.7"}, "not loopback"),
         ({"default_timeout": 10, "max_timeout": 5}, "default_timeout"),
         ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"shutdown_grace": 0}, "shutdown_grace"),
+        ({"max_streams": 0}, "max_streams"),
+        ({"public_url": "gw.example"}, "http"),
+        ({"public_url": "https://gw.example/?x=1"}, "query"),
     ],
 )
 def test_settings_refuse(kwargs, needle):
@@ -72,7 +77,8 @@ def test_scopes_admin_may_do_everything():
     [
         (reach.BadRequest("x"), 400),
         (reach.ConfigurationError("x"), 400),
-        (reach.Unauthorized("x"), 403),
+        (reach.ConfigurationError("payload of 9 bytes is too large for a task: at most 5"), 413),
+        (reach.Unauthorized("NATS refused connection 'gw' permission to publish"), 502),
         (reach.CapabilityNotFound("x"), 404),
         (reach.TaskNotFound("t1"), 404),
         (reach.DeadLetterNotFound(3, "S"), 404),
@@ -92,6 +98,8 @@ def test_scopes_admin_may_do_everything():
 )
 def test_every_reach_error_has_a_status(error, status):
     assert http_status(error) == status
+    if status == 413:
+        assert error_body(error)["code"] == "payload_too_large"
     if isinstance(error, reach.RemoteError) and error.code in STATUS_BY_CODE:
         assert STATUS_BY_CODE[error.code] == status
 
@@ -137,3 +145,27 @@ def test_call_options_from_query_and_headers():
         call_options({"timeout": "61"}, {}, 60)
     with pytest.raises(EdgeError, match="tags"):
         call_options({"tags": ",".join(f"t{i}" for i in range(65))}, {}, 60)
+
+
+async def test_latest_keeps_only_the_newest_and_never_the_end_before_it():
+    latest: Latest[int] = Latest()
+    for n in (1, 2, 3):
+        latest.put(n)
+    latest.end()
+    assert (await latest.take(), latest.skipped) == (3, 2)  # the final one is kept
+    assert await latest.take() is None  # then how the watch ended
+    failed: Latest[int] = Latest()
+    failed.put(1)
+    failed.end(reach.ReachError("watch failed"))
+    assert await failed.take() == 1
+    assert isinstance(await failed.take(), reach.ReachError)
+
+
+def test_stream_slots_refuse_past_the_limit_and_free_on_exit():
+    slots = StreamSlots(1)
+    with slots.slot():
+        assert slots.full()
+        with pytest.raises(EdgeError) as info, slots.slot():
+            pass
+        assert (info.value.status, info.value.retryable, slots.refused) == (503, True, 1)
+    assert (slots.open, slots.full()) == (0, False)

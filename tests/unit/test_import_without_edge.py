@@ -1,0 +1,36 @@
+"""``import reach`` (and the CLI module) leaves the ``edge`` extra unloaded: FastAPI,
+Starlette, uvicorn, httpx and the A2A SDK load only with the edge commands or packages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EDGE = ("fastapi", "starlette", "uvicorn", "httpx", "a2a", "sse_starlette")
+PROBE = f"""
+import json, sys
+import reach, reach.cli
+edge = {EDGE!r}
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in edge)))
+"""
+
+
+def test_import_reach_loads_none_of_the_edge_extra():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
