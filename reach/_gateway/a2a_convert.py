@@ -134,7 +134,7 @@ def _note(rec: TaskRecord) -> str:
     note of a running one."""
     if rec.state in (S.FAILED, S.CANCELLED) and rec.error is not None:
         return f"{rec.error.code}: {rec.error.message}"
-    if rec.state is S.RETRYING and rec.attempts:
+    if rec.state in (S.RETRYING, S.TIMEOUT) and rec.attempts:
         last = rec.attempts[-1]
         return f"attempt {last.n} ended {last.outcome}; retrying"
     return rec.progress_note
