@@ -300,11 +300,14 @@ class Router:
         if agent_id is None or outcome in UNANSWERED:
             return
         if outcome == "no_responders":
+            # Nobody listens there: passed over while absent. Not a breaker failure: an
+            # open breaker's half-open probe would refuse every other request meanwhile.
             self.absent.pop(agent_id, None)  # re-inserted last: the oldest go first
             self.absent[agent_id] = now
             if len(self.absent) > _MAX_ABSENT:
                 del self.absent[next(iter(self.absent))]
-        elif self.absent:
+            return
+        if self.absent:
             self.absent.pop(agent_id, None)  # it answered: it is there
         breaker = self.instance_breakers.get(agent_id)
         if outcome in INSTANCE_FAILURE:

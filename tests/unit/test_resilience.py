@@ -512,3 +512,31 @@ def test_instances_remembered_as_absent_are_bounded(monkeypatch):
     for n in range(5):  # direct calls can name any id
         router.finished(f"x-{n}", "work.do", "no_responders", 0.1, float(n))
     assert list(router.absent) == ["x-2", "x-3", "x-4"]
+
+
+def test_an_instance_that_stays_gone_never_makes_the_router_refuse():
+    """The registry_restart chaos scenario: a dead instance's lease outlives it while no
+    registry runs. Each time its absence expired it was tried again, said no-responders
+    again, and its breaker (fed by those) was open when the next absence expired:
+    CircuitOpen with nothing tried (344 failed requests). No-responders now marks the
+    instance absent and leaves its breaker alone."""
+    router = Router(breaker_cooldown=5.0)
+    table = table_of(rec("gone"))
+    outcomes = []
+    for tick in range(200):
+        now = tick / 4
+        choices = [  # several requests in flight at once, as under load
+            router.choose(
+                Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, now
+            ).agent_id
+            for _ in range(4)
+        ]
+        outcomes += choices
+        for choice in choices:
+            router.started(choice)
+            if choice == "gone":
+                router.finished("gone", "work.do", "no_responders", 0.1, now)
+            else:
+                router.finished(None, "work.do", "ok", 1.0, now)  # the queue group answered
+    assert "gone" in outcomes  # tried again now and then
+    assert None in outcomes  # and the queue group meanwhile: never refused
