@@ -82,7 +82,7 @@ class Client(DurableTasks, ConfigWrites):
             weights={c: Weights(**w) for c, w in self.settings.routing_weights.items()},
             task_types=self.settings.task_types,
         )
-        self._table = RoutingTable(on_leave=self._router.forget)
+        self._table = RoutingTable(on_leave=self._router.forget, on_renew=self._router.renewed)
         self._config = ConfigSink(self._router)
         self._watches = Watches(
             name or "reach-client", self.settings, self.subjects, self._table, self._config

@@ -44,11 +44,13 @@ class RoutingTable:
         self,
         *,
         on_leave: Callable[[str], None] = _ignore,
+        on_renew: Callable[[str], None] = _ignore,
         listen_limit: int = LISTEN_LIMIT,
     ) -> None:
         self.records: dict[str, AgentRecord] = {}
         self._by_cap: dict[str, set[str]] = {}
         self._on_leave = on_leave
+        self._on_renew = on_renew
         self._listen_limit = listen_limit
         self._listeners: list[asyncio.Queue[AgentRecord | str]] = []
         # Eligibility depends on status, version and tags only, not on load: cache the
@@ -181,6 +183,7 @@ class RoutingTable:
             self._on_leave(key)
             self._notify(key)
         else:
+            self._on_renew(key)
             self._notify(record)
 
     def _drop_capability(self, name: str) -> None:

@@ -103,7 +103,8 @@ class Router:
         self._sessions: dict[str, set[tuple[str, str]]] = {}  # agent id -> its affinity keys
         self._departed: dict[str, int] = {}  # left the table with attempts still in flight
         #: instances whose direct subject answered no-responders, and when: nobody listens
-        #: there, whatever their lease says (a dead agent's lease outlives it)
+        #: there, whatever their lease says (a dead agent's lease outlives it); until they
+        #: answer, their record is written again, or they leave the table
         self.absent: dict[str, float] = {}
         self.rate_limits = dict(rate_limits or {})
         self.buckets: dict[str, TokenBucket] = {}
@@ -156,7 +157,7 @@ class Router:
             raise CapabilityNotFound(
                 explain_miss(offering, capability, version, tags, priority), capability=capability
             )
-        if self.absent and self._still_absent(now):
+        if self.absent:
             present = [i for i in ids if i not in self.absent]
             if not present:
                 if version is None and not tags:
@@ -224,17 +225,11 @@ class Router:
         fresh = [i for i in allowed if i not in tried]
         return fresh or allowed
 
-    def _still_absent(self, now: float) -> bool:
-        """Forget instances that said nobody listens a breaker cooldown ago or more (one
-        may have been restarted under the same id); whether any are left. The map is in
-        time order, so this costs one look when nothing expired."""
-        absent, horizon = self.absent, now - self.breaker_cooldown
-        while absent:
-            oldest = next(iter(absent))
-            if absent[oldest] > horizon:
-                return True
-            del absent[oldest]
-        return False
+    def renewed(self, agent_id: str) -> None:
+        """The instance's record was written again (a heartbeat, a new registration): it
+        may be back (restarted under the same id), so it is tried again."""
+        if self.absent:
+            self.absent.pop(agent_id, None)
 
     def _take(self, agent_id: str, now: float) -> Choice:
         breaker = self.instance_breakers.get(agent_id)

@@ -479,9 +479,12 @@ def test_instances_that_answered_no_responders_leave_the_choice_to_the_queue_gro
         choose(6.0, version="1")
     with pytest.raises(AgentUnavailable):
         choose(6.0, tags=("gpu",))
-    # a restarted instance (same id) is tried again once the cooldown has passed
-    assert choose(20.0) == "gone"
-    assert router.absent == {}  # and the map forgot it
+    # it stays passed over however long (its lease outlives it)...
+    assert choose(600.0) is None
+    # ...until its record is written again: restarted under the same id, it is tried
+    router.renewed("gone")
+    assert choose(601.0) == "gone"
+    assert router.absent == {}
 
 
 def test_an_instance_that_said_nobody_listens_is_passed_over_before_its_breaker_opens():
