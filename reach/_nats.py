@@ -299,7 +299,12 @@ def jetstream_unready(exc: BaseException) -> bool:
     if isinstance(exc, nats.errors.ConnectionClosedError):
         return False
     if isinstance(exc, nats.js.errors.APIError):
-        return isinstance(exc, nats.js.errors.ServiceUnavailableError) or exc.err_code == 10008
+        # 10008: JetStream temporarily unavailable; 10158: an earlier publish with the same
+        # Nats-Msg-Id is still being stored (its ack was lost): the next try is answered
+        return isinstance(exc, nats.js.errors.ServiceUnavailableError) or exc.err_code in (
+            10008,
+            10158,
+        )
     return isinstance(
         exc,
         (

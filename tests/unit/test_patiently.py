@@ -45,6 +45,7 @@ def far():
         nats.errors.TimeoutError(),
         nats.js.errors.NoStreamResponseError(),
         nats.js.errors.ServiceUnavailableError(code=503, err_code=10008),
+        nats.js.errors.APIError(code=409, err_code=10158, description="duplicate id in process"),
         nats.errors.ConnectionReconnectingError(),
     ],
 )
