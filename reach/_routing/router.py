@@ -181,6 +181,11 @@ class Router:
         ):
             return Choice(None)  # only the instance just tried is left: let NATS choose
         if not pool:
+            if version is None and not tags:
+                # every listed instance's breaker is open: the queue group reaches whoever
+                # really listens (a dead instance's lease may be all the table holds); the
+                # capability's own breaker still fails fast when everything fails
+                return Choice(None)
             raise CircuitOpen(
                 f"every instance of {capability!r} is unavailable or its circuit is open",
                 capability=capability,

@@ -251,8 +251,15 @@ def test_router_skips_open_breakers_and_says_so_when_all_are_open():
     assert picks == {"b"}
     for _ in range(5):
         router.finished("b", "work.do", "timeout", 1.0, 0.0)
+    # every breaker open: the queue group (whoever really listens); with a version, say so
+    assert (
+        router.choose(
+            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 1.0
+        ).agent_id
+        is None
+    )
     with pytest.raises(CircuitOpen):
-        router.choose(Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 1.0)
+        router.choose(Policy.BALANCED, table, "work.do", "1", (), Priority.NORMAL, [], None, 1.0)
 
 
 def test_router_queue_when_table_knows_nothing_and_not_found_when_filtered():
@@ -505,8 +512,26 @@ def test_a_failing_instance_still_opens_its_circuit():
     table = table_of(rec("slow"))
     for n in range(6):
         router.finished("slow", "work.do", "timeout", 1.0, float(n))
+    assert router.instance_breakers["slow"].state is BreakerState.OPEN
     with pytest.raises(CircuitOpen):
-        router.choose(Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 6.0)
+        router.choose(Policy.BALANCED, table, "work.do", "1", (), Priority.NORMAL, [], None, 6.0)
+
+
+def test_a_dead_instance_whose_breaker_opened_leaves_the_choice_to_the_queue_group():
+    """The registry_restart chaos scenario in CI: requests in flight when an agent was
+    killed timed out and opened its breaker; with no registry its lease was all the table
+    held, and every request got CircuitOpen until the half-open probe (352 failed)."""
+    router = Router(breaker_cooldown=5.0)
+    table = table_of(rec("dead"))
+    for n in range(6):
+        router.finished("dead", "work.do", "timeout", 1.0, float(n))
+    for now in (6.0, 7.0, 8.0):
+        assert (
+            router.choose(
+                Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, now
+            ).agent_id
+            is None
+        )
 
 
 def test_instances_remembered_as_absent_are_bounded(monkeypatch):
