@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from .._routing import Policy
 from .._subjects import MAX_NAME, validate_agent_id, validate_capability
 from ..wire import Priority
@@ -166,3 +168,29 @@ def call_options(
     ):
         raise bad(f"affinity_key must be 1-{MAX_AFFINITY_KEY} printable characters")
     return CallOptions(timeout, priority, agent_id, tags, version, routing, affinity_key)
+
+
+class Selection(BaseModel):
+    """A body naming a capability and which instances may take it: the capability, version
+    and tags are checked as the call route checks them, before anything reaches NATS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capability: str
+    version: str | None = None
+    tags: list[str] = Field(default_factory=list, description="required tags (all of them)")
+
+    @field_validator("capability")
+    @classmethod
+    def _capability(cls, value: str) -> str:
+        return as_value_error(check_capability, value)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        return list(as_value_error(check_tags, value))
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str | None) -> str | None:
+        return None if value is None else as_value_error(check_version, value)

@@ -9,47 +9,27 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from .._routing import Policy, Weights, explain_miss, rank
 from ..errors import CapabilityNotFound, CircuitOpen
 from ..wire import AgentRecord, Priority, Status
 from .deps import EdgeDeps
-from .inputs import as_value_error, bad, check_capability, check_tags, check_version
+from .inputs import Selection, bad
 
 __all__ = ["RouteBody", "capabilities_of", "router"]
 
 _encode = msgspec.json.Encoder()
 
 
-class RouteBody(BaseModel):
+class RouteBody(Selection):
     """``POST /v1/route``: who should take this capability now?"""
 
-    model_config = ConfigDict(extra="forbid")
-
-    capability: str
-    version: str | None = None
-    tags: list[str] = Field(default_factory=list)
     priority: Priority = Priority.NORMAL
     routing: Policy | None = Field(
         default=None, description="policy of the suggestion (default: the gateway's)"
     )
     limit: int = Field(default=5, ge=1, le=100, description="candidates at most")
-
-    @field_validator("capability")
-    @classmethod
-    def _capability(cls, value: str) -> str:
-        return as_value_error(check_capability, value)
-
-    @field_validator("tags")
-    @classmethod
-    def _tags(cls, value: list[str]) -> list[str]:
-        return list(as_value_error(check_tags, value))
-
-    @field_validator("version")
-    @classmethod
-    def _version(cls, value: str | None) -> str | None:
-        return None if value is None else as_value_error(check_version, value)
 
 
 def _record_json(rec: AgentRecord) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from .._cli_common import json_or_text
 from ..wire import Priority
@@ -17,14 +17,7 @@ from ..wire.tasks import TaskRecord
 from .auth import CALLER_DIGITS, scoped_key
 from .deps import EdgeDeps
 from .events import task_events
-from .inputs import (
-    as_value_error,
-    check_capability,
-    check_tags,
-    check_task_id,
-    check_timeout,
-    check_version,
-)
+from .inputs import Selection, check_task_id, check_timeout
 from .settings import Scope
 
 __all__ = ["SubmitBody", "record_json", "router"]
@@ -35,33 +28,14 @@ _MAX_KEY = 256 - CALLER_DIGITS - 1
 _encode = msgspec.json.Encoder()
 
 
-class SubmitBody(BaseModel):
+class SubmitBody(Selection):
     """``POST /v1/tasks``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     capability: str = Field(description="the capability declared with @agent.task")
     payload: Any = Field(default=None, description="any JSON value")
     priority: Priority = Priority.NORMAL
     timeout: float | None = Field(default=None, gt=0, description="seconds per attempt")
     max_attempts: int | None = Field(default=None, ge=1, le=100)
-    tags: list[str] = Field(default_factory=list, description="required tags (all of them)")
-    version: str | None = None
-
-    @field_validator("capability")
-    @classmethod
-    def _capability(cls, value: str) -> str:
-        return as_value_error(check_capability, value)
-
-    @field_validator("tags")
-    @classmethod
-    def _tags(cls, value: list[str]) -> list[str]:
-        return list(as_value_error(check_tags, value))
-
-    @field_validator("version")
-    @classmethod
-    def _version(cls, value: str | None) -> str | None:
-        return None if value is None else as_value_error(check_version, value)
 
 
 def record_json(rec: TaskRecord) -> dict[str, Any]:
