@@ -36,6 +36,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
         import uvicorn
 
         from ._gateway import EdgeDeps, GatewaySettings, build_edge
+        from ._gateway.serving import JoinedWritesProtocol
     except ImportError as exc:
         raise ConfigurationError(
             f"the gateway needs the 'edge' extra: pip install 'agent-reach-nats[edge]' ({exc})"
@@ -84,6 +85,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
                 host=gateway.host,
                 port=gateway.port,
                 lifespan="on",
+                http=JoinedWritesProtocol,
                 log_config=None,  # our handlers (configure_logging) print uvicorn's records
                 access_log=args.access_log,
                 timeout_graceful_shutdown=math.ceil(gateway.shutdown_grace),

@@ -207,6 +207,7 @@ class Client(DurableTasks, ConfigWrites):
             (),
             affinity_key,
             asyncio.get_running_loop().time(),
+            send=False,
         ).agent_id
 
     def footprint(self) -> dict[str, int]:

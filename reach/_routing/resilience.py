@@ -113,6 +113,7 @@ class CircuitBreaker:
         self._consecutive = 0
         self._opened_at = 0.0
         self._probing = False
+        self._early = False  # one probe before the cooldown ends, per opening from CLOSED
 
     def allow(self, now: float) -> bool:
         """May a request go through now? (Half-open admits one probe at a time.)"""
@@ -136,6 +137,29 @@ class CircuitBreaker:
             return now - self._opened_at >= self.cooldown
         return not self._probing
 
+    def early_probe_ready(self) -> bool:
+        """Open, newly (from CLOSED), and its early probe not yet sent."""
+        return self.state is BreakerState.OPEN and self._early
+
+    @property
+    def opened_at(self) -> float:
+        return self._opened_at
+
+    def early_probe(self) -> None:
+        """Send one probe before the cooldown ends: what opened a breaker may be an
+        instance that is gone (a dead agent's requests time out), which a probe learns at
+        once (no-responders). Once per opening, so a live instance that fails gets one
+        request more, not a stream of them."""
+        self._early = False
+        self.state = BreakerState.HALF_OPEN
+        self._probing = True
+
+    def release(self) -> None:
+        """A probe ended without an outcome for the breaker (nobody listened, the
+        connection was lost, it was cancelled): another may be sent."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probing = False
+
     def clean(self) -> bool:
         """Closed with no failure in its window: nothing worth remembering."""
         return self.state is BreakerState.CLOSED and all(self._outcomes)
@@ -152,19 +176,22 @@ class CircuitBreaker:
         self._consecutive += 1
         self._outcomes.append(False)
         if self.state is BreakerState.HALF_OPEN:
-            self._open(now)
+            self._open(now, early=False)
             return
+        if self.state is BreakerState.OPEN:
+            return  # an attempt sent before it opened: it stays open as it was
         failures = sum(1 for ok in self._outcomes if not ok)
         if self._consecutive >= self.max_consecutive or (
             len(self._outcomes) >= self.min_volume
             and failures / len(self._outcomes) > self.threshold
         ):
-            self._open(now)
+            self._open(now, early=True)
 
-    def _open(self, now: float) -> None:
+    def _open(self, now: float, *, early: bool) -> None:
         self.state = BreakerState.OPEN
         self._opened_at = now
         self._probing = False
+        self._early = early
 
 
 class TokenBucket:

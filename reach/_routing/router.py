@@ -77,6 +77,10 @@ class Choice:
     agent_id: str | None
 
 
+def _look(agent_id: str, now: float) -> Choice:
+    return Choice(agent_id)
+
+
 class Router:
     def __init__(
         self,
@@ -144,9 +148,12 @@ class Router:
         tried: Sequence[str],
         affinity_key: str | None,
         now: float,
+        *,
+        send: bool = True,
     ) -> Choice:
         """The next target. The queue group when the table knows no instance of the
-        capability at all; ``CapabilityNotFound`` when instances exist but none fits."""
+        capability at all; ``CapabilityNotFound`` when instances exist but none fits.
+        ``send=False``: only asking (a route query); a breaker's probe slot is not taken."""
         if policy is Policy.QUEUE or table is None:
             return Choice(None)
         if not table.offers(capability):
@@ -181,19 +188,20 @@ class Router:
         ):
             return Choice(None)  # only the instance just tried is left: let NATS choose
         if not pool:
-            if version is None and not tags:
-                # every listed instance's breaker is open: the queue group reaches whoever
-                # really listens (a dead instance's lease may be all the table holds); the
-                # capability's own breaker still fails fast when everything fails
-                return Choice(None)
+            early = self._early_probe(ids, tried)
+            if early is not None:
+                if send:
+                    self.instance_breakers[early].early_probe()
+                return Choice(early)
             raise CircuitOpen(
                 f"every instance of {capability!r} is unavailable or its circuit is open",
                 capability=capability,
             )
+        take = self._take if send else _look
         if policy is Policy.AFFINITY and affinity_key is not None:
             sticky = self.affinity.get((capability, affinity_key))
             if sticky is not None and sticky in pool:
-                return self._take(sticky, now)
+                return take(sticky, now)
         if policy is Policy.SCORED:
             weights = self.weights.get(capability, Weights())
             records = [table.records[i] for i in pool]
@@ -203,7 +211,7 @@ class Router:
                     f"no instance of {capability!r} scores above {weights.threshold}",
                     capability=capability,
                 )
-            return self._take(ranked[0][0].info.agent_id, now)
+            return take(ranked[0][0].info.agent_id, now)
         typical = self.cap_typical.get(capability, 1.0)
 
         def cost(agent_id: str) -> float:
@@ -215,7 +223,7 @@ class Router:
                 typical,
             )
 
-        return self._take(two_choices(pool, self.rng, cost), now)
+        return take(two_choices(pool, self.rng, cost), now)
 
     def _usable(self, ids: list[str], tried: Sequence[str], now: float) -> list[str]:
         """Instances whose breaker lets traffic through, untried ones first, never the one
@@ -229,6 +237,18 @@ class Router:
         ]
         fresh = [i for i in allowed if i not in tried]
         return fresh or allowed
+
+    def _early_probe(self, ids: list[str], tried: Sequence[str]) -> str | None:
+        """Of instances whose breaker opened and has not sent its early probe, the one
+        that opened first (never one already tried by this call)."""
+        best: str | None = None
+        opened = 0.0
+        for i in ids:
+            breaker = self.instance_breakers.get(i)
+            if breaker is not None and breaker.early_probe_ready() and i not in tried:
+                if best is None or breaker.opened_at < opened:
+                    best, opened = i, breaker.opened_at
+        return best
 
     def renewed(self, agent_id: str) -> None:
         """The instance's record was written again (a heartbeat, a new registration): it
@@ -297,8 +317,14 @@ class Router:
                 if breaker.clean():
                     del self.instance_breakers[agent_id]
             return
-        if agent_id is None or outcome in UNANSWERED:
+        if agent_id is None:
             return
+        if outcome in UNANSWERED or outcome == "no_responders":
+            breaker = self.instance_breakers.get(agent_id)
+            if breaker is not None:
+                breaker.release()  # if it was the probe: it taught the breaker nothing
+            if outcome in UNANSWERED:
+                return
         if outcome == "no_responders":
             # Nobody listens there: passed over while absent. Not a breaker failure: an
             # open breaker's half-open probe would refuse every other request meanwhile.
@@ -307,7 +333,7 @@ class Router:
             if len(self.absent) > _MAX_ABSENT:
                 del self.absent[next(iter(self.absent))]
             return
-        if self.absent:
+        if self.absent and outcome != "timeout":
             self.absent.pop(agent_id, None)  # it answered: it is there
         breaker = self.instance_breakers.get(agent_id)
         if outcome in INSTANCE_FAILURE:

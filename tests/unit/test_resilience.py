@@ -251,15 +251,18 @@ def test_router_skips_open_breakers_and_says_so_when_all_are_open():
     assert picks == {"b"}
     for _ in range(5):
         router.finished("b", "work.do", "timeout", 1.0, 0.0)
-    # every breaker open: the queue group (whoever really listens); with a version, say so
+    # every breaker open: one early probe (b might be gone too), then say so
     assert (
         router.choose(
             Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 1.0
         ).agent_id
-        is None
+        == "b"
     )
-    with pytest.raises(CircuitOpen):
-        router.choose(Policy.BALANCED, table, "work.do", "1", (), Priority.NORMAL, [], None, 1.0)
+    for version in (None, "1"):
+        with pytest.raises(CircuitOpen):
+            router.choose(
+                Policy.BALANCED, table, "work.do", version, (), Priority.NORMAL, [], None, 1.0
+            )
 
 
 def test_router_queue_when_table_knows_nothing_and_not_found_when_filtered():
@@ -507,24 +510,43 @@ def test_an_instance_that_said_nobody_listens_is_passed_over_before_its_breaker_
     assert picks == {"live"}
 
 
-def test_a_failing_instance_still_opens_its_circuit():
+@pytest.mark.parametrize("version", [None, "1"])
+def test_a_failing_instance_still_opens_its_circuit(version):
+    """Once open, a breaker sends one early probe (it may be a dead instance), and when that
+    fails too, every call fails fast until the cooldown ends, versioned or not."""
     router = Router()
     table = table_of(rec("slow"))
     for n in range(6):
         router.finished("slow", "work.do", "timeout", 1.0, float(n))
     assert router.instance_breakers["slow"].state is BreakerState.OPEN
-    with pytest.raises(CircuitOpen):
-        router.choose(Policy.BALANCED, table, "work.do", "1", (), Priority.NORMAL, [], None, 6.0)
+    probe = router.choose(
+        Policy.BALANCED, table, "work.do", version, (), Priority.NORMAL, [], None, 6.0
+    )
+    assert probe.agent_id == "slow"
+    router.started("slow")
+    router.finished("slow", "work.do", "timeout", 1.0, 6.5)
+    for now in (7.0, 8.0):
+        with pytest.raises(CircuitOpen):
+            router.choose(
+                Policy.BALANCED, table, "work.do", version, (), Priority.NORMAL, [], None, now
+            )
 
 
-def test_a_dead_instance_whose_breaker_opened_leaves_the_choice_to_the_queue_group():
+def test_a_dead_instance_whose_breaker_opened_is_found_gone_by_one_early_probe():
     """The registry_restart chaos scenario in CI: requests in flight when an agent was
     killed timed out and opened its breaker; with no registry its lease was all the table
-    held, and every request got CircuitOpen until the half-open probe (352 failed)."""
+    held, and every request got CircuitOpen until the half-open probe (352 failed). The
+    early probe meets no-responders, the instance is absent, and the queue group decides."""
     router = Router(breaker_cooldown=5.0)
     table = table_of(rec("dead"))
     for n in range(6):
         router.finished("dead", "work.do", "timeout", 1.0, float(n))
+    probe = router.choose(
+        Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 6.0
+    )
+    assert probe.agent_id == "dead"
+    router.started("dead")
+    router.finished("dead", "work.do", "no_responders", 0.1, 6.0)
     for now in (6.0, 7.0, 8.0):
         assert (
             router.choose(
@@ -532,6 +554,35 @@ def test_a_dead_instance_whose_breaker_opened_leaves_the_choice_to_the_queue_gro
             ).agent_id
             is None
         )
+
+
+def test_a_route_query_never_takes_the_early_probe():
+    router = Router(breaker_cooldown=5.0)
+    table = table_of(rec("a"))
+    for n in range(6):
+        router.finished("a", "work.do", "failed", 1.0, float(n))
+    for _ in range(3):  # asking, as Client.pick does, sends nothing and takes nothing
+        choice = router.choose(
+            Policy.BALANCED,
+            table,
+            "work.do",
+            None,
+            (),
+            Priority.NORMAL,
+            [],
+            None,
+            6.0,
+            send=False,
+        )
+        assert choice.agent_id == "a"
+    assert (
+        router.choose(
+            Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 6.0
+        ).agent_id
+        == "a"
+    )
+    with pytest.raises(CircuitOpen):
+        router.choose(Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL, [], None, 6.0)
 
 
 def test_instances_remembered_as_absent_are_bounded(monkeypatch):
