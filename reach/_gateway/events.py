@@ -15,7 +15,6 @@ holds one of the gateway's ``StreamSlots`` while it runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -100,5 +99,4 @@ async def _events(
                 return
     finally:
         watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        await asyncio.wait([watcher])  # without taking a cancel of this stream for its own

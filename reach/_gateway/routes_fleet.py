@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import Field
 
 from .._routing import Policy, Weights, explain_miss, rank
-from ..errors import CapabilityNotFound, CircuitOpen
+from ..errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
 from ..wire import AgentRecord, Priority, Status
 from .deps import EdgeDeps
 from .inputs import Selection, bad
@@ -147,7 +147,7 @@ def router(deps: EdgeDeps) -> APIRouter:
                 "via": "instance" if picked is not None else "queue group",
                 "policy": policy.value,
             }
-        except (CapabilityNotFound, CircuitOpen) as exc:
+        except (AgentUnavailable, CapabilityNotFound, CircuitOpen) as exc:
             suggestion, reason = None, reason or exc.message
         return _json(
             {

@@ -87,13 +87,7 @@ def router(deps: EdgeDeps) -> APIRouter:
             priority=body.priority,
             timeout=body.timeout,
             max_attempts=body.max_attempts,
-            idempotency_key=(
-                None
-                if idempotency_key is None
-                else scoped_key(
-                    deps.auth.caller(request.headers.get("authorization")), idempotency_key
-                )
-            ),
+            idempotency_key=key,
             required_tags=body.tags,
             version=body.version,
         )

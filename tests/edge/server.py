@@ -6,6 +6,7 @@ import socket
 
 import uvicorn
 
+from reach._gateway.serving import JoinedWritesProtocol
 from reach.testing import eventually
 
 
@@ -18,7 +19,10 @@ async def serve(app, *, on_exit=None):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none")
+    # the protocol `reach gateway` serves with
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", ws="none", http=JoinedWritesProtocol
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     try:

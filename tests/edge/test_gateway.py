@@ -342,3 +342,31 @@ async def test_the_route_query_refuses_direct_routing(reach_settings, reach_clie
         err = error_of(r)
         assert (r.status_code, err["code"]) == (400, "bad_request")
         assert "direct" in err["message"]
+
+
+async def test_a_route_query_says_why_when_every_fitting_instance_is_gone(reach_settings):
+    """A lease whose instance is gone (nobody listens on its subject): once a call found
+    that out, a route query with tags answers no suggestion and the reason, not a 503."""
+    import nats
+
+    from tests.integration.registry_wire import info, register
+
+    nc = await nats.connect(reach_settings.nats_url)
+    try:
+        async with Registry(settings=reach_settings), Client(settings=reach_settings) as client:
+            ghost = info("ghost-1", capability="demo.echo", tags=("eu",))
+            assert b"ERROR" not in (await register(nc, reach_settings, ghost)).data
+            await eventually(lambda: _knows(client, "demo.echo"), timeout=10)
+            async with asgi(client) as (http, _):
+                r = await http.post(CALL_URL, params={"tags": "eu"}, json={})
+                assert (r.status_code, error_of(r)["code"]) == (503, "agent_unavailable")
+                r = await http.post("/v1/route", json={"capability": "demo.echo", "tags": ["eu"]})
+                assert r.status_code == 200, r.text
+                assert r.json()["suggestion"] is None
+                assert "gone" in r.json()["reason"]
+    finally:
+        await nc.close()
+
+
+async def _knows(client: Client, capability: str) -> bool:
+    return bool(await client.agents(capability))
