@@ -12,6 +12,10 @@ Variants, interleaved in rounds (their order rotating), each with N callers in f
   lightest load generator, so the gateway, not the generator, sets the pace.
 - `gateway (httpx)`: the same through one pooled `httpx.AsyncClient` (N connections), to
   show what a common Python HTTP client costs on the caller's side.
+- `gateway (wrk)`: the same load from `wrk` (one thread, N connections), the usual C load
+  generator, when it is installed (Debian: `apt-get install wrk`): HTTP callers normally
+  run elsewhere, and on a 2-core machine a Python generator takes CPU from the gateway.
+  Any non-2xx answer fails the run.
 
 This process runs on uvloop (both the direct client and the HTTP load generators; pass
 --asyncio for the default loop). CPU use of this process and of the gateway process (share
@@ -20,7 +24,7 @@ load generator or gateway shows. The ratio reported is the median over rounds of
 gateway/direct within each round.
 
     python bench/gateway.py [--quick] [--rounds 5] [--seconds 2] [--inflight 64]
-                            [--only direct,raw,httpx] [--asyncio] [--json]
+                            [--only direct,raw,httpx,wrk] [--asyncio] [--json]
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +53,8 @@ import reach
 from reach.testing import NatsServer, eventually
 
 CAP = "bench.echo"
+#: one variant: run for that many seconds -> (requests/s, latencies ms or {"50": p50, ...})
+Runner = Callable[[float], Awaitable[tuple[float, "list[float] | dict[str, float]"]]]
 SIZE = 256
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,6 +173,40 @@ class RawHttp:
         self.idle.clear()
 
 
+_WRK_SCRIPT = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[%s]]
+"""
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+class Wrk:
+    """`wrk -t1 -cN` against the route: its rate and latency percentiles (ms)."""
+
+    def __init__(self, url: str, path: str, body: bytes, inflight: int, workdir: Path) -> None:
+        script = workdir / "post.lua"
+        script.write_text(_WRK_SCRIPT % body.decode())
+        self.argv = ["wrk", "-t1", f"-c{inflight}", "--latency", "-s", str(script), url + path]
+        self.latencies: list[float] = []
+
+    async def run(self, seconds: float) -> tuple[float, dict[str, float]]:
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv[:3],
+            f"-d{max(1, round(seconds))}s",
+            *self.argv[3:],
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out = (await proc.communicate())[0].decode()
+        if proc.returncode or "Non-2xx" in out or "Socket errors" in out:
+            raise RuntimeError(f"wrk: {out}")
+        rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+        pcts = {
+            q: float(v) * _UNITS[u]
+            for q, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)$", out, re.M)
+        }
+        return rate, pcts
+
+
 async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[str, Any]:
     body = payload()
     path = f"/v1/capabilities/{CAP}"
@@ -192,20 +237,27 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
                 raise RuntimeError(r.text)
             msgspec.json.decode(r.content)
 
-        variants: dict[str, Call] = {
-            "direct client": direct,
-            "gateway (raw HTTP)": via_raw,
-            "gateway (httpx)": via_httpx,
+        def looped(fn: Call) -> Runner:
+            return lambda seconds: closed_loop(fn, seconds, args.inflight)
+
+        variants: dict[str, Runner] = {
+            "direct client": looped(direct),
+            "gateway (raw HTTP)": looped(via_raw),
+            "gateway (httpx)": looped(via_httpx),
         }
+        if shutil.which("wrk"):
+            variants["gateway (wrk)"] = Wrk(gateway.url, path, body, args.inflight, args.tmp).run
+        elif "wrk" in args.only.split(","):
+            raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
         if args.only:
-            short = dict(zip(("direct", "raw", "httpx"), list(variants), strict=True))
+            short = dict(zip(("direct", "raw", "httpx", "wrk"), list(variants), strict=False))
             keep = {short[k] for k in args.only.split(",")} | {"direct client"}
             variants = {k: v for k, v in variants.items() if k in keep}
         answer = msgspec.json.decode(await raw.call())
         assert msgspec.json.encode(answer["result"]) == body, answer
         assert answer["agent_id"] in {"bench-0", "bench-1"}
-        for fn in variants.values():
-            await closed_loop(fn, args.warmup, args.inflight)
+        for run in variants.values():
+            await run(args.warmup)
 
         names = list(variants)
         per_round: list[dict[str, float]] = []
@@ -217,16 +269,20 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
             order = names[r % len(names) :] + names[: r % len(names)]
             rates: dict[str, float] = {}
             for name in order:
-                t0, c0, g0 = time.perf_counter(), time.process_time(), gateway.cpu_seconds()
+                t0, c0, g0 = time.perf_counter(), own_cpu(), gateway.cpu_seconds()
                 m0 = machine_busy()
-                rate, values = await closed_loop(variants[name], args.seconds, args.inflight)
+                rate, values = await variants[name](args.seconds)
                 wall = time.perf_counter() - t0
                 m1 = machine_busy()
                 cpu[name]["machine"].append((m1[0] - m0[0]) / max(1, m1[1] - m0[1]))
-                cpu[name]["bench"].append((time.process_time() - c0) / wall)
+                cpu[name]["bench"].append((own_cpu() - c0) / wall)
                 cpu[name]["gateway"].append((gateway.cpu_seconds() - g0) / wall)
                 rates[name] = rate
-                lat[name] += values
+                if isinstance(values, dict):  # wrk's own percentiles, per round
+                    for q, v in values.items():
+                        lat.setdefault(f"{name} {q}", []).append(v)
+                else:
+                    lat[name] += values
             per_round.append(rates)
         await raw.close()
 
@@ -234,8 +290,8 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
     for name in names:
         out["variants"][name] = {
             "rate": statistics.median(r[name] for r in per_round),
-            "p50_us": pct(lat[name], 0.5) * 1e3,
-            "p99_us": pct(lat[name], 0.99) * 1e3,
+            "p50_us": _percentile(lat, name, 0.5) * 1e3,
+            "p99_us": _percentile(lat, name, 0.99) * 1e3,
             "cpu_bench": statistics.median(cpu[name]["bench"]),
             "cpu_gateway": statistics.median(cpu[name]["gateway"]),
             "cpu_machine": statistics.median(cpu[name]["machine"]),
@@ -243,6 +299,19 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
     for name in names[1:]:
         out["ratios"][name] = statistics.median(r[name] / r["direct client"] for r in per_round)
     return out
+
+
+def _percentile(lat: dict[str, list[float]], name: str, q: float) -> float:
+    """From the variant's latencies, or the median of what wrk reported per round."""
+    if lat[name]:
+        return pct(lat[name], q)
+    return statistics.median(lat.get(f"{name} {round(q * 100)}", [float("nan")]))
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and its finished children (wrk)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 async def _gateway_knows(http: httpx.AsyncClient, n: int) -> bool:
@@ -272,7 +341,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--inflight", type=int, default=64)
-    parser.add_argument("--only", default="", help="a subset: direct,raw,httpx")
+    parser.add_argument("--only", default="", help="a subset: direct,raw,httpx,wrk")
     parser.add_argument("--asyncio", action="store_true", help="this process on asyncio's loop")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -280,7 +349,8 @@ def main() -> int:
     if args.quick:
         args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
     fleet = Children()
-    with NatsServer() as server:
+    with NatsServer() as server, tempfile.TemporaryDirectory() as tmp:
+        args.tmp = Path(tmp)
         fleet.add(run_registry, server.url)
         for i in range(2):
             fleet.add(run_instance, server.url, i)

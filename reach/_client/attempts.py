@@ -35,6 +35,9 @@ from .inbox import Call, Inbox, Reply
 from .metrics import ClientMetrics
 from .spans import traced_attempt
 
+#: a request id travels in a header, which the payload's size check counts on being small
+MAX_REQUEST_ID = 256
+
 __all__ = ["Requester"]
 
 _PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
@@ -149,6 +152,10 @@ class Requester:
         if self.name:
             base[Header.CALLER] = self.name
         if request_id:
+            if len(request_id) > MAX_REQUEST_ID:
+                raise ConfigurationError(
+                    f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID}"
+                )
             base[Header.REQUEST_ID] = request_id
         call = Call(
             capability,

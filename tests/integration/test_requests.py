@@ -273,3 +273,15 @@ async def test_a_payload_over_max_payload_fails_on_the_client_with_a_clear_error
             assert str(reach_client.nc.max_payload) in str(info.value)
         assert await reach_client.request("big.op", b"small") == {}
     assert served == [5]
+
+
+async def test_a_long_request_id_with_a_payload_near_the_limit_is_refused_on_the_client(
+    reach_settings, reach_client
+):
+    """The size check assumed small headers; a request id is the caller's to choose, so a
+    long one with a payload just under max_payload went out and the server closed the
+    connection. Request ids are bounded instead."""
+    near = b"x" * (reach_client.nc.max_payload - 5000)
+    with pytest.raises(reach.ConfigurationError, match="request_id"):
+        await reach_client.call("big.op", near, request_id="r" * 6000, timeout=2)
+    assert reach_client.connected
