@@ -245,9 +245,13 @@ class Router:
         opened = 0.0
         for i in ids:
             breaker = self.instance_breakers.get(i)
-            if breaker is not None and breaker.early_probe_ready() and i not in tried:
-                if best is None or breaker.opened_at < opened:
-                    best, opened = i, breaker.opened_at
+            if (
+                breaker is not None
+                and breaker.early_probe_ready()
+                and i not in tried
+                and (best is None or breaker.opened_at < opened)
+            ):
+                best, opened = i, breaker.opened_at
         return best
 
     def renewed(self, agent_id: str) -> None:
