@@ -2,6 +2,7 @@
 and a client's routing state (router). No I/O, no asyncio, no import of the client: time
 comes in as numbers and the routing table is read through ``router.TableView``."""
 
+from .outcomes import FAILOVER, LOST, NOT_COUNTED, Choice, TableView
 from .policies import (
     Policy,
     Weights,
@@ -27,7 +28,7 @@ from .resilience import (
     attempt_budget,
     backoff_delay,
 )
-from .router import FAILOVER, LOST, NOT_COUNTED, Choice, Router, TableView
+from .router import Router
 
 __all__ = [
     "FAILOVER",

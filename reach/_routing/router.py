@@ -9,12 +9,11 @@ the table says it left, so its maps hold only instances that exist.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 from ..errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
-from ..wire import AgentRecord, Priority
+from ..wire import Priority
+from .outcomes import INSTANCE_FAILURE, UNANSWERED, Choice, TableView, look
 from .policies import (
     Policy,
     Weights,
@@ -32,53 +31,8 @@ from .resilience import (
     TokenBucket,
 )
 
-# Outcomes that say "try another instance" (the others end the request).
-#: An attempt whose answer was lost with the connection, which is back: worth another
-#: attempt at once, and no fault of the instance.
-LOST = "connection_lost"
-
-FAILOVER = frozenset(
-    {"no_responders", "resource_exhausted", "circuit_open", "timeout", "agent_unavailable", LOST}
-)
 _MAX_AFFINITY = 100_000  # remembered sessions per client
 _MAX_ABSENT = 10_000  # instances remembered as not listening
-
-# Outcomes that count against an instance's breaker.
-INSTANCE_FAILURE = (FAILOVER - {LOST}) | {"failed"}
-
-# Attempts that got no answer of their own: cut short by the caller or a hedge ("cancelled"),
-# or lost with the connection ("error", LOST). They teach nothing: no latency, no breaker
-# outcome, no affinity; only the in-flight count goes down.
-UNANSWERED = frozenset({"cancelled", "error", LOST})
-
-#: Failed attempts that say nothing about the capability's health (its breaker).
-NOT_COUNTED = frozenset({"no_responders", LOST})
-
-
-class TableView(Protocol):
-    """What the router reads from a routing table (the client's ``RoutingTable``)."""
-
-    @property
-    def records(self) -> Mapping[str, AgentRecord]: ...
-
-    def offers(self, capability: str) -> bool: ...
-
-    def offering(self, capability: str) -> list[AgentRecord]: ...
-
-    def eligible_ids(
-        self, capability: str, version: str | None, tags: tuple[str, ...], priority: Priority
-    ) -> list[str]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """Where an attempt goes: an instance (``agent_id``) or the queue group (None)."""
-
-    agent_id: str | None
-
-
-def _look(agent_id: str, now: float) -> Choice:
-    return Choice(agent_id)
 
 
 class Router:
@@ -197,7 +151,7 @@ class Router:
                 f"every instance of {capability!r} is unavailable or its circuit is open",
                 capability=capability,
             )
-        take = self._take if send else _look
+        take = self._take if send else look
         if policy is Policy.AFFINITY and affinity_key is not None:
             sticky = self.affinity.get((capability, affinity_key))
             if sticky is not None and sticky in pool:
