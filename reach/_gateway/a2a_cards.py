@@ -10,21 +10,30 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from a2a.server.context import ServerCallContext
+from a2a.server.request_handlers import RequestHandler
 from a2a.types import (
     AgentCapabilities,
     AgentCard,
     AgentInterface,
     AgentSkill,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
     HTTPAuthSecurityScheme,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
     SecurityRequirement,
     SecurityScheme,
     StringList,
+    TaskPushNotificationConfig,
 )
 from a2a.utils.constants import PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0, TransportProtocol
+from a2a.utils.errors import ExtendedAgentCardNotConfiguredError, PushNotificationNotSupportedError
 
 from ..wire import AgentRecord, Status
 
-__all__ = ["CALL", "MODES", "TASK", "Named", "Skill", "card_of", "fleet"]
+__all__ = ["CALL", "MODES", "TASK", "Named", "NotOffered", "Skill", "card_of", "fleet"]
 
 #: how a skill runs: a request/reply call (``@agent.capability``) or a durable task
 #: (``@agent.task``)
@@ -124,3 +133,33 @@ def card_of(named: Named, url: str, *, bearer: bool = False) -> AgentCard:
             SecurityRequirement(schemes={"bearer": StringList(list=[])})
         )
     return card
+
+
+class NotOffered(RequestHandler):
+    """The A2A methods the gateway does not offer: push notifications (a Reach task's
+    ``callback`` is the way to be told) and the extended card."""
+
+    async def on_create_task_push_notification_config(
+        self, params: TaskPushNotificationConfig, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_task_push_notification_config(
+        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_list_task_push_notification_configs(
+        self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
+    ) -> ListTaskPushNotificationConfigsResponse:
+        raise PushNotificationNotSupportedError
+
+    async def on_delete_task_push_notification_config(
+        self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> None:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_extended_agent_card(
+        self, params: GetExtendedAgentCardRequest, context: ServerCallContext
+    ) -> AgentCard:
+        raise ExtendedAgentCardNotConfiguredError

@@ -22,16 +22,10 @@ from typing import Any, cast
 
 from a2a.server.context import ServerCallContext
 from a2a.server.events.event_queue import Event
-from a2a.server.request_handlers import RequestHandler, validate_request_params
+from a2a.server.request_handlers import validate_request_params
 from a2a.types import (
-    AgentCard,
     CancelTaskRequest,
-    DeleteTaskPushNotificationConfigRequest,
-    GetExtendedAgentCardRequest,
-    GetTaskPushNotificationConfigRequest,
     GetTaskRequest,
-    ListTaskPushNotificationConfigsRequest,
-    ListTaskPushNotificationConfigsResponse,
     ListTasksRequest,
     ListTasksResponse,
     Message,
@@ -39,13 +33,10 @@ from a2a.types import (
     SendMessageRequest,
     SubscribeToTaskRequest,
     Task,
-    TaskPushNotificationConfig,
 )
 from a2a.utils.constants import DEFAULT_LIST_TASKS_PAGE_SIZE
 from a2a.utils.errors import (
-    ExtendedAgentCardNotConfiguredError,
     InvalidParamsError,
-    PushNotificationNotSupportedError,
     TaskNotCancelableError,
     TaskNotFoundError,
     UnsupportedOperationError,
@@ -58,7 +49,7 @@ from .._tasks import TaskRecord, TaskRef
 from ..errors import RequestTimeout
 from ..wire import Priority
 from ..wire.tasks import TaskState as S
-from .a2a_cards import CALL, MODES, TASK, fleet
+from .a2a_cards import CALL, MODES, TASK, NotOffered, fleet
 from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
 from .auth import OPEN_CALLER, scoped_key
 from .errors import EdgeError
@@ -101,7 +92,7 @@ def _watch_key(rec: TaskRecord) -> tuple[Any, ...]:
     return (rec.state, rec.attempt, rec.progress, rec.progress_note, rec.cancel_requested)
 
 
-class ReachRequestHandler(RequestHandler):
+class ReachRequestHandler(NotOffered):
     """Serves the A2A methods of every agent name from one Reach client.
 
     ``task_wait``: how long a blocking ``SendMessage`` waits for a durable task to end
@@ -385,30 +376,3 @@ class ReachRequestHandler(RequestHandler):
         records.sort(key=lambda r: r.updated_ms, reverse=True)
         tasks = [apply_history_length(task_of(r), params) for r in records[:limit]]
         return ListTasksResponse(tasks=tasks, page_size=limit, total_size=len(tasks))
-
-    # -- not offered -----------------------------------------------------------------
-
-    async def on_create_task_push_notification_config(
-        self, params: TaskPushNotificationConfig, context: ServerCallContext
-    ) -> TaskPushNotificationConfig:
-        raise PushNotificationNotSupportedError
-
-    async def on_get_task_push_notification_config(
-        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
-    ) -> TaskPushNotificationConfig:
-        raise PushNotificationNotSupportedError
-
-    async def on_list_task_push_notification_configs(
-        self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
-    ) -> ListTaskPushNotificationConfigsResponse:
-        raise PushNotificationNotSupportedError
-
-    async def on_delete_task_push_notification_config(
-        self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
-    ) -> None:
-        raise PushNotificationNotSupportedError
-
-    async def on_get_extended_agent_card(
-        self, params: GetExtendedAgentCardRequest, context: ServerCallContext
-    ) -> AgentCard:
-        raise ExtendedAgentCardNotConfiguredError
