@@ -189,6 +189,51 @@ async def test_a_final_write_that_fails_is_redelivered_and_the_task_succeeds(
         assert [a.outcome for a in rec.attempts] == ["succeeded"]
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["write-lost", "ack-of-write-lost"])
+async def test_a_running_write_that_fails_leaves_the_handler_supervised(
+    settings: ReachSettings, monkeypatch: pytest.MonkeyPatch, stored: bool
+):
+    """The write of RUNNING fails once (a server hiccup) while the handler runs. The
+    handler must stay under the agent's lease, timeout and cancel, and its result must be
+    recorded: one run, one attempt. (It was left running unsupervised: its result was
+    dropped and the task ran again after ack_wait.)"""
+    runs: list[str] = []
+    release = asyncio.Event()
+    agent = Agent("runner", settings=settings)
+
+    @agent.task("hiccup.op")
+    async def op(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
+        runs.append(ctx.task_id)
+        await release.wait()
+        return {"n": payload["n"], "attempt": ctx.attempt}
+
+    failed: list[TaskRecord] = []
+    async with agent, Client(settings=settings) as client:
+        store = agent._tasks.store
+        assert isinstance(store, TaskStore)
+        real = store.write
+
+        async def write(record: TaskRecord, last: int) -> int:
+            if record.state is S.RUNNING and not failed:
+                failed.append(record)
+                if stored:
+                    await real(record, last)
+                raise nats.errors.TimeoutError
+            return await real(record, last)
+
+        monkeypatch.setattr(store, "write", write)
+        ref = await client.submit("hiccup.op", {"n": 1})
+        await eventually(lambda: bool(failed), timeout=30)
+        assert agent.task_stats.running == 1  # still its task, kept alive
+        release.set()
+        assert await ref.result(timeout=30) == {"n": 1, "attempt": 1}
+        await eventually(stream_empty(client, settings), timeout=30)
+        rec = await ref.status()
+    assert runs == [ref.task_id]
+    assert [(a.n, a.outcome) for a in rec.attempts] == [(1, "succeeded")]
+    assert agent.task_stats.redelivered == 0
+
+
 # -- typed payloads --------------------------------------------------------------------------
 
 
