@@ -149,7 +149,11 @@ class Executor(Claims):
         return False
 
     async def confirm(self, d: Delivery) -> bool:
-        """Write RUNNING if it is not written yet; False when another write came first."""
+        """Write RUNNING if it is not written yet; False when another write came first.
+
+        A write the server did not answer leaves the attempt running, unconfirmed: its
+        handler stays under our lease, timeout and cancel, and the end of the attempt
+        writes the record (creating it, or over our RUNNING if that landed after all)."""
         st = d.stored
         if st is None:
             return False
@@ -161,6 +165,8 @@ class Executor(Claims):
             d.stored = await self.store.get(d.task_id)
             self.stats.fenced += 1
             return False
+        except TRANSIENT as exc:
+            log.warning("task %s: RUNNING not recorded (%s); recorded at its end", d.task_id, exc)
         return True
 
     # -- writes while and after running ------------------------------------------------

@@ -43,8 +43,8 @@ class _TaskWire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 
 class TaskSubmit(_TaskWire, tag="reach.task.submit", frozen=True, kw_only=True):
-    """The body of a task message on ``reach.task.<cap>.<prio>``: everything needed to run
-    it, so an agent can start a task whose record the submitter never got to write."""
+    """The body of a task message on ``reach.task.<id>.<cap>.<prio>``: everything needed
+    to run it, so an agent can start a task whose record the submitter never got to write."""
 
     task_id: str
     capability: str

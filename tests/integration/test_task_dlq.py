@@ -17,9 +17,9 @@ def settings(reach_settings):
     )
 
 
-def flaky_agent(settings, gate, seen):
+def flaky_agent(settings, gate, seen, cancelled=None):
     """Fails (raises, or hangs past its timeout for ``{"hang": true}``) until ``gate`` is
-    set; records each run's headers."""
+    set; records each run's headers, and in ``cancelled`` each run that was cancelled."""
     agent = Agent("builder", settings=settings)
 
     @agent.task(CAP)
@@ -27,7 +27,12 @@ def flaky_agent(settings, gate, seen):
         seen.append({"task_id": ctx.task_id, "attempt": ctx.attempt, "headers": ctx.headers})
         if not gate.is_set():
             if payload.get("hang"):
-                await asyncio.Event().wait()  # cancelled by the task timeout
+                try:
+                    await asyncio.Event().wait()  # cancelled by the task timeout
+                except asyncio.CancelledError:
+                    if cancelled is not None:
+                        cancelled.append((ctx.task_id, ctx.attempt))
+                    raise
             raise ValueError("not yet")
         return {"n": payload["n"] * 2}
 
@@ -35,8 +40,8 @@ def flaky_agent(settings, gate, seen):
 
 
 async def test_timeout_then_retries_then_dlq_then_replay_then_success(settings):
-    gate, seen = asyncio.Event(), []
-    agent = flaky_agent(settings, gate, seen)
+    gate, seen, cancelled = asyncio.Event(), [], []
+    agent = flaky_agent(settings, gate, seen, cancelled)
     async with agent, Client(settings=settings) as client:
         ref = await client.submit(CAP, {"n": 21, "hang": True}, timeout=0.3, max_attempts=2)
         failed = await ref.wait(timeout=30)
@@ -44,6 +49,19 @@ async def test_timeout_then_retries_then_dlq_then_replay_then_success(settings):
         assert failed.error is not None
         assert failed.error.code == "timeout"
         assert [a.outcome for a in failed.attempts] == ["timeout", "timeout"]
+        # each overrun cancelled its handler (CancelledError inside it), and the record
+        # went through TIMEOUT, then RETRYING, before the second run
+        assert cancelled == [(ref.task_id, 1), (ref.task_id, 2)]
+        S = TaskState
+        assert [h.state for h in failed.history] == [
+            S.PENDING,
+            S.RUNNING,
+            S.TIMEOUT,
+            S.RETRYING,
+            S.RUNNING,
+            S.TIMEOUT,
+            S.FAILED,
+        ]
 
         [dl] = await client.dead_letters()
         assert isinstance(dl, DeadLetter)
