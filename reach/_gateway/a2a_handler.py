@@ -13,7 +13,6 @@ gateway, so any gateway process answers for any task.
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, nullcontext
@@ -53,7 +52,7 @@ from .a2a_cards import CALL, MODES, TASK, NotOffered, fleet
 from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
 from .auth import OPEN_CALLER, scoped_key
 from .errors import EdgeError
-from .inputs import check_timeout
+from .inputs import check_timeout, is_task_id
 from .streams import StreamSlots
 
 __all__ = ["AGENT_NAME", "CALLER", "SCOPES", "Plan", "ReachRequestHandler"]
@@ -64,7 +63,6 @@ AGENT_NAME = "reach.agent_name"
 SCOPES = "reach.scopes"
 #: key of who is asking (``auth.caller_id``): idempotency keys are theirs
 CALLER = "reach.caller"
-_TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +298,7 @@ class ReachRequestHandler(NotOffered):
     # -- tasks -----------------------------------------------------------------------
 
     async def _ref(self, task_id: str) -> TaskRef:
-        if not _TASK_ID.fullmatch(task_id):
+        if not is_task_id(task_id):
             raise TaskNotFoundError(f"no task {task_id!r}")
         with a2a_errors():
             return await self.client.task(task_id)

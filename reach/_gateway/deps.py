@@ -1,9 +1,10 @@
 """What every piece of the HTTP edge is built from: ``EdgeDeps``.
 
-Each mountable piece (the gateway's routes, the A2A endpoint, the status page) is a
-function ``f(deps: EdgeDeps) -> APIRouter | ASGIApp``; ``build_app`` puts them together.
-The client is connected by whoever owns it: the CLI's app lifespan (``manage_client``),
-or a test or application that passes a connected one.
+``build_app`` makes the gateway's own routes from it; ``build_edge`` adds the status page
+and the A2A endpoint (routers made from the client and the shared pieces here: the token
+check, the cap on open streams) and the page's feed as a background part. The client is
+connected by whoever owns it: the CLI's app lifespan (``manage_client``), or a test or
+application that passes a connected one.
 """
 
 from __future__ import annotations

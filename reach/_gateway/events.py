@@ -26,17 +26,22 @@ from ..errors import ReachError
 from .errors import EdgeError, error_body
 from .streams import Latest, StreamSlots
 
-__all__ = ["sse", "task_events"]
+__all__ = ["frame", "sse", "task_events"]
 
 log = logging.getLogger("reach.gateway")
 
 _encode = msgspec.json.Encoder()
 
 
+def frame(event: str, data: Any, event_id: int | None = None) -> bytes:
+    """One event in the text/event-stream format (data is one JSON line: msgspec writes
+    no newlines)."""
+    head = b"id: %d\n" % event_id if event_id is not None else b""
+    return head + b"event: " + event.encode() + b"\ndata: " + _encode.encode(data) + b"\n\n"
+
+
 def sse(event: str, data: Any, event_id: int | None = None) -> str:
-    """One event in the text/event-stream format (data is one JSON line)."""
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\ndata: {_encode.encode(data).decode()}\n\n"
+    return frame(event, data, event_id).decode()
 
 
 async def task_events(

@@ -30,6 +30,7 @@ __all__ = [
     "check_task_id",
     "check_timeout",
     "check_version",
+    "is_task_id",
 ]
 
 MAX_TAGS = 64
@@ -110,8 +111,13 @@ def check_version(version: str) -> str:
     return version
 
 
+def is_task_id(task_id: str) -> bool:
+    """What a task id looks like (the client's ids are NUIDs; replays keep theirs)."""
+    return _TASK_ID.fullmatch(task_id) is not None
+
+
 def check_task_id(task_id: str) -> str:
-    if not _TASK_ID.fullmatch(task_id):
+    if not is_task_id(task_id):
         raise bad(f"task id {task_id[:40]!r} is invalid: 1-128 letters, digits, '-' or '_'")
     return task_id
 

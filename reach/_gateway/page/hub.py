@@ -13,18 +13,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-import msgspec
-
 from ...errors import ResourceExhausted
+from ..events import frame
 
 __all__ = ["Hub", "Subscriber", "frame"]
-
-_encoder = msgspec.json.Encoder()
-
-
-def frame(event: str, data: object) -> bytes:
-    """One server-sent event: its name and its JSON data (msgspec writes no newlines)."""
-    return b"event: " + event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n"
 
 
 class Subscriber:

@@ -16,10 +16,11 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, params
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..._client import Client
 from ...errors import ResourceExhausted
+from ..errors import error_response
 from .feed import StatusFeed
 from .hub import frame
 
@@ -43,13 +44,13 @@ def _assets() -> dict[str, bytes]:
     return {name: (root / name).read_bytes() for name in _TYPES}
 
 
-def _error(status: int, code: str, message: str, **headers: str) -> JSONResponse:
+def _error(status: int, code: str, message: str, **headers: str) -> Response:
     """An error in the gateway's shape."""
-    body = {"error": {"code": code, "message": message, "retryable": status == 503}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    body = {"code": code, "message": message, "retryable": status == 503}
+    return error_response(status, body, headers)
 
 
-def _refused(exc: ResourceExhausted) -> JSONResponse:
+def _refused(exc: ResourceExhausted) -> Response:
     return _error(503, exc.code, exc.message, **{"Retry-After": str(_RETRY_MS // 1000)})
 
 
