@@ -28,6 +28,7 @@ from .settings import ReachSettings
 
 __all__ = [
     "CONNECTION_LOST",
+    "HEADROOM",
     "TOO_LARGE",
     "TRANSIENT",
     "NatsConnection",
@@ -35,6 +36,7 @@ __all__ = [
     "check_refused",
     "connect_nats",
     "credentials",
+    "fits",
     "flush_nats",
     "is_no_responders",
     "jetstream_unready",
@@ -51,6 +53,18 @@ log = logging.getLogger("reach.nats")
 
 #: nats-py refuses to send a message over the server's max_payload (nothing is sent)
 TOO_LARGE = nats.errors.MaxPayloadError
+
+
+#: headers are far smaller: only a payload this close to max_payload is measured with them
+HEADROOM = 4096
+
+
+def fits(nc: NatsConnection, data: bytes, headers: dict[str, str]) -> bool:
+    """nats-py checks a payload alone against max_payload; the server counts the headers
+    too, and closes the connection (losing everything in flight on it) when the sum is
+    over."""
+    size = len(data) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 16
+    return size <= nc.max_payload
 
 
 def too_large(nc: NatsConnection, size: int, what: str) -> ConfigurationError:

@@ -20,7 +20,7 @@ import msgspec
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
-from .._nats import TRANSIENT, NatsConnection
+from .._nats import HEADROOM, TRANSIENT, NatsConnection, fits
 from .._owner import TaskOwner
 from .._telemetry import LOG_AGENT, LOG_WORK
 from ..errors import RemoteError
@@ -238,6 +238,13 @@ class Workers(Answers):
         if self.reply_headers:
             headers = {Header.AGENT: self.agent_id, Header.DURATION_MS: f"{ms:.3f}"}
         nc = self._nc
+        if (
+            headers is not None
+            and len(body) > nc.max_payload - HEADROOM
+            and not fits(nc, body, headers)
+        ):
+            await self._failed(job, "failed", f"result of {len(body)} bytes is too large")
+            return
         job.answered = True
         cells = cap.cells
         if cells is not None:  # counted before the reply: a caller may read it at once

@@ -16,7 +16,16 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
-from .._nats import CONNECTION_LOST, TOO_LARGE, TRANSIENT, flush_nats, permissions_of, too_large
+from .._nats import (
+    CONNECTION_LOST,
+    HEADROOM,
+    TOO_LARGE,
+    TRANSIENT,
+    fits,
+    flush_nats,
+    permissions_of,
+    too_large,
+)
 from .._permissions import Permissions, Recheck, Violation, rearm, unauthorized
 from .._routing import LOST, Policy, TableView
 from ..errors import (
@@ -63,18 +72,6 @@ class Call:
     policy: Policy
     table: TableView | None  # None: the queue group
     cells: CapCells | None = None  # metrics; None when they are off
-
-
-#: headers of a request are far smaller: a payload this close to max_payload is measured
-_HEADROOM = 4096
-
-
-def _check_size(nc: NatsConnection, data: bytes, headers: dict[str, str], what: str) -> None:
-    """nats-py checks the payload alone against max_payload; the server counts the headers
-    too, and closes the connection (failing every pending call) when the sum is over."""
-    size = len(data) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 16
-    if size > nc.max_payload:
-        raise too_large(nc, len(data), f"{what!r} (with its headers)")
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:
@@ -182,8 +179,8 @@ class Inbox:
         if nc is None or nc.is_closed:
             raise NotStarted("client is not connected; use 'async with Client(...)' first")
         capability, request_id, response_type = call.capability, call.request_id, call.response_type
-        if len(call.data) > nc.max_payload - _HEADROOM:
-            _check_size(nc, call.data, headers, capability)
+        if len(call.data) > nc.max_payload - HEADROOM and not fits(nc, call.data, headers):
+            raise too_large(nc, len(call.data), f"{capability!r} (with its headers)")
         self._seq += 1
         token = str(self._seq)
         reply_to = self._prefix + token

@@ -430,3 +430,26 @@ async def test_a_handler_exiting_the_process_answers_first_and_leaves_cleanly(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_a_result_over_max_payload_with_its_reply_headers_is_refused_not_sent(
+    reach_settings, reach_client
+):
+    """A result within max_payload alone but over it with the reply headers
+    (``reply_headers=True``): sent, the server closed the agent's connection and every
+    reply in flight was lost. It is answered as failed instead, and the agent serves on."""
+    agent = Agent("big", reply_headers=True, settings=reach_settings)
+    near = reach_client.nc.max_payload - 20
+
+    @agent.capability("big.result")
+    async def result(payload: bytes) -> bytes:
+        return b"x" * near if payload == b"big" else b"small"
+
+    async with agent:
+        with pytest.raises(reach.HandlerFailed, match="too large"):
+            await reach_client.request("big.result", b"big", agent_id=agent.agent_id, timeout=5)
+        reply = await reach_client.request(
+            "big.result", b"ok", agent_id=agent.agent_id, timeout=5, response_type=bytes
+        )
+        assert reply == b"small"
+        assert agent.client.nc.stats["reconnects"] == 0
