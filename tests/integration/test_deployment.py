@@ -145,3 +145,21 @@ def test_prometheus_and_grafana_get_the_provisioning_files(rendered: dict[str, A
         "services/grafana/provisioning",
         "services/grafana/dashboards",
     }
+
+
+@pytest.mark.parametrize(
+    "dockerfile",
+    ["services/registry/Dockerfile", "services/gateway/Dockerfile", "sdk/examples/Dockerfile"],
+)
+def test_images_run_as_an_unprivileged_user(dockerfile: str):
+    lines = [line.split() for line in (ROOT / dockerfile).read_text().splitlines() if line.strip()]
+    users = [i for i, words in enumerate(lines) if words[0] == "USER"]
+    runs = [i for i, words in enumerate(lines) if words[0] == "RUN"]
+    assert users
+    assert users[-1] > runs[-1], "USER must come after the last RUN"
+    assert lines[users[-1]][1] not in {"root", "0"}
+
+
+def test_the_build_context_leaves_out_the_venv_and_the_history():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv"} <= set(ignored)
