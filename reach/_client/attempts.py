@@ -14,6 +14,7 @@ from .._codec import encode_payload, now_ms
 from .._routing import (
     FAILOVER,
     NOT_COUNTED,
+    Choice,
     Policy,
     Router,
     TableView,
@@ -225,12 +226,13 @@ class Requester:
                 if cells is not None:
                     cells.retries += 1
             previous = target
+            probe = False
             if policy is Policy.DIRECT:
                 target = agent_id
             elif table is None:
                 target = None  # no registry bucket (yet): the queue group decides
             else:
-                target = router.choose(
+                choice = router.choose(
                     policy,
                     table,
                     capability,
@@ -240,7 +242,8 @@ class Requester:
                     tried,
                     affinity_key,
                     loop.time(),
-                ).agent_id
+                )
+                target, probe = choice.agent_id, choice.probe
             if n > 1 and cells is not None and target != previous:
                 cells.failovers += 1
             headers = base if n == 1 else {**base, Header.ATTEMPT: str(n)}
@@ -248,9 +251,9 @@ class Requester:
             started = loop.time()
             try:
                 if hedge and policy is not Policy.DIRECT and target is not None:
-                    reply = await self.hedged(call, target, headers, budget, tried)
+                    reply = await self.hedged(call, target, headers, budget, tried, probe)
                 else:
-                    reply = await self.attempt(call, target, headers, budget)
+                    reply = await self.attempt(call, target, headers, budget, probe)
             except RemoteError as exc:
                 outcome = exc.outcome
                 # recorded against the instance that answered (a hedge's, when it did)
@@ -287,7 +290,12 @@ class Requester:
         raise exhausted(capability, attempts, last, wait)
 
     async def attempt(
-        self, call: Call, target: str | None, headers: dict[str, str], budget: float
+        self,
+        call: Call,
+        target: str | None,
+        headers: dict[str, str],
+        budget: float,
+        probe: bool = False,
     ) -> Reply:
         """One send, reported to the router with what really happened to it."""
         router = self.router
@@ -329,10 +337,17 @@ class Requester:
                 (now - started) * 1000,
                 now,
                 call.affinity_key if outcome == "ok" else None,
+                probe,
             )
 
     async def hedged(
-        self, call: Call, target: str, headers: dict[str, str], budget: float, tried: list[str]
+        self,
+        call: Call,
+        target: str,
+        headers: dict[str, str],
+        budget: float,
+        tried: list[str],
+        probe: bool = False,
     ) -> Reply:
         """Send to ``target``; if no answer by the p95, also to a second instance (added to
         ``tried``: a retry goes elsewhere). The first answer wins; the other attempt is
@@ -340,14 +355,14 @@ class Requester:
         itself."""
         delay = self.router.hedge_delay(call.capability)
         if delay is None or delay >= budget:
-            return await self.attempt(call, target, headers, budget)
+            return await self.attempt(call, target, headers, budget, probe)
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self.attempt(call, target, headers, budget))]
+        tasks = [loop.create_task(self.attempt(call, target, headers, budget, probe))]
         try:
             done, _ = await asyncio.wait(tasks, timeout=delay)
             if not done:
                 try:
-                    other = self.router.choose(
+                    choice = self.router.choose(
                         call.policy,
                         call.table,
                         call.capability,
@@ -357,14 +372,15 @@ class Requester:
                         [target],
                         None,
                         loop.time(),
-                    ).agent_id
+                    )
                 except RemoteError:
-                    other = None  # nobody else to ask: wait for the first
+                    choice = Choice(None)  # nobody else to ask: wait for the first
+                other = choice.agent_id
                 if other is not None and other != target:
                     tried.append(other)
                     if call.cells is not None:
                         call.cells.hedges += 1
-                    second = self.attempt(call, other, headers, budget - delay)
+                    second = self.attempt(call, other, headers, budget - delay, choice.probe)
                     tasks.append(loop.create_task(second))
             pending = set(tasks)
             error: BaseException | None = None

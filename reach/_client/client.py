@@ -21,7 +21,7 @@ from .._routing import Policy, Router, Weights
 from .._subjects import Subjects
 from .._tasks import Tasks
 from .._telemetry.core import Telemetry
-from ..errors import NotStarted
+from ..errors import ConfigurationError, NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
@@ -34,6 +34,9 @@ from .topics import TopicSubscription, publish, subscribe
 from .watches import Watches
 
 __all__ = ["Client", "ClientStats"]
+
+#: a client's name travels in the headers of its requests, which must stay small
+MAX_NAME = 128
 
 log = logging.getLogger("reach.client")
 
@@ -70,6 +73,8 @@ class Client(DurableTasks, ConfigWrites):
         #: metrics, spans and health of this client (its own unless one is passed in)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.url = url or self.settings.nats_url
+        if len(name) > MAX_NAME:  # it travels in every request's headers
+            raise ConfigurationError(f"client name is {len(name)} characters; at most {MAX_NAME}")
         self.name = name
         self.subjects = Subjects(self.settings.subject_prefix)
         self._nc: NatsConnection | None = None

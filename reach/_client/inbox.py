@@ -174,12 +174,18 @@ class Inbox:
         headers: dict[str, str],
         wait: float,
         agent_id: str | None,
+        *,
+        measure: bool = False,
     ) -> Reply:
+        """``measure``: the headers may be large (a trace's baggage), so the size check
+        counts them whatever the payload's size; the client's own headers are bounded."""
         nc = self.nc
         if nc is None or nc.is_closed:
             raise NotStarted("client is not connected; use 'async with Client(...)' first")
         capability, request_id, response_type = call.capability, call.request_id, call.response_type
-        if len(call.data) > nc.max_payload - HEADROOM and not fits(nc, call.data, headers):
+        if (measure or len(call.data) > nc.max_payload - HEADROOM) and not fits(
+            nc, call.data, headers
+        ):
             raise too_large(nc, len(call.data), f"{capability!r} (with its headers)")
         self._seq += 1
         token = str(self._seq)

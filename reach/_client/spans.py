@@ -43,7 +43,7 @@ async def traced_attempt(
         carrier = dict(headers)  # the shared headers stay free of this attempt's span
         propagate.inject(carrier)
         try:
-            reply = await inbox.send(call, subject, carrier, budget, target)
+            reply = await inbox.send(call, subject, carrier, budget, target, measure=True)
         except asyncio.CancelledError:
             span.set_attribute(ATTR.OUTCOME, "cancelled")  # a hedge loser, a caller gone
             raise

@@ -11,6 +11,7 @@ writes what is held first, and so does a write that brings what is held past
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -40,6 +41,10 @@ class JoinedWrites:
         if self._size > HOLD_LIMIT:
             self.flush()
 
+    def writelines(self, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
     def flush(self) -> None:
         held = self._held
         if held:
@@ -47,9 +52,20 @@ class JoinedWrites:
             if not self._transport.is_closing():
                 self._transport.write(held[0] if len(held) == 1 else b"".join(held))
 
+    def get_write_buffer_size(self) -> int:
+        return self._size + self._transport.get_write_buffer_size()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
     def close(self) -> None:
         self.flush()
         self._transport.close()
+
+    def abort(self) -> None:
+        self._held, self._size = [], 0
+        self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)

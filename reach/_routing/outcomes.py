@@ -60,6 +60,8 @@ class Choice:
     """Where an attempt goes: an instance (``agent_id``) or the queue group (None)."""
 
     agent_id: str | None
+    #: it took its breaker's probe slot: report it back with ``finished(probe=True)``
+    probe: bool = False
 
 
 def look(agent_id: str, now: float) -> Choice:

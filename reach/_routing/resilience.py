@@ -154,11 +154,13 @@ class CircuitBreaker:
         self.state = BreakerState.HALF_OPEN
         self._probing = True
 
-    def release(self) -> None:
-        """A probe ended without an outcome for the breaker (nobody listened, the
-        connection was lost, it was cancelled): another may be sent."""
+    def release(self, now: float) -> None:
+        """The probe ended without an outcome for the breaker (nobody listened, the
+        connection was lost, it was cancelled): open again for a cooldown, so the slot is
+        never held for good, nor given back at once (callers giving up on a hanging
+        instance would each send one more)."""
         if self.state is BreakerState.HALF_OPEN:
-            self._probing = False
+            self._open(now, early=False)
 
     def clean(self) -> bool:
         """Closed with no failure in its window: nothing worth remembering."""

@@ -146,7 +146,7 @@ class Router:
             if early is not None:
                 if send:
                     self.instance_breakers[early].early_probe()
-                return Choice(early)
+                return Choice(early, send)
             raise CircuitOpen(
                 f"every instance of {capability!r} is unavailable or its circuit is open",
                 capability=capability,
@@ -217,7 +217,7 @@ class Router:
     def _take(self, agent_id: str, now: float) -> Choice:
         breaker = self.instance_breakers.get(agent_id)
         if breaker is not None and breaker.state is not BreakerState.CLOSED:
-            breaker.allow(now)  # the half-open probe
+            return Choice(agent_id, breaker.allow(now))  # the half-open probe
         return Choice(agent_id)
 
     # -- after an attempt --------------------------------------------------------------
@@ -234,8 +234,10 @@ class Router:
         latency_ms: float,
         now: float,
         affinity_key: str | None = None,
+        probe: bool = False,
     ) -> None:
-        """Learn from one attempt; ``started`` must have been called for it."""
+        """Learn from one attempt; ``started`` must have been called for it. ``probe``: it
+        was its breaker's probe (``Choice.probe``)."""
         if agent_id is not None:
             n = self.inflight.get(agent_id)
             if n is None:
@@ -277,12 +279,12 @@ class Router:
             return
         if agent_id is None:
             return
-        if outcome in UNANSWERED or outcome == "no_responders":
+        if probe and (outcome in UNANSWERED or outcome == "no_responders"):
             breaker = self.instance_breakers.get(agent_id)
             if breaker is not None:
-                breaker.release()  # if it was the probe: it taught the breaker nothing
-            if outcome in UNANSWERED:
-                return
+                breaker.release(now)  # the probe taught the breaker nothing
+        if outcome in UNANSWERED:
+            return
         if outcome == "no_responders":
             # Nobody listens there: passed over while absent. Not a breaker failure: an
             # open breaker's half-open probe would refuse every other request meanwhile.

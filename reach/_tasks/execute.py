@@ -166,6 +166,7 @@ class Executor(Claims):
             self.stats.fenced += 1
             return False
         except TRANSIENT as exc:
+            d.unconfirmed = True  # the lease loop reads the record and adopts or fences it
             log.warning("task %s: RUNNING not recorded (%s); recorded at its end", d.task_id, exc)
         return True
 

@@ -20,6 +20,7 @@ from .execute import Executor
 from .model import Delivery, TaskStats
 from .pull import Puller
 from .states import can_write
+from .store import Stored
 
 __all__ = ["Leases"]
 
@@ -56,9 +57,14 @@ class Leases:
             if not await ex.renew(d):
                 self._stop(d, "fenced")
                 return
-            if d.stored is None or not d.stored.revision:
+            if d.unconfirmed:
+                st = await self._settle_unconfirmed(ex, d)
+                if st is None:
+                    return  # still not answered: the next check tries again
+            elif d.stored is None or not d.stored.revision:
                 return  # RUNNING not written yet
-            st = await ex.store.get(d.task_id)
+            else:
+                st = await ex.store.get(d.task_id)
         except TRANSIENT as exc:
             log.debug("task %s: lease check: %s", d.task_id, exc)
             return
@@ -66,6 +72,21 @@ class Leases:
             self._stop(d, "fenced")
         elif st.record.cancel_requested:
             self._stop(d, "cancelled")
+
+    async def _settle_unconfirmed(self, ex: Executor, d: Delivery) -> Stored | None:
+        """The record of an attempt whose RUNNING write went unanswered: ours if it landed
+        after all (adopted, so the end writes over it), written now if there is none, or
+        whatever came first (which the caller checks for a fence or a cancel)."""
+        st = await ex.store.get(d.task_id)
+        if st is None:
+            await ex.confirm(d)  # unanswered again: d.unconfirmed stays, None below
+            st = d.stored if d.stored is not None and d.stored.revision else None
+            if st is None:
+                return None
+        elif can_write(st.record, d.n, ex.agent_id):
+            d.stored = st
+        d.unconfirmed = False
+        return st
 
     async def _on_cancel(self, msg: Msg) -> None:
         if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:

@@ -57,6 +57,7 @@ class Delivery:
     stop_reason: str = ""  # why the handler was cancelled: cancelled, fenced, drained
     outcome: str = ""  # how the attempt ended (for metrics and its span)
     traced: bool = False  # in a span: its context goes on with the callback
+    unconfirmed: bool = False  # its RUNNING write went unanswered: the record may hold it
 
     @property
     def task_id(self) -> str:

@@ -71,10 +71,11 @@ async def test_a_finished_task_record_expires_after_the_retention(reach_settings
 async def test_a_task_longer_than_many_ack_waits_runs_once_beside_an_idle_agent(
     reach_settings: ReachSettings, monkeypatch: pytest.MonkeyPatch, key: str | None
 ):
-    """ack_wait is 1 s; the handler runs for more than 3 of them while a second agent of
+    """ack_wait is 2.5 s; the handler runs for more than 3 of them while a second agent of
     the same capability idles. Kept by in_progress (and, with a key, the renewed claim),
     the task is never redelivered: one attempt, one run."""
-    settings = reach_settings.model_copy(update={"task_ack_wait": 1.0})
+    # not shorter: a stall of a second on a loaded machine must not look like a lost lease
+    settings = reach_settings.model_copy(update={"task_ack_wait": 2.5})
     kept: dict[str, int] = {}
     real = leases._in_progress
 
@@ -194,6 +195,8 @@ async def test_a_running_write_that_fails_leaves_the_handler_supervised(
         monkeypatch.setattr(store, "write", write)
         ref = await client.submit("hiccup.op", {"n": 1})
         await eventually(lambda: bool(failed), timeout=30)
+        # the lease loop writes RUNNING again when it did not land, or adopts it
+        await eventually(lambda: _running(ref), timeout=30)
         assert agent.task_stats.running == 1  # still its task, kept alive
         release.set()
         assert await ref.result(timeout=30) == {"n": 1, "attempt": 1}
@@ -202,3 +205,7 @@ async def test_a_running_write_that_fails_leaves_the_handler_supervised(
     assert runs == [ref.task_id]
     assert [(a.n, a.outcome) for a in rec.attempts] == [(1, "succeeded")]
     assert agent.task_stats.redelivered == 0
+
+
+async def _running(ref: Any) -> bool:
+    return (await ref.status()).state is S.RUNNING

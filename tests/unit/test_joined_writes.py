@@ -64,3 +64,21 @@ async def test_holding_more_than_the_limit_writes_at_once():
     assert raw.calls == [("write", big + big)]  # the transport's flow control sees it now
     await turn()
     assert len(raw.calls) == 1
+
+
+async def test_every_way_to_write_keeps_the_order_and_the_count():
+    raw = Recorded()
+    raw.write_eof = lambda: raw.calls.append(("eof", b""))  # type: ignore[method-assign]
+    raw.abort = lambda: raw.calls.append(("abort", b""))  # type: ignore[method-assign]
+    raw.get_write_buffer_size = lambda: 7  # type: ignore[method-assign]
+    joined = JoinedWrites(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
+    joined.write(b"a")
+    joined.writelines([b"b", memoryview(b"c")])
+    assert joined.get_write_buffer_size() == 3 + 7  # held here, and held by the transport
+    joined.write_eof()
+    assert raw.calls == [("write", b"abc"), ("eof", b"")]
+    joined.write(b"dropped")
+    joined.abort()
+    await turn()
+    assert raw.calls[-1] == ("abort", b"")
+    assert ("write", b"dropped") not in raw.calls

@@ -21,8 +21,9 @@ def test_a_probe_without_an_answer_does_not_wedge_the_breaker(probe_outcome):
         Policy.BALANCED, table, "work.do", None, ("gpu",), Priority.NORMAL, [], None, 10.0
     )
     assert probe.agent_id == "a"  # the half-open probe
+    assert probe.probe
     router.started("a")
-    router.finished("a", "work.do", probe_outcome, 1.0, 10.0)
+    router.finished("a", "work.do", probe_outcome, 1.0, 10.0, probe=probe.probe)
     router.renewed("a")  # back under the same id: its record is written again
     # long after any cooldown, the instance must be tried again
     later = router.choose(

@@ -1,0 +1,78 @@
+"""An attempt whose RUNNING write the server did not answer goes on unconfirmed
+(execute.confirm); the lease loop still reads its record, adopts our RUNNING if it landed
+(or writes it), and sees a cancel that only the record carries. (It skipped every record
+check while unconfirmed: for the whole run, up to the task timeout, a cancel or a newer
+attempt's fence went unseen.)"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+import pytest
+from nats.aio.msg import Msg
+
+import reach
+from reach import Agent, Client, ReachSettings, TaskState
+from reach._tasks import leases
+from reach._tasks.store import TaskStore
+from reach.testing import eventually
+from reach.wire.tasks import TaskRecord
+
+S = TaskState
+
+
+@pytest.fixture
+def settings(reach_settings: ReachSettings) -> ReachSettings:
+    return reach_settings.model_copy(update={"task_ack_wait": 1.5, "task_retry_base": 0.05})
+
+
+@pytest.mark.parametrize("fail_running", [False, True], ids=["confirmed", "ack-of-running-lost"])
+async def test_a_cancel_in_the_record_stops_even_an_unconfirmed_attempt(
+    settings: ReachSettings, monkeypatch: pytest.MonkeyPatch, fail_running: bool
+):
+    async def missed(self: Any, msg: Msg) -> None:  # the cancel broadcast never arrives
+        return None
+
+    monkeypatch.setattr(leases.Leases, "_on_cancel", missed)
+    started = asyncio.Event()
+    stopped: list[str] = []
+    agent = Agent("runner", settings=settings)
+
+    @agent.task("hang.op", timeout=120)
+    async def op(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
+        started.set()
+        try:
+            await asyncio.sleep(120)
+        except asyncio.CancelledError:
+            stopped.append(ctx.task_id)
+            raise
+        return {}
+
+    failed: list[TaskRecord] = []
+    async with agent, Client(settings=settings) as client:
+        store = agent._tasks.store
+        assert isinstance(store, TaskStore)
+        real = store.write
+
+        async def write(record: TaskRecord, last: int) -> int:
+            if fail_running and record.state is S.RUNNING and not failed:
+                failed.append(record)
+                await real(record, last)  # stored; its answer lost
+                raise nats.errors.TimeoutError
+            return await real(record, last)
+
+        monkeypatch.setattr(store, "write", write)
+        ref = await client.submit("hang.op", {})
+        await asyncio.wait_for(started.wait(), 30)
+        await eventually(lambda: (not fail_running) or bool(failed), timeout=30)
+        await eventually(lambda: _is_running(ref), timeout=30)
+        await ref.cancel()
+        # the lease loop reads the record every ack_wait/3 (0.5 s): well within 15 s
+        await eventually(lambda: bool(stopped), timeout=15)
+
+
+async def _is_running(ref: Any) -> bool:
+    rec = await ref.status()
+    return rec.state is S.RUNNING
