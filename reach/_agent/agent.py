@@ -26,7 +26,7 @@ from .._tasks import TaskRunner, TaskStats
 from .._telemetry.core import Attachment, Telemetry
 from ..errors import ConfigurationError
 from ..settings import ReachSettings
-from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Status
+from ..wire import AgentInfo, CapabilityInfo, Status
 from . import srv
 from .control import ControlListeners
 from .declare import Declarations
@@ -190,22 +190,6 @@ class Agent(Declarations, Exposure, Serving):
             max_queue=self.max_queue,
             started_ms=self._started_ms,
             metadata=self.metadata,
-        )
-
-    def heartbeat(self, seq: int = 0) -> Heartbeat:
-        s = self.stats
-        return Heartbeat(
-            agent_id=self.agent_id,
-            status=self._life.status,
-            seq=seq,
-            inflight=s.inflight,
-            queue_len=len(self._workers.queue),
-            load=s.inflight / self.max_concurrency,
-            latency_ms=round(s.latency_ewma_ms, 3),
-            served=s.served,
-            failed=s.failed,
-            dropped=s.expired,
-            sent_ms=now_ms(),
         )
 
     def service_snapshot(self) -> srv.ServiceSnapshot:

@@ -1,13 +1,15 @@
-"""The agent's side of telemetry: its metrics source, its health check and its own
-``/metrics`` and ``/healthz`` port (``Agent(metrics_port=...)`` or ``REACH_METRICS_PORT``)."""
+"""The agent's side of telemetry: its heartbeat, its metrics source, its health check and
+its own ``/metrics`` and ``/healthz`` port (``Agent(metrics_port=...)`` or
+``REACH_METRICS_PORT``)."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from ..wire import Priority
-from .model import AgentCells, Served
+from .._codec import now_ms
+from ..wire import Heartbeat, Priority
+from .model import AgentCells, AgentStats, Served
 from .observe import agent_source
 
 if TYPE_CHECKING:
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from .._telemetry.core import Attachment, Telemetry
     from ..settings import ReachSettings
     from .agent import Agent
+    from .lifecycle import Lifecycle
     from .workers import Workers
 
 __all__ = ["Exposure"]
@@ -34,8 +37,27 @@ class Exposure:
     _nc: NatsConnection | None
     _attachment: Attachment | None
     _drain_started: float | None
+    _life: Lifecycle
+    stats: AgentStats
+    max_concurrency: int
     #: how long the last drain took (seconds); None before the first
     last_drain_seconds: float | None
+
+    def heartbeat(self, seq: int = 0) -> Heartbeat:
+        s = self.stats
+        return Heartbeat(
+            agent_id=self.agent_id,
+            status=self._life.status,
+            seq=seq,
+            inflight=s.inflight,
+            queue_len=len(self._workers.queue),
+            load=s.inflight / self.max_concurrency,
+            latency_ms=round(s.latency_ewma_ms, 3),
+            served=s.served,
+            failed=s.failed,
+            dropped=s.expired,
+            sent_ms=now_ms(),
+        )
 
     @property
     def metrics_url(self) -> str | None:

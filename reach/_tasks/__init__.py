@@ -15,9 +15,9 @@ from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmi
 from . import admin
 from .admin import DeadLetter
 from .execute import Executor
-from .model import TaskStats
+from .model import TaskDecl, TaskStats
 from .refs import Batch, BatchProgress, TaskRef
-from .runner import TaskDecl, TaskRunner
+from .runner import TaskRunner
 from .submit import Tasks
 
 __all__ = [

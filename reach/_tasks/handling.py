@@ -18,7 +18,7 @@ from .model import Delivery
 if TYPE_CHECKING:
     from .._client import Client
     from .execute import Executor
-    from .runner import TaskDecl
+    from .model import TaskDecl
 
 __all__ = ["call_handler", "redelivered", "task_context", "task_span"]
 

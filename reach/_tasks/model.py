@@ -1,4 +1,5 @@
-"""The task runner's records: one delivery in progress, and the counters."""
+"""The task runner's records: a durable capability served, one delivery in progress, and
+the counters."""
 
 from __future__ import annotations
 
@@ -8,10 +9,22 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from .._handlers import HandlerSpec
+from ..wire import CapabilityInfo
 from ..wire.tasks import TaskAttempt, TaskSubmit
 from .store import Stored
 
-__all__ = ["Delivery", "TaskStats"]
+__all__ = ["Delivery", "TaskDecl", "TaskStats"]
+
+
+@dataclass(slots=True)
+class TaskDecl:
+    """A durable capability an agent serves (``@agent.task``)."""
+
+    info: CapabilityInfo
+    spec: HandlerSpec
+    timeout: float | None
+    max_attempts: int | None
 
 
 @dataclass(slots=True)

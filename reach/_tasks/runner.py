@@ -18,7 +18,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -26,21 +25,20 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import Tracer
 
-from .._handlers import HandlerSpec
 from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._telemetry import LOG_AGENT, LOG_WORK
 from ..errors import BadRequest
 from ..settings import ReachSettings
-from ..wire import CapabilityInfo, Priority
+from ..wire import Priority
 from ..wire.tasks import TaskSubmit
 from .boundary import patiently
 from .execute import Executor
 from .handling import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
 from .leases import Leases
-from .model import Delivery, TaskStats
+from .model import Delivery, TaskDecl, TaskStats
 from .pull import Puller
 from .states import PriorityOrder
 from .store import TaskStore
@@ -48,7 +46,7 @@ from .store import TaskStore
 if TYPE_CHECKING:
     from .._client import Client
 
-__all__ = ["TaskDecl", "TaskRunner"]
+__all__ = ["TaskRunner"]
 
 log = logging.getLogger("reach.tasks")
 
@@ -59,16 +57,6 @@ _GRACE = 1.0  # seconds a cancelled handler gets to end before it is left behind
 _RECORD_RUNNING_AFTER = 0.05
 _HAND_BACK = 5.0  # seconds a drain waits for handed-back tasks' records and naks
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
-
-
-@dataclass(slots=True)
-class TaskDecl:
-    """A durable capability an agent serves (``@agent.task``)."""
-
-    info: CapabilityInfo
-    spec: HandlerSpec
-    timeout: float | None
-    max_attempts: int | None
 
 
 class TaskRunner(Leases):
