@@ -34,3 +34,30 @@ def counting_agent(settings: ReachSettings, name: str, cap: str, runs: list[str]
         return {"n": payload["n"] * 2, "attempt": ctx.attempt}
 
     return agent
+
+
+def fail_write_once(
+    monkeypatch: Any, agent: Agent, state: reach.TaskState, *, stored: bool
+) -> list[Any]:
+    """Make the agent's next record write of ``state`` fail as a JetStream publish with no
+    answer does (``nats.errors.TimeoutError``): not stored, or stored with its answer lost.
+    Fault injection in our own store, not a mock of NATS. The records it failed, listed."""
+    import nats.errors
+
+    from reach._tasks.store import TaskStore
+
+    store = agent._tasks.store
+    assert isinstance(store, TaskStore)
+    real = store.write
+    failed: list[Any] = []
+
+    async def write(record: Any, last: int) -> int:
+        if record.state is state and not failed:
+            failed.append(record)
+            if stored:
+                await real(record, last)
+            raise nats.errors.TimeoutError
+        return await real(record, last)
+
+    monkeypatch.setattr(store, "write", write)
+    return failed

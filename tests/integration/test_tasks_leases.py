@@ -7,19 +7,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
 import reach
 from reach import Agent, Client, ReachSettings, TaskNotFound, TaskState
 from reach._tasks import leases
-from reach._tasks.store import TaskStore, consumer_name
+from reach._tasks.store import consumer_name
 from reach.testing import eventually
 from reach.wire import Priority
-from reach.wire.tasks import TaskRecord
 
-from .task_helpers import counting_agent, stream_empty, task_stream
+from .task_helpers import counting_agent, fail_write_once, stream_empty, task_stream
 
 S = TaskState
 
@@ -130,21 +128,8 @@ async def test_a_final_write_that_fails_is_redelivered_and_the_task_succeeds(
     run again when nothing was stored, answered from the record when it was."""
     runs: list[str] = []
     agent = counting_agent(settings, "writer", "write.op", runs)
-    failed: list[TaskRecord] = []
     async with agent, Client(settings=settings) as client:
-        store = agent._tasks.store
-        assert isinstance(store, TaskStore)
-        real = store.write
-
-        async def write(record: TaskRecord, last: int) -> int:
-            if record.state is S.SUCCEEDED and not failed:
-                failed.append(record)
-                if stored:
-                    await real(record, last)
-                raise nats.errors.TimeoutError  # what a JetStream publish without ack raises
-            return await real(record, last)
-
-        monkeypatch.setattr(store, "write", write)
+        failed = fail_write_once(monkeypatch, agent, S.SUCCEEDED, stored=stored)
         ref = await client.submit("write.op", {"n": 5})
         assert (await ref.result(timeout=30))["n"] == 10
         await eventually(stream_empty(client, settings), timeout=30)  # acked at last
@@ -178,21 +163,8 @@ async def test_a_running_write_that_fails_leaves_the_handler_supervised(
         await release.wait()
         return {"n": payload["n"], "attempt": ctx.attempt}
 
-    failed: list[TaskRecord] = []
     async with agent, Client(settings=settings) as client:
-        store = agent._tasks.store
-        assert isinstance(store, TaskStore)
-        real = store.write
-
-        async def write(record: TaskRecord, last: int) -> int:
-            if record.state is S.RUNNING and not failed:
-                failed.append(record)
-                if stored:
-                    await real(record, last)
-                raise nats.errors.TimeoutError
-            return await real(record, last)
-
-        monkeypatch.setattr(store, "write", write)
+        failed = fail_write_once(monkeypatch, agent, S.RUNNING, stored=stored)
         ref = await client.submit("hiccup.op", {"n": 1})
         await eventually(lambda: bool(failed), timeout=30)
         # the lease loop writes RUNNING again when it did not land, or adopts it

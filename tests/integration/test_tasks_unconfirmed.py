@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
 import reach
 from reach import Agent, Client, ReachSettings, TaskState
 from reach._tasks import leases
-from reach._tasks.store import TaskStore
 from reach.testing import eventually
-from reach.wire.tasks import TaskRecord
+
+from .task_helpers import fail_write_once
 
 S = TaskState
 
@@ -50,20 +49,8 @@ async def test_a_cancel_in_the_record_stops_even_an_unconfirmed_attempt(
             raise
         return {}
 
-    failed: list[TaskRecord] = []
     async with agent, Client(settings=settings) as client:
-        store = agent._tasks.store
-        assert isinstance(store, TaskStore)
-        real = store.write
-
-        async def write(record: TaskRecord, last: int) -> int:
-            if fail_running and record.state is S.RUNNING and not failed:
-                failed.append(record)
-                await real(record, last)  # stored; its answer lost
-                raise nats.errors.TimeoutError
-            return await real(record, last)
-
-        monkeypatch.setattr(store, "write", write)
+        failed = fail_write_once(monkeypatch, agent, S.RUNNING, stored=True) if fail_running else []
         ref = await client.submit("hang.op", {})
         await asyncio.wait_for(started.wait(), 30)
         await eventually(lambda: (not fail_running) or bool(failed), timeout=30)
