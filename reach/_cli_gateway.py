@@ -10,18 +10,17 @@ in flight. FastAPI and uvicorn are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import logging
 import math
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._client import Client
 from ._nats import redact
+from ._runtime import on_stop_signals
 from ._telemetry import configure_logging
 from .errors import ConfigurationError
 from .settings import ReachSettings
@@ -64,14 +63,8 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self.handle_exit, sig, None)
-            try:
+            with on_stop_signals(lambda sig: self.handle_exit(sig, None)):
                 yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
 
     async with Client(settings=settings, name="reach-gateway") as client:
         metrics = None

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 from typing import TYPE_CHECKING
 
-from .._runtime import run_async
+from .._runtime import on_stop_signals, run_async
 from .._telemetry import configure_logging, configure_tracing
 
 if TYPE_CHECKING:
@@ -56,20 +54,13 @@ class Serving:
     async def serve_forever(self) -> None:
         """Start, serve until SIGTERM/SIGINT, ``$ctl drain`` or cancellation, then drain and
         stop."""
-        loop = asyncio.get_running_loop()
-        installed: list[signal.Signals] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.request_drain)
-                installed.append(sig)
         self._serving, self._exit = True, None
         try:
-            await self.start()
-            await self._drain_requested.wait()
-            log.info("agent %s: draining", self.agent_id)
+            with on_stop_signals(lambda _: self.request_drain()):
+                await self.start()
+                await self._drain_requested.wait()
+                log.info("agent %s: draining", self.agent_id)
         finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
             await self.stop()
             self._serving = False
         if self._exit is not None:

@@ -5,9 +5,7 @@ pooled ``httpx.AsyncClient``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self
@@ -16,6 +14,7 @@ import httpx
 
 from .._agent import Agent, Context
 from .._owner import TaskOwner
+from .._runtime import on_stop_signals
 from .._telemetry.core import Telemetry
 from ..errors import NotStarted
 from ..settings import ReachSettings
@@ -160,18 +159,11 @@ class HttpWrapper:
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM/SIGINT, ``reach drain <agent_id>`` or cancellation."""
-        loop = asyncio.get_running_loop()
-        installed: list[signal.Signals] = []
         await self.start()
         try:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, self.agent.request_drain)
-                    installed.append(sig)
-            await self.agent.wait_drain_requested()
+            with on_stop_signals(lambda _: self.agent.request_drain()):
+                await self.agent.wait_drain_requested()
         finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
             await self.stop()
 
     async def __aenter__(self) -> Self:

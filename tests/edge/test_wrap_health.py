@@ -10,23 +10,16 @@ import reach
 from reach import Client, Priority, Registry, Status
 from reach._agent import State
 from reach._wrap import HttpWrapper
-from reach.testing import eventually, unique_prefix
+from reach.testing import eventually
 from reach.wire import Control, ControlReply
+from tests.integration.registry_wire import fast_settings
 
 from .wrap_upstream import free_port, serve_upstream, spec
 
 
 @pytest.fixture
 def settings(nats_server):
-    return reach.ReachSettings(
-        nats_url=nats_server.url,
-        subject_prefix=unique_prefix(),
-        heartbeat_interval=0.2,
-        lease_ttl=1.0,
-        probe_timeout=0.5,
-        register_backoff=0.05,
-        register_backoff_max=0.3,
-    )
+    return fast_settings(nats_server.url, down_grace=30.0)
 
 
 @pytest.fixture

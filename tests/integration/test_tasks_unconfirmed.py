@@ -43,7 +43,7 @@ async def test_a_cancel_in_the_record_stops_even_an_unconfirmed_attempt(
     async def op(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
         started.set()
         try:
-            await asyncio.sleep(120)
+            await asyncio.Event().wait()  # runs until cancelled
         except asyncio.CancelledError:
             stopped.append(ctx.task_id)
             raise

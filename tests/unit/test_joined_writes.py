@@ -28,7 +28,10 @@ class Recorded:
 
 
 async def turn() -> None:
-    await asyncio.sleep(0)  # one turn of the loop: the callbacks scheduled now run
+    """Until the callbacks scheduled so far have run (they run in order: ours is last)."""
+    done = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(done.set_result, None)
+    await done
 
 
 async def test_writes_of_one_turn_leave_as_one():
