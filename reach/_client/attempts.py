@@ -130,6 +130,11 @@ class Requester:
         wait = self.default_timeout if timeout is None else timeout
         if wait <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        if request_id and len(request_id) > MAX_REQUEST_ID:
+            raise ConfigurationError(
+                f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID}"
+            )
+        data = encode_payload(payload)  # before admit: once admitted, only the try below
         loop = asyncio.get_running_loop()
         now = loop.time()
         cells = self.metrics.cap(capability) if self.metrics is not None else None
@@ -145,7 +150,6 @@ class Requester:
                 capability=capability,
             )
         deadline = now + wait
-        data = encode_payload(payload)
         limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
         base = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
         if prio is not Priority.NORMAL:
@@ -153,10 +157,6 @@ class Requester:
         if self.name:
             base[Header.CALLER] = self.name
         if request_id:
-            if len(request_id) > MAX_REQUEST_ID:
-                raise ConfigurationError(
-                    f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID}"
-                )
             base[Header.REQUEST_ID] = request_id
         call = Call(
             capability,
@@ -185,6 +185,8 @@ class Requester:
             outcome = "cancelled"
             raise
         finally:
+            if router.cap_breakers:
+                router.call_ended(capability, outcome, loop.time())
             if cells is not None:
                 cells.finished(policy.value, outcome, loop.time() - now)
 

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsConnection
 
 from .._nats import TRANSIENT, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
-from .._subjects import Subjects
+from .._subjects import MAX_NAME, Subjects
 from .._tasks import Tasks
 from .._telemetry.core import Telemetry
 from ..errors import ConfigurationError, NotStarted
@@ -35,8 +35,6 @@ from .watches import Watches
 
 __all__ = ["Client", "ClientStats"]
 
-#: a client's name travels in the headers of its requests, which must stay small
-MAX_NAME = 128
 
 log = logging.getLogger("reach.client")
 

@@ -137,6 +137,11 @@ class CircuitBreaker:
             return now - self._opened_at >= self.cooldown
         return not self._probing
 
+    @property
+    def probing(self) -> bool:
+        """Half-open with its probe out."""
+        return self.state is BreakerState.HALF_OPEN and self._probing
+
     def early_probe_ready(self) -> bool:
         """Open, newly (from CLOSED), and its early probe not yet sent."""
         return self.state is BreakerState.OPEN and self._early

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
 from ..wire import Priority
-from .outcomes import INSTANCE_FAILURE, UNANSWERED, Choice, TableView, look
+from .outcomes import FAILOVER, INSTANCE_FAILURE, UNANSWERED, Choice, TableView, look
 from .policies import (
     Policy,
     Weights,
@@ -88,6 +88,20 @@ class Router:
         if breaker is not None and not breaker.allow(now):
             return "circuit_open"
         return None
+
+    def call_ended(self, capability: str, outcome: str, now: float) -> None:
+        """A whole request ended. If it was the capability breaker's half-open probe and
+        said nothing to the breaker (an agent answered with its own refusal, the caller
+        cancelled, it failed before it was sent), settle the probe: an answer means the
+        capability is reachable; anything else opens the breaker again for a cooldown.
+        Otherwise the probe slot stayed taken and the capability was refused for good."""
+        breaker = self.cap_breakers.get(capability)
+        if breaker is None or not breaker.probing:
+            return
+        if outcome in UNANSWERED or outcome in FAILOVER:
+            breaker.release(now)
+        else:
+            breaker.success(now)
 
     # -- choosing ----------------------------------------------------------------------
 
@@ -247,6 +261,12 @@ class Router:
                         self._departed[agent_id] = left - 1
                     else:
                         del self._departed[agent_id]
+                    breaker = self.instance_breakers.get(agent_id) if probe else None
+                    if breaker is not None:  # it came back meanwhile: never keep its slot
+                        if outcome == "ok":
+                            breaker.success(now)
+                        else:
+                            breaker.release(now)
                     return  # nothing to learn about an instance that is gone
             elif n > 1:
                 self.inflight[agent_id] = n - 1

@@ -148,7 +148,7 @@ class Executor(Claims):
         await self._put_back(d, 1.0)
         return False
 
-    async def confirm(self, d: Delivery) -> bool:
+    async def confirm(self, d: Delivery, *, count: bool = True) -> bool:
         """Write RUNNING if it is not written yet; False when another write came first.
 
         A write the server did not answer leaves the attempt running, unconfirmed: its
@@ -163,7 +163,8 @@ class Executor(Claims):
             d.stored = Stored(st.record, await self.store.write(st.record, 0))
         except Conflict:
             d.stored = await self.store.get(d.task_id)
-            self.stats.fenced += 1
+            if count:  # not when the lease loop retries: the attempt's end may have won
+                self.stats.fenced += 1
             return False
         except TRANSIENT as exc:
             d.unconfirmed = True  # the lease loop reads the record and adopts or fences it

@@ -78,8 +78,10 @@ class Leases:
         after all (adopted, so the end writes over it), written now if there is none, or
         whatever came first (which the caller checks for a fence or a cancel)."""
         st = await ex.store.get(d.task_id)
+        if d.runner is None or d.runner.done():
+            return None  # it ended meanwhile: its own end writes the record
         if st is None:
-            await ex.confirm(d)  # unanswered again: d.unconfirmed stays, None below
+            await ex.confirm(d, count=False)  # unanswered again: d.unconfirmed stays
             st = d.stored if d.stored is not None and d.stored.revision else None
             if st is None:
                 return None

@@ -177,6 +177,7 @@ async def test_a_running_write_that_fails_leaves_the_handler_supervised(
     assert runs == [ref.task_id]
     assert [(a.n, a.outcome) for a in rec.attempts] == [(1, "succeeded")]
     assert agent.task_stats.redelivered == 0
+    assert agent.task_stats.fenced == 0  # the lease loop writing RUNNING again is no fence
 
 
 async def _running(ref: Any) -> bool:

@@ -57,3 +57,46 @@ def test_a_cancelled_early_probe_does_not_skip_the_cooldown():
             choice.agent_id, "work.do", "cancelled", 1.0, 5.0 + k * 0.01, probe=choice.probe
         )
     assert sent == 1  # one early probe per opening, then the cooldown
+
+
+def _open_capability(router):
+    for n in range(5):
+        router.request_done("work.do", False, float(n))
+    assert router.admit("work.do", 4.5) == "circuit_open"
+
+
+@pytest.mark.parametrize(
+    ("outcome", "admitted_after"),
+    [("failed", True), ("bad_request", True), ("cancelled", False), ("error", False)],
+)
+def test_a_capability_probe_that_says_nothing_to_the_breaker_is_settled(outcome, admitted_after):
+    """The capability breaker's half-open probe was taken by ``admit`` and reported only
+    by ``request_done``, which a handler's refusal, a cancel or an error before sending
+    never call: every later request was refused for good. An answer closes it; anything
+    else opens it again for a cooldown."""
+    router = Router(breaker_cooldown=5.0)
+    _open_capability(router)
+    assert router.admit("work.do", 10.0) is None  # the probe
+    assert router.admit("work.do", 10.0) == "circuit_open"  # one at a time
+    router.call_ended("work.do", outcome, 10.1)
+    assert (router.admit("work.do", 10.2) is None) is admitted_after
+    assert router.admit("work.do", 1000.0) is None  # never refused for good
+
+
+def test_a_probe_ending_on_an_instance_that_left_and_came_back_frees_its_slot():
+    """An attempt in flight when the instance left the table, then the instance came back
+    and its breaker opened: the old attempt's end took the new probe's place in the
+    departed count, and the probe's own end returned before the breaker, its slot kept."""
+    router = Router(breaker_cooldown=5.0)
+    table = table_of(rec("a"))
+    router.started("a")  # in flight when it left
+    router.forget("a")
+    for n in range(5):
+        router.started("a")
+        router.finished("a", "work.do", "timeout", 1.0, float(n))
+    probe = _choose(router, table, 5.0)
+    assert probe.probe
+    router.started("a")
+    router.finished("a", "work.do", "cancelled", 1.0, 5.5)  # the old attempt ends first
+    router.finished("a", "work.do", "timeout", 1.0, 5.6, probe=True)  # the probe
+    assert _choose(router, table, 1000.0).agent_id == "a"
