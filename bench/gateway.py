@@ -16,15 +16,18 @@ Variants, interleaved in rounds (their order rotating), each with N callers in f
   generator, when it is installed (Debian: `apt-get install wrk`): HTTP callers normally
   run elsewhere, and on a 2-core machine a Python generator takes CPU from the gateway.
   Any non-2xx answer fails the run.
+- `gateway, W workers (...)`: raw HTTP and wrk again, against `reach gateway --workers W`
+  (default W: one per core), a second gateway on its own port: W processes behind one
+  port, each with its own NATS connection.
 
 This process runs on uvloop (both the direct client and the HTTP load generators; pass
---asyncio for the default loop). CPU use of this process and of the gateway process (share
-of one core), and how busy the whole machine was, are sampled per variant, so a saturated
-load generator or gateway shows. The ratio reported is the median over rounds of
-gateway/direct within each round.
+--asyncio for the default loop). CPU use of this process and of the gateway processes
+(share of one core, workers included), and how busy the whole machine was, are sampled
+per variant, so a saturated load generator or gateway shows. The ratio reported is the
+median over rounds of gateway/direct within each round.
 
     python bench/gateway.py [--quick] [--rounds 5] [--seconds 2] [--inflight 64]
-                            [--only direct,raw,httpx,wrk] [--asyncio] [--json]
+                            [--only direct,raw,httpx,wrk] [--workers W] [--asyncio] [--json]
 """
 
 from __future__ import annotations
@@ -94,14 +97,24 @@ def run_instance(url: str, index: int, ready: Any, stop: Any) -> None:
 class Gateway:
     """`reach gateway --port 0` as a child process; its URL read from its first line."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, workers: int = 1) -> None:
+        self.workers = workers
         env = clean_environ() | {
             "REACH_NATS_URL": url,
             "REACH_LOG_LEVEL": "WARNING",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reach.cli", "gateway", "--port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "reach.cli",
+                "gateway",
+                "--port",
+                "0",
+                "--workers",
+                str(workers),
+            ],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -115,9 +128,18 @@ class Gateway:
             raise RuntimeError(f"the gateway exited with {self.proc.wait()}")
 
     def cpu_seconds(self) -> float:
-        """user + system CPU time of the gateway process (Linux /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """user + system CPU time of the gateway's processes, its workers' too (Linux /proc)."""
+        pids = {self.proc.pid}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids |= {int(c) for c in (task / "children").read_text().split()}
+        total = 0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -207,10 +229,12 @@ class Wrk:
         return rate, pcts
 
 
-async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, url: str, gateways: list[Gateway]) -> dict[str, Any]:
     body = payload()
     path = f"/v1/capabilities/{CAP}"
-    raw = RawHttp(gateway.url, path, body)
+    gateway = gateways[0]
+    raws = [RawHttp(g.url, path, body) for g in gateways]
+    raw = raws[0]
     limits = httpx.Limits(max_connections=args.inflight, max_keepalive_connections=args.inflight)
     async with (
         reach.Client(settings=defaults(url), name="bench") as client,
@@ -222,14 +246,19 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
             return len(records) == 2 and all(r.status == reach.Status.UP for r in records)
 
         await eventually(both_known, timeout=60)
-        # the gateway's client must know both instances too before measuring
-        await eventually(lambda: _gateway_knows(http, 2), timeout=60)
+        # each gateway's workers must know both instances too before measuring
+        for g in gateways:
+            for _ in range(4 * g.workers):  # on new connections: the kernel spreads them
+                await eventually(lambda url=g.url: _gateway_knows(url, 2), timeout=60)
 
         async def direct() -> None:
             await client.call(CAP, body, timeout=5, response_type=bytes)
 
-        async def via_raw() -> None:
-            msgspec.json.decode(await raw.call())
+        def via_raw(raw: RawHttp) -> Call:
+            async def call() -> None:
+                msgspec.json.decode(await raw.call())
+
+            return call
 
         async def via_httpx() -> None:
             r = await http.post(path, content=body, headers={"content-type": "application/json"})
@@ -240,19 +269,20 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
         def looped(fn: Call) -> Runner:
             return lambda seconds: closed_loop(fn, seconds, args.inflight)
 
-        variants: dict[str, Runner] = {
-            "direct client": looped(direct),
-            "gateway (raw HTTP)": looped(via_raw),
-            "gateway (httpx)": looped(via_httpx),
-        }
-        if shutil.which("wrk"):
-            variants["gateway (wrk)"] = Wrk(gateway.url, path, body, args.inflight, args.tmp).run
-        elif "wrk" in args.only.split(","):
-            raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
-        if args.only:
-            short = dict(zip(("direct", "raw", "httpx", "wrk"), list(variants), strict=False))
-            keep = {short[k] for k in args.only.split(",")} | {"direct client"}
-            variants = {k: v for k, v in variants.items() if k in keep}
+        wanted = set(args.only.split(",")) if args.only else {"raw", "httpx", "wrk"}
+        if "wrk" in wanted and not shutil.which("wrk"):
+            if args.only:
+                raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
+            wanted.discard("wrk")
+        variants: dict[str, Runner] = {"direct client": looped(direct)}
+        for g, g_raw in zip(gateways, raws, strict=True):
+            label = "gateway" if g.workers == 1 else f"gateway, {g.workers} workers"
+            if "raw" in wanted:
+                variants[f"{label} (raw HTTP)"] = looped(via_raw(g_raw))
+            if "httpx" in wanted and g is gateway:
+                variants[f"{label} (httpx)"] = looped(via_httpx)
+            if "wrk" in wanted:
+                variants[f"{label} (wrk)"] = Wrk(g.url, path, body, args.inflight, args.tmp).run
         answer = msgspec.json.decode(await raw.call())
         assert msgspec.json.encode(answer["result"]) == body, answer
         assert answer["agent_id"] in {"bench-0", "bench-1"}
@@ -269,14 +299,14 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
             order = names[r % len(names) :] + names[: r % len(names)]
             rates: dict[str, float] = {}
             for name in order:
-                t0, c0, g0 = time.perf_counter(), own_cpu(), gateway.cpu_seconds()
+                t0, c0, g0 = time.perf_counter(), own_cpu(), gateways_cpu(gateways)
                 m0 = machine_busy()
                 rate, values = await variants[name](args.seconds)
                 wall = time.perf_counter() - t0
                 m1 = machine_busy()
                 cpu[name]["machine"].append((m1[0] - m0[0]) / max(1, m1[1] - m0[1]))
                 cpu[name]["bench"].append((own_cpu() - c0) / wall)
-                cpu[name]["gateway"].append((gateway.cpu_seconds() - g0) / wall)
+                cpu[name]["gateway"].append((gateways_cpu(gateways) - g0) / wall)
                 rates[name] = rate
                 if isinstance(values, dict):  # wrk's own percentiles, per round
                     for q, v in values.items():
@@ -284,7 +314,8 @@ async def measure(args: argparse.Namespace, url: str, gateway: Gateway) -> dict[
                 else:
                     lat[name] += values
             per_round.append(rates)
-        await raw.close()
+        for each in raws:
+            await each.close()
 
     out: dict[str, Any] = {"variants": {}, "ratios": {}, "rounds": per_round}
     for name in names:
@@ -308,14 +339,19 @@ def _percentile(lat: dict[str, list[float]], name: str, q: float) -> float:
     return statistics.median(lat.get(f"{name} {round(q * 100)}", [float("nan")]))
 
 
+def gateways_cpu(gateways: list[Gateway]) -> float:
+    return sum(g.cpu_seconds() for g in gateways)
+
+
 def own_cpu() -> float:
     """CPU seconds of this process and its finished children (wrk)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-async def _gateway_knows(http: httpx.AsyncClient, n: int) -> bool:
-    r = await http.get("/v1/agents", params={"capability": CAP})
+async def _gateway_knows(url: str, n: int) -> bool:
+    async with httpx.AsyncClient(base_url=url) as http:  # a new connection each time
+        r = await http.get("/v1/agents", params={"capability": CAP})
     return len(r.json()["agents"]) == n
 
 
@@ -342,6 +378,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--inflight", type=int, default=64)
     parser.add_argument("--only", default="", help="a subset: direct,raw,httpx,wrk")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="also measure `reach gateway --workers N` (default: one per core)",
+    )
     parser.add_argument("--asyncio", action="store_true", help="this process on asyncio's loop")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -355,16 +397,19 @@ def main() -> int:
         for i in range(2):
             fleet.add(run_instance, server.url, i)
         with fleet:
-            gateway = Gateway(server.url)
+            gateways: list[Gateway] = []
             try:
+                for n in sorted({1, args.workers}):
+                    gateways.append(Gateway(server.url, n))
                 if args.asyncio:
-                    out = asyncio.run(measure(args, server.url, gateway))
+                    out = asyncio.run(measure(args, server.url, gateways))
                 else:
                     import uvloop
 
-                    out = uvloop.run(measure(args, server.url, gateway))
+                    out = uvloop.run(measure(args, server.url, gateways))
             finally:
-                gateway.close()
+                for gateway in gateways:
+                    gateway.close()
     out["setup"] = {
         "rounds": args.rounds,
         "seconds": args.seconds,
@@ -372,13 +417,15 @@ def main() -> int:
         "loop": "asyncio" if args.asyncio else "uvloop",
         "payload_bytes": SIZE,
         "cores": os.cpu_count(),
+        "workers": sorted({1, args.workers}),
     }
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(
         f"HTTP -> capability -> reply, {SIZE}-byte JSON; registry + 2 instances; `reach gateway`"
-        f" in its own process (uvicorn, httptools, uvloop); load from this process on"
+        f" in its own process(es) (uvicorn, httptools, uvloop; workers {out['setup']['workers']});"
+        f" load from this process on"
         f" {out['setup']['loop']}; {args.rounds} interleaved rounds x {args.seconds:g} s;"
         f" {os.cpu_count()} cores shared by all"
     )

@@ -14,6 +14,9 @@ import contextlib
 import gc
 import logging
 import math
+import os
+import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +24,7 @@ from typing import Any
 from ._client import Client
 from ._nats import redact
 from ._runtime import on_stop_signals
+from ._supervisor import READY, Supervisor, reuseport_sockets, watch_lifeline
 from ._telemetry import configure_logging
 from .errors import ConfigurationError
 from .settings import ReachSettings
@@ -28,6 +32,8 @@ from .settings import ReachSettings
 __all__ = ["add_gateway_commands"]
 
 log = logging.getLogger("reach.gateway")
+
+_BACKLOG = 2048  # uvicorn's default
 
 
 async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -43,11 +49,16 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)
     overrides: dict[str, Any] = {
-        k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
+        k: v
+        for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers))
+        if v is not None
     }
     gateway = GatewaySettings(**overrides)
-    if gateway.open:
+    worker = args.listen_fd is not None
+    if gateway.open and not worker:
         log.warning("no REACH_GATEWAY_TOKENS: every caller of %s may do everything", gateway.host)
+    if gateway.workers > 1 and not worker:
+        return await _supervise(args, settings, gateway)
 
     edge: Any = None
 
@@ -64,7 +75,21 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with on_stop_signals(lambda sig: self.handle_exit(sig, None)):
-                yield
+                if args.lifeline_fd is None:
+                    yield
+                    return
+                unwatch = watch_lifeline(
+                    args.lifeline_fd, lambda: self.handle_exit(signal.SIGTERM, None)
+                )
+                try:
+                    yield
+                finally:
+                    unwatch()
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if args.ready_fd is not None and self.started:
+                os.write(args.ready_fd, READY)  # to the supervisor: this worker serves
 
     async with Client(settings=settings, name="reach-gateway") as client:
         metrics = None
@@ -86,16 +111,14 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
                 proxy_headers=False,  # client addresses are not used; one layer less per request
             )
             server = Server(config)
-            sock = config.bind_socket()  # bound here, so the port (also with 0) is known
-            sock.listen(config.backlog)  # connections queue from now on: say so below
-            host, port = sock.getsockname()[:2]
-            print(
-                f"# gateway on http://{host}:{port} (OpenAPI at /docs), NATS {redact(client.url)}"
-                + (", no tokens (open)" if gateway.open else f", {len(gateway.tokens)} tokens")
-                + (f", metrics {metrics.url}/metrics" if metrics is not None else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+            if worker:
+                sock = socket.socket(fileno=args.listen_fd)  # the supervisor's, listening
+            else:
+                sock = config.bind_socket()  # bound here, so the port (also with 0) is known
+                sock.listen(config.backlog)  # connections queue from now on: say so below
+                host, port = sock.getsockname()[:2]
+                extra = f", metrics {metrics.url}/metrics" if metrics is not None else ""
+                _banner(host, port, client.url, gateway, extra)
             # Everything built so far lives as long as the process: keep the collector from
             # scanning it again and again (full collections of FastAPI's and pydantic's
             # objects showed as tens of milliseconds in the latency tail)
@@ -106,6 +129,39 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
             if metrics is not None:
                 await metrics.close()
     return 0
+
+
+def _banner(host: str, port: int, url: str, gateway: Any, extra: str = "") -> None:
+    print(
+        f"# gateway on http://{host}:{port} (OpenAPI at /docs), NATS {redact(url)}"
+        + (", no tokens (open)" if gateway.open else f", {len(gateway.tokens)} tokens")
+        + extra,
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+async def _supervise(args: argparse.Namespace, settings: ReachSettings, gateway: Any) -> int:
+    """``--workers N``: N gateway processes on one port (``reach._supervisor``)."""
+    sockets = reuseport_sockets(gateway.host, gateway.port, gateway.workers, _BACKLOG)
+    host, port = sockets[0].getsockname()[:2]
+    metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
+
+    def command(index: int) -> list[str]:
+        argv = [sys.executable, "-m", "reach.cli", "gateway", "--workers", "1"]
+        if args.url:
+            argv += ["--url", args.url]
+        if args.access_log:
+            argv.append("--access-log")
+        if metrics_port is not None:  # one port each: P, P+1, ... (0: any)
+            argv += ["--metrics-port", str(metrics_port + index if metrics_port else 0)]
+        return argv
+
+    extra = f", {gateway.workers} workers"
+    if metrics_port:
+        extra += f", metrics on ports {metrics_port}-{metrics_port + gateway.workers - 1}"
+    supervisor = Supervisor(command, sockets, grace=gateway.shutdown_grace)
+    return await supervisor.run(lambda: _banner(host, port, settings.nats_url, gateway, extra))
 
 
 def add_gateway_commands(
@@ -129,4 +185,13 @@ def add_gateway_commands(
         help="also serve /metrics and /healthz on this port (default REACH_METRICS_PORT)",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes serving on the port, one per core to use (default"
+        " $REACH_GATEWAY_WORKERS or 1)",
+    )
+    for fd in ("--listen-fd", "--ready-fd", "--lifeline-fd"):  # from the supervisor only
+        p.add_argument(fd, type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(run=_gateway, is_async=True)

@@ -1,8 +1,10 @@
-"""``GET /healthz`` (is NATS connected?) and ``GET /metrics`` (Prometheus text: the
+"""``GET /healthz`` (is NATS connected? and which process answered) and ``GET /metrics`` (Prometheus text: the
 client's telemetry, which carries the gateway's HTTP metrics too). Both are open, like
 the ``/metrics`` port of every Reach process: probes and scrapers carry no token."""
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 from fastapi import APIRouter, Response
@@ -21,7 +23,12 @@ def router(deps: EdgeDeps) -> APIRouter:
     async def healthz() -> Response:
         ok, details = deps.telemetry.health()
         nats = client.connected
-        body = {"status": "ok" if ok and nats else "unhealthy", "nats": nats, **details}
+        body = {
+            "status": "ok" if ok and nats else "unhealthy",
+            "nats": nats,
+            "pid": os.getpid(),  # which process answered: one of several with --workers
+            **details,
+        }
         return Response(
             msgspec.json.encode(body), 200 if ok and nats else 503, media_type="application/json"
         )

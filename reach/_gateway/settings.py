@@ -60,6 +60,9 @@ class GatewaySettings(BaseSettings):
     #: seconds a stopping gateway waits for requests in flight (event streams included);
     #: uvicorn counts whole seconds, so this is rounded up
     shutdown_grace: float = Field(default=5.0, gt=0)
+    #: processes serving the gateway on one port, each with its own NATS connection; one
+    #: per core the gateway may use (``reach gateway --workers``)
+    workers: int = Field(default=1, ge=1, le=64)
     #: event streams open at once (task events and A2A streams, each holds a KV watch);
     #: past it 503 with Retry-After
     max_streams: int = Field(default=256, ge=1, le=100_000)

@@ -1,0 +1,156 @@
+"""``reach gateway --workers N``: N processes on one port behind a supervisor, as
+processes on a real nats-server (``reach._supervisor``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from reach import ReachSettings
+from reach.testing import eventually
+
+from .gateway_kit import echo_agent
+from .test_gateway_http import start_gateway
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return {c for c in found if alive(c)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited
+
+
+def env_of(settings: ReachSettings) -> dict[str, str]:
+    return {
+        "REACH_NATS_URL": settings.nats_url,
+        "REACH_SUBJECT_PREFIX": settings.subject_prefix,
+        "REACH_GATEWAY_SHUTDOWN_GRACE": "1",
+    }
+
+
+@contextlib.asynccontextmanager
+async def supervised(
+    settings: ReachSettings, workers: int = 2
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, list[str]]]:
+    """The command with ``workers`` workers: (its process, its URL, its stderr so far)."""
+    proc = await start_gateway("--port", "0", "--workers", str(workers), env=env_of(settings))
+    assert proc.stderr is not None
+    lines: list[str] = []
+    seen: set[int] = set()  # every worker pid: a failed test's leftovers are killed
+
+    async def read_on() -> None:
+        assert proc.stderr is not None
+        while line := (await proc.stderr.readline()).decode():
+            lines.append(line)
+            if proc.returncode is None:
+                seen.update(children(proc.pid))
+
+    reader = asyncio.create_task(read_on())
+    try:
+        await eventually(lambda: any(x.startswith("# gateway on") for x in lines), timeout=60)
+        line = next(x for x in lines if x.startswith("# gateway on"))
+        assert f"{workers} workers" in line
+        seen.update(children(proc.pid))
+        yield proc, line.split()[3], lines
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await eventually(lambda: proc.returncode is not None, timeout=60)
+    finally:
+        if proc.returncode is None:
+            seen.update(children(proc.pid))
+            proc.kill()
+        for pid in seen:
+            if alive(pid):  # they would hold the stderr pipe open
+                os.kill(pid, signal.SIGKILL)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        async with asyncio.timeout(60):
+            await proc.wait()
+
+
+async def pids_answering(url: str, calls: int) -> set[int]:
+    """The processes that answered ``calls`` requests, each on a new connection."""
+    pids = set()
+    for _ in range(calls):
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.get("/healthz")
+            assert r.status_code == 200, r.text
+            pids.add(r.json()["pid"])
+    return pids
+
+
+async def test_every_worker_serves_calls_on_the_one_port(reach_settings: ReachSettings):
+    async with (
+        echo_agent(reach_settings, "echo-1"),
+        supervised(reach_settings, workers=2) as (proc, url, _),
+    ):
+        workers = children(proc.pid)
+        assert len(workers) == 2
+        # the kernel spreads new connections over the workers' sockets
+        assert await pids_answering(url, 40) == workers
+        async with httpx.AsyncClient(base_url=url) as http:
+            for n in range(10):
+                r = await http.post("/v1/capabilities/demo.echo", json={"n": n})
+                assert (r.status_code, r.json()["result"]["echo"]) == (200, {"n": n})
+    assert proc.returncode == 0
+    assert not any(alive(pid) for pid in workers)  # SIGTERM stopped them all
+
+
+async def test_a_worker_that_dies_is_started_again(reach_settings: ReachSettings):
+    async with supervised(reach_settings, workers=2) as (proc, url, lines):
+        first = children(proc.pid)
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        await eventually(lambda: len(children(proc.pid)) == 2 and victim not in children(proc.pid))
+        now = children(proc.pid)
+        await eventually(lambda: any("starting it again" in line for line in lines))
+        assert any(f"(pid {victim}) exited with code -9" in line for line in lines)
+        # the new worker serves on the dead one's socket (connections to it waited)
+        answered: set[int] = set()
+
+        async def both_answer() -> bool:
+            answered.update(await pids_answering(url, 10))
+            return now <= answered
+
+        await eventually(both_answer, timeout=30)
+    assert proc.returncode == 0
+
+
+async def test_workers_leave_with_a_supervisor_that_was_killed(reach_settings: ReachSettings):
+    async with supervised(reach_settings, workers=2) as (proc, _, _):
+        workers = children(proc.pid)
+        proc.kill()  # no chance to stop them: the lifeline's end of file does
+        await eventually(lambda: proc.returncode is not None)
+        await eventually(lambda: not any(alive(pid) for pid in workers), timeout=30)
+
+
+async def test_a_worker_that_cannot_start_fails_the_command(reach_settings: ReachSettings):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"nats://127.0.0.1:{probe.getsockname()[1]}"
+    env = env_of(reach_settings) | {"REACH_NATS_URL": dead, "REACH_CONNECT_TIMEOUT": "1"}
+    proc = await start_gateway("--port", "0", "--workers", "2", env=env)
+    async with asyncio.timeout(60):
+        _, err = await proc.communicate()
+    text = err.decode()
+    assert proc.returncode == 1, text
+    assert "cannot reach NATS" in text
+    assert "# gateway on" not in text
+    assert "failed before serving" in text
