@@ -120,6 +120,13 @@ class TaskOwner:
             await asyncio.wait(tasks, timeout=left)
         return 0
 
+    async def finish(self, timeout: float) -> int:
+        """Let the tasks end by themselves for up to ``timeout`` seconds, then ``close``
+        (for short sends that should go out, not be cut: an agent's refusals)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        return await self.close(timeout)
+
     def reopen(self) -> None:
         """Allow spawning again after ``close`` (an agent or client started a second time)."""
         self._closed = False

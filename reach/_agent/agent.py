@@ -220,6 +220,7 @@ class Agent(Declarations, Exposure, Serving):
                 await self._expose(self)
                 self._started_ms = now_ms()
                 self._work.reopen()
+                self._intake.refusals.reopen()
                 self._workers.start(nc, self._work)
                 self._intake.accepting = True
                 self._presence.attach(nc)
@@ -371,6 +372,7 @@ class Agent(Declarations, Exposure, Serving):
             if nc is not None and nc.is_connected:
                 await self._subs.withdraw(nc)
             self._subs.forget()
+            await self._intake.close()
             if nc is not None and not nc.is_closed:
                 try:
                     await nc.close()

@@ -1,5 +1,6 @@
-"""Intake: a request's first moments, in its subscription's task. Validate the headers
-cheaply, then queue it or refuse it at once (full, stopping, paused, degraded)."""
+"""Intake: a request's first moments, in nats-py's reading task (``subscribe_direct``).
+Validate the headers cheaply, then queue it or refuse it at once (full, stopping, paused,
+degraded)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from .._codec import now_ms
+from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..wire import Header, Priority
 from .lifecycle import Lifecycle, Reason
@@ -21,6 +23,7 @@ __all__ = ["Intake"]
 
 log = logging.getLogger("reach.agent")
 
+_REFUSALS_GRACE = 1.0  # seconds for refusals still being sent when the agent stops
 _PRIORITIES = {p.value: p for p in Priority}
 _HIGH = Priority.HIGH
 _NORMAL = Priority.NORMAL
@@ -36,27 +39,44 @@ class Intake:
         self.life = life
         #: False once the agent stops for good: what still arrives is refused
         self.accepting = False
+        self.refusals = TaskOwner(f"agent {agent_id} refusals")
 
-    def handler_for(self, cap: Served) -> Callable[[Msg], Awaitable[None]]:
-        async def on_request(msg: Msg) -> None:
+    def handler_for(self, cap: Served) -> Callable[[Msg], None]:
+        """What ``cap``'s subscriptions deliver to, in nats-py's reading task
+        (``subscribe_direct``): check, then queue or refuse; nothing here waits."""
+
+        def on_request(msg: Msg) -> None:
             try:
-                await self._accept(msg, cap)
+                refusal = self._accept(msg, cap)
             except Exception:
                 # A bug of ours must cost one request, never the subscription.
                 self.stats.internal_errors += 1
                 log.exception("agent %s: could not accept a request", self.agent_id)
-                try:
-                    await self.workers.reply_error(msg, "failed", "agent could not accept request")
-                except Exception:
-                    log.exception("agent %s: could not refuse a request", self.agent_id)
+                refusal = ("failed", "agent could not accept request")
+            if refusal is not None:
+                self._refuse(msg, *refusal)
 
         return on_request
 
-    async def _accept(self, msg: Msg, cap: Served) -> None:
+    def _refuse(self, msg: Msg, code: str, message: str) -> None:
+        """Send the refusal from a task (a send may wait), owned until the agent's
+        subscriptions are gone (``close``)."""
+        if self.refusals.closed:  # after close: no subscription delivers any more
+            log.warning("agent %s: refusal %s not sent: closed", self.agent_id, code)
+            return
+        self.refusals.spawn(self.workers.reply_error(msg, code, message), "refusal")
+
+    async def close(self) -> None:
+        """Once nothing is delivered any more: let the refusals on their way go out."""
+        await self.refusals.finish(_REFUSALS_GRACE)
+
+    def _accept(self, msg: Msg, cap: Served) -> tuple[str, str] | None:
+        """Queue the request; else the (code, message) to refuse it with, or None when it
+        gets no answer (no reply subject, or its caller's deadline passed)."""
         if not msg.reply:
             self.stats.invalid += 1
             self._refused("no_reply_subject")
-            return
+            return None
         priority = _NORMAL
         deadline: int | None = None
         request_id = ""
@@ -67,70 +87,61 @@ class Intake:
             if raw_prio is not None:
                 found = _PRIORITIES.get(raw_prio.strip().lower())
                 if found is None:
-                    await self._bad_header(
-                        msg, f"{Header.PRIORITY} {raw_prio!r}: use high, normal or low"
+                    return self._bad_header(
+                        f"{Header.PRIORITY} {raw_prio!r}: use high, normal or low"
                     )
-                    return
                 priority = found
             raw_deadline = hdrs.get(Header.DEADLINE)
             if raw_deadline is not None:
                 try:
                     deadline = int(raw_deadline)
                 except ValueError:
-                    await self._bad_header(msg, f"{Header.DEADLINE} {raw_deadline!r}: use unix ms")
-                    return
+                    return self._bad_header(f"{Header.DEADLINE} {raw_deadline!r}: use unix ms")
                 if deadline <= now_ms():
                     self.stats.expired += 1
-                    return
+                    return None
         if not request_id:
             # Without Reach-Request-Id the reply subject names the request (PROTOCOL.md).
             request_id = msg.reply.removeprefix("_INBOX.")
         if not self.accepting:
             self._refused("stopping")
-            await self.workers.reply_error(msg, "agent_unavailable", "agent is stopping")
-            return
+            return "agent_unavailable", "agent is stopping"
         life = self.life
         if priority is _HIGH and life.refuse_high:
             self.stats.rejected += 1
             self._refused("degraded")
-            await self.workers.reply_error(
-                msg,
+            return (
                 "resource_exhausted",
                 f"agent {self.agent_id} is DEGRADED: high priority goes to an UP instance",
             )
-            return
         if life.refuse_direct and msg.subject == cap.direct:
             # Out of the queue groups already; direct callers must go elsewhere too.
             self._refused("paused")
-            await self.workers.reply_error(
-                msg, "agent_unavailable", f"agent {self.agent_id} is {life.state.lower()}"
-            )
-            return
+            return "agent_unavailable", f"agent {self.agent_id} is {life.state.lower()}"
         workers = self.workers
         queue = workers.queue
         if not queue.offer(priority, Job(msg, cap, priority, deadline, request_id)):
             self.stats.rejected += 1
             self._refused("full")
-            await workers.reply_error(
-                msg,
+            return (
                 "resource_exhausted",
                 f"agent {self.agent_id} is full ({workers.max_queue} queued)",
             )
-            return
         workers.outstanding += 1
         workers.idle.clear()
         if len(queue) >= workers.overload_at and not workers.overloaded:
             workers.overloaded = True
             life.degrade(Reason.OVERLOAD)
+        return None
 
     def _refused(self, reason: str) -> None:
         refusals = self.stats.refusals
         refusals[reason] = refusals.get(reason, 0) + 1
 
-    async def _bad_header(self, msg: Msg, reason: str) -> None:
+    def _bad_header(self, reason: str) -> tuple[str, str]:
         self.stats.invalid += 1
         self._refused("bad_header")
-        await self.workers.reply_error(msg, "bad_request", reason)
+        return "bad_request", reason
 
 
 def topic_handler(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
@@ -46,7 +46,7 @@ class Served:
     info: CapabilityInfo
     spec: HandlerSpec
     direct: str = ""
-    handler: Callable[[Msg], Any] | None = None
+    handler: Callable[[Msg], None] | None = None  # its subscriptions deliver to it
     requests: int = 0
     errors: int = 0
     processing_ns: int = 0

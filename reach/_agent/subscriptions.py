@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from .._delivery import Deliver, subscribe_direct
 from .._nats import TRANSIENT, NatsConnection, flush_nats, leave
 from .._subjects import Subjects
 from . import srv
@@ -38,7 +39,7 @@ class Subscriptions:
         self,
         nc: NatsConnection,
         caps: dict[str, Served],
-        handler_for: Callable[[Served], Callback],
+        handler_for: Callable[[Served], Deliver],
         listeners: ControlListeners,
         *,
         on_event: Callback,
@@ -50,7 +51,7 @@ class Subscriptions:
         for name, cap in caps.items():
             cap.direct = s.agent(agent_id, name)
             cap.handler = handler_for(cap)
-            self._others.append(await nc.subscribe(cap.direct, cb=cap.handler))
+            self._others.append(await subscribe_direct(nc, cap.direct, cap.handler))
         await self.join_queues(nc, caps)
         others: list[tuple[str, Callback]] = [
             (s.ping(agent_id), listeners.on_ping),
@@ -66,9 +67,10 @@ class Subscriptions:
 
     async def join_queues(self, nc: NatsConnection, caps: dict[str, Served]) -> None:
         for name, cap in caps.items():
+            assert cap.handler is not None
             self._queues.append(
-                await nc.subscribe(
-                    self.subjects.cap(name), queue=self.subjects.cap_queue(name), cb=cap.handler
+                await subscribe_direct(
+                    nc, self.subjects.cap(name), cap.handler, queue=self.subjects.cap_queue(name)
                 )
             )
 

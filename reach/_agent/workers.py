@@ -20,6 +20,7 @@ import msgspec
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
+from .._delivery import write_through
 from .._nats import HEADROOM, TRANSIENT, NatsConnection, fits
 from .._owner import TaskOwner
 from .._telemetry import LOG_AGENT, LOG_WORK
@@ -79,14 +80,14 @@ class Workers(Answers):
         self._on_exit = on_exit  # True: the agent takes a handler's SystemExit in hand
         self.tracer: Tracer | None = None  # spans around handler runs; None: off
         self._nc: NatsConnection
-        self._owner: TaskOwner | None = None
+        self.owner: TaskOwner | None = None
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
         self._armed = asyncio.Event()
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
 
     def start(self, nc: NatsConnection, owner: TaskOwner) -> None:
         self._nc = nc
-        self._owner = owner
+        self.owner = owner
         for _ in range(self.max_concurrency):
             owner.keep(self._worker, "worker")
         owner.keep(self._deadline_watch, "deadline-watch")
@@ -252,6 +253,8 @@ class Workers(Answers):
             cells.ok[job.priority] += 1
         try:
             await nc.publish(msg.reply, body, reply=cap.direct, headers=headers)
+            if self.outstanding == 1:
+                write_through(nc)  # nothing else accepted, so nothing to batch with: out now
         except TRANSIENT as exc:
             if len(body) > nc.max_payload:
                 await self._failed(job, "failed", f"result of {len(body)} bytes is too large")
@@ -328,7 +331,7 @@ class Workers(Answers):
                 job.cap.info.name,
                 job.request_id or "-",
             )
-            owner = self._owner
+            owner = self.owner
             if owner is not None and not owner.closed:
                 owner.keep(self._worker, "worker")
         await self._timed_out(job)

@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
+from .._delivery import subscribe_direct, write_through
 from .._nats import (
     CONNECTION_LOST,
     HEADROOM,
@@ -105,7 +106,7 @@ class Inbox:
         self._permissions = permissions = permissions_of(nc)
         if permissions is not None:
             permissions.listen(self._on_violation)
-        self._sub = await nc.subscribe(self._prefix + "*", cb=self._on_reply)
+        self._sub = await subscribe_direct(nc, self._prefix + "*", self._on_reply)
         await flush_nats(nc)
 
     def _on_violation(self, violation: Violation) -> None:
@@ -113,7 +114,8 @@ class Inbox:
         (the error path only; a request carries nothing extra for it)."""
         rearm(self.pending, violation)
 
-    async def _on_reply(self, msg: Msg) -> None:
+    def _on_reply(self, msg: Msg) -> None:
+        """In nats-py's reading task (``subscribe_direct``): settle the future, no more."""
         token = msg.subject[len(self._prefix) :]
         fut = self.pending.get(token)
         if fut is None or fut.done():
@@ -201,6 +203,8 @@ class Inbox:
         reconnects = nc.stats["reconnects"]
         try:
             await nc.publish(subject, call.data, reply=reply_to, headers=headers)
+            if len(self.pending) == 1:
+                write_through(nc)  # nothing else to send with it: out now, not next turn
             msg = await fut
         except TimeoutError:
             if not nc.is_connected:

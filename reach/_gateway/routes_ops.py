@@ -1,6 +1,7 @@
-"""``GET /healthz`` (is NATS connected? and which process answered) and ``GET /metrics`` (Prometheus text: the
-client's telemetry, which carries the gateway's HTTP metrics too). Both are open, like
-the ``/metrics`` port of every Reach process: probes and scrapers carry no token."""
+"""``GET /healthz`` (is NATS connected? which process answered?) and ``GET /metrics``
+(Prometheus text: the client's telemetry, which carries the gateway's HTTP metrics too).
+Both are open, like the ``/metrics`` port of every Reach process: probes and scrapers
+carry no token."""
 
 from __future__ import annotations
 

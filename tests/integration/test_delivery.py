@@ -1,0 +1,167 @@
+"""The request path's shortcuts through nats-py (``reach._delivery``), held to the installed
+nats-py on a real server: delivery in the reading task, and writing through."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+import reach
+from reach import Agent, ReachSettings
+from reach._agent.lifecycle import State
+from reach._delivery import DirectQueue, subscribe_direct, write_through
+from reach._nats import leave
+from reach.testing import eventually
+
+
+async def test_messages_are_delivered_in_nats_py_reading_task(reach_settings: ReachSettings):
+    nc = await nats.connect(reach_settings.nats_url)
+    try:
+        seen: list[tuple[bytes, str]] = []
+
+        def deliver(msg: nats.aio.msg.Msg) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            seen.append((msg.data, task.get_coro().__qualname__))  # type: ignore[union-attr]
+
+        sub = await subscribe_direct(nc, "direct.a", deliver)
+        # the installed nats-py is as subscribe_direct expects (else it fell back)
+        assert isinstance(sub._pending_queue, DirectQueue)
+        for n in range(3):
+            await nc.publish("direct.a", str(n).encode())
+        await nc.flush()
+        await eventually(lambda: len(seen) == 3)
+        assert seen == [
+            (b"0", "Client._read_loop"),
+            (b"1", "Client._read_loop"),
+            (b"2", "Client._read_loop"),
+        ]
+    finally:
+        await nc.close()
+
+
+async def test_a_delivery_that_raises_is_counted_and_reading_goes_on(
+    reach_settings: ReachSettings,
+):
+    nc = await nats.connect(reach_settings.nats_url)
+    try:
+        good: list[bytes] = []
+
+        def deliver(msg: nats.aio.msg.Msg) -> None:
+            if msg.data == b"bad":
+                raise RuntimeError("a bug in the deliver function")
+            good.append(msg.data)
+
+        sub = await subscribe_direct(nc, "direct.b", deliver)
+        for data in (b"bad", b"ok", b"bad", b"ok"):
+            await nc.publish("direct.b", data)
+        await nc.flush()
+        await eventually(lambda: len(good) == 2)
+        assert isinstance(sub._pending_queue, DirectQueue)
+        assert sub._pending_queue.failures == 2
+        # the connection still reads: a request over it is answered
+        responder = await nats.connect(reach_settings.nats_url)
+
+        async def echo(msg: nats.aio.msg.Msg) -> None:
+            await msg.respond(msg.data)
+
+        await responder.subscribe("direct.echo", cb=echo)
+        await responder.flush()
+        assert (await nc.request("direct.echo", b"hi", timeout=5)).data == b"hi"
+        await responder.close()
+    finally:
+        await nc.close()
+
+
+async def test_nothing_stays_pending_and_draining_waits_for_nothing(
+    reach_settings: ReachSettings,
+):
+    nc = await nats.connect(reach_settings.nats_url)
+    try:
+        count = 0
+
+        def deliver(msg: nats.aio.msg.Msg) -> None:
+            nonlocal count
+            count += 1
+
+        sub = await subscribe_direct(nc, "direct.c", deliver)
+        for _ in range(2000):
+            await nc.publish("direct.c", b"x" * 1024)
+        await nc.flush()
+        await eventually(lambda: count == 2000)
+        # nats-py counts bytes as it queues; a count never taken back would end in
+        # "slow consumer" drops once it passed the subscription's limit
+        assert (sub.pending_msgs, sub.pending_bytes) == (0, 0)
+        await asyncio.wait_for(leave(nc, sub), 10)
+        await nc.publish("direct.c", b"after")
+        await nc.flush()
+        assert count == 2000
+    finally:
+        await nc.close()
+
+
+async def test_write_through_empties_nats_py_buffer_at_once(reach_settings: ReachSettings):
+    nc = await nats.connect(reach_settings.nats_url)
+    got: list[bytes] = []
+    other = await nats.connect(reach_settings.nats_url)
+    try:
+
+        async def on_msg(msg: nats.aio.msg.Msg) -> None:
+            got.append(msg.data)
+
+        await other.subscribe("direct.d", cb=on_msg)
+        await other.flush()
+        await nc.publish("direct.d", b"one")
+        assert nc._pending_data_size > 0  # nats-py holds it for its flusher's next turn
+        write_through(nc)
+        assert nc._pending_data_size == 0  # written, with no turn of the loop
+        await eventually(lambda: got == [b"one"])
+        # nats-py's flusher, woken for it, finds nothing, and goes on working
+        await nc.publish("direct.d", b"two")
+        await nc.flush()
+        await eventually(lambda: got == [b"one", b"two"])
+        await nc.close()
+        write_through(nc)  # a closed connection: nothing to do, nothing raised
+    finally:
+        if not nc.is_closed:
+            await nc.close()
+        await other.close()
+
+
+async def test_requests_during_stop_are_refused_not_left_waiting(
+    reach_settings: ReachSettings, reach_client: reach.Client
+):
+    """Refusals leave from tasks owned until the subscriptions are gone: a direct request
+    that comes once the agent has closed its workers (and waits for a handler that
+    ignores its cancellation) is still told at once that the agent is stopping."""
+    agent = Agent("stubborn", settings=reach_settings, max_concurrency=1, drain_timeout=0.1)
+    entered, cut, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    @agent.capability("stub.op")
+    async def op(req: dict) -> dict:
+        entered.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                cut.set()  # the workers are being closed; the stop waits for this a while
+        return {}
+
+    await agent.start()
+    first = asyncio.create_task(
+        reach_client.request("stub.op", {}, agent_id=agent.agent_id, timeout=30)
+    )
+    await entered.wait()
+    stopping = asyncio.create_task(agent.stop())
+    try:
+        await asyncio.wait_for(cut.wait(), 30)
+        assert agent.state is State.DRAINING
+        with pytest.raises(reach.AgentUnavailable, match="is stopping"):
+            await reach_client.request("stub.op", {}, agent_id=agent.agent_id, timeout=5)
+    finally:
+        release.set()
+        await stopping
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
