@@ -248,8 +248,8 @@ async def measure(args: argparse.Namespace, url: str, gateways: list[Gateway]) -
         await eventually(both_known, timeout=60)
         # each gateway's workers must know both instances too before measuring
         for g in gateways:
-            for _ in range(4 * g.workers):  # on new connections: the kernel spreads them
-                await eventually(lambda url=g.url: _gateway_knows(url, 2), timeout=60)
+            ready: set[int] = set()  # worker pids that know both instances
+            await eventually(lambda g=g, ready=ready: _workers_know(g, 2, ready), timeout=60)
 
         async def direct() -> None:
             await client.call(CAP, body, timeout=5, response_type=bytes)
@@ -349,10 +349,15 @@ def own_cpu() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-async def _gateway_knows(url: str, n: int) -> bool:
-    async with httpx.AsyncClient(base_url=url) as http:  # a new connection each time
-        r = await http.get("/v1/agents", params={"capability": CAP})
-    return len(r.json()["agents"]) == n
+async def _workers_know(gateway: Gateway, n: int, ready: set[int]) -> bool:
+    """Whether every worker has ``n`` instances in its table; asks one (the kernel's
+    choice: a new connection each time) and remembers its answer by its pid."""
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        pid = (await http.get("/healthz")).json()["pid"]
+        r = await http.get("/v1/agents", params={"capability": CAP})  # same connection
+        if len(r.json()["agents"]) == n:
+            ready.add(pid)
+    return len(ready) == gateway.workers
 
 
 def table(out: dict[str, Any], args: argparse.Namespace) -> str:

@@ -10,6 +10,7 @@ in flight. FastAPI and uvicorn are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
@@ -19,17 +20,20 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._client import Client
 from ._nats import redact
 from ._runtime import on_stop_signals
-from ._supervisor import READY, Supervisor, reuseport_sockets, watch_lifeline
+from ._supervisor import READY, Supervisor, bind_reuseport, reuseport_sockets, watch_lifeline
 from ._telemetry import configure_logging
 from .errors import ConfigurationError
 from .settings import ReachSettings
 
 __all__ = ["add_gateway_commands"]
+
+if TYPE_CHECKING:
+    from ._gateway.settings import GatewaySettings
 
 log = logging.getLogger("reach.gateway")
 
@@ -37,6 +41,36 @@ _BACKLOG = 2048  # uvicorn's default
 
 
 async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
+    if args.lifeline_fd is None:
+        return await _serve(args, settings, [])
+    # A worker: it leaves when its supervisor does, serving or still starting.
+    main = asyncio.current_task()
+    assert main is not None
+    servers: list[Any] = []
+    lost = False
+
+    def gone() -> None:
+        nonlocal lost
+        lost = True
+        if servers:
+            servers[0].handle_exit(signal.SIGTERM, None)
+        else:
+            main.cancel()
+
+    unwatch = watch_lifeline(args.lifeline_fd, gone)
+    try:
+        return await _serve(args, settings, servers)
+    except asyncio.CancelledError:
+        if not lost:
+            raise
+        log.error("gateway worker: the supervisor is gone; leaving before serving")
+        return 1
+    finally:
+        unwatch()
+
+
+async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: list[Any]) -> int:
+    """The gateway in this process (``servers`` gets its uvicorn server once made)."""
     try:
         import uvicorn
 
@@ -75,16 +109,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with on_stop_signals(lambda sig: self.handle_exit(sig, None)):
-                if args.lifeline_fd is None:
-                    yield
-                    return
-                unwatch = watch_lifeline(
-                    args.lifeline_fd, lambda: self.handle_exit(signal.SIGTERM, None)
-                )
-                try:
-                    yield
-                finally:
-                    unwatch()
+                yield
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
@@ -111,6 +136,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
                 proxy_headers=False,  # client addresses are not used; one layer less per request
             )
             server = Server(config)
+            servers.append(server)
             if worker:
                 sock = socket.socket(fileno=args.listen_fd)  # the supervisor's, listening
             else:
@@ -131,7 +157,7 @@ async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
     return 0
 
 
-def _banner(host: str, port: int, url: str, gateway: Any, extra: str = "") -> None:
+def _banner(host: str, port: int, url: str, gateway: GatewaySettings, extra: str = "") -> None:
     print(
         f"# gateway on http://{host}:{port} (OpenAPI at /docs), NATS {redact(url)}"
         + (", no tokens (open)" if gateway.open else f", {len(gateway.tokens)} tokens")
@@ -141,10 +167,16 @@ def _banner(host: str, port: int, url: str, gateway: Any, extra: str = "") -> No
     )
 
 
-async def _supervise(args: argparse.Namespace, settings: ReachSettings, gateway: Any) -> int:
+async def _supervise(
+    args: argparse.Namespace, settings: ReachSettings, gateway: GatewaySettings
+) -> int:
     """``--workers N``: N gateway processes on one port (``reach._supervisor``)."""
     sockets = reuseport_sockets(gateway.host, gateway.port, gateway.workers, _BACKLOG)
     host, port = sockets[0].getsockname()[:2]
+
+    def rebind() -> socket.socket:
+        return bind_reuseport(host, port, _BACKLOG)
+
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
 
     def command(index: int) -> list[str]:
@@ -160,7 +192,7 @@ async def _supervise(args: argparse.Namespace, settings: ReachSettings, gateway:
     extra = f", {gateway.workers} workers"
     if metrics_port:
         extra += f", metrics on ports {metrics_port}-{metrics_port + gateway.workers - 1}"
-    supervisor = Supervisor(command, sockets, grace=gateway.shutdown_grace)
+    supervisor = Supervisor(command, sockets, rebind, grace=gateway.shutdown_grace)
     return await supervisor.run(lambda: _banner(host, port, settings.nats_url, gateway, extra))
 
 

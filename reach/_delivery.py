@@ -15,8 +15,8 @@ two task switches on each side, before any work, on top of the task that does th
 
 Both reach into nats-py's internals (``Subscription._pending_queue``; the connection's
 ``_pending``, ``_flush_queue`` and transport). Each checks what it relies on and falls
-back to nats-py's own path when it finds something else (``tests/unit`` hold them to the
-installed nats-py).
+back to nats-py's own path when it finds something else (``tests/integration/
+test_delivery.py`` holds them to the installed nats-py).
 """
 
 from __future__ import annotations
@@ -92,16 +92,24 @@ async def subscribe_direct(
 
 def write_through(nc: NatsConnection) -> None:
     """Write what nats-py holds for ``nc`` now, if its socket takes it without waiting;
-    nats-py's flusher, woken for it already, then finds nothing to write."""
+    nats-py's flusher, woken for it already, then finds nothing to write. On any doubt
+    (reconnecting, a socket behind or closing, a write that fails) it writes nothing and
+    leaves it all to the flusher, which knows how to fail."""
     queue = getattr(nc, "_flush_queue", None)
     if queue is None or queue.qsize() != 1 or not nc._pending_data_size or not nc.is_connected:
         return  # (reconnecting: nats-py keeps what is pending for the new connection)
     writer = getattr(nc._transport, "_io_writer", None)  # TCP; other transports: the flusher
-    if writer is None or writer.transport.get_write_buffer_size():
-        return  # the socket is behind: leave it to the flusher, which waits for it
-    kicked = queue.get_nowait()
-    writer.writelines(nc._pending)
+    if writer is None:
+        return
+    transport = writer.transport
+    if transport.is_closing() or transport.get_write_buffer_size():
+        return  # closing, or the socket is behind: the flusher waits for it, or fails
+    try:
+        writer.writelines(nc._pending)
+    except (OSError, RuntimeError):  # a transport closed under us (uvloop raises)
+        return
     nc._pending = []
     nc._pending_data_size = 0
+    kicked = queue.get_nowait()
     if not kicked.done():
         kicked.set_result(None)

@@ -122,7 +122,8 @@ class TaskOwner:
 
     async def finish(self, timeout: float) -> int:
         """Let the tasks end by themselves for up to ``timeout`` seconds, then ``close``
-        (for short sends that should go out, not be cut: an agent's refusals)."""
+        them, waiting as long again (for short sends that should go out, not be cut: an
+        agent's refusals). Returns how many still run; the caller logs them."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
         return await self.close(timeout)

@@ -2,10 +2,10 @@
 
 A gateway call is Python work on one core; a machine with more cores serves more calls
 with more processes. The supervisor binds one listening socket per worker, all on the
-same port with ``SO_REUSEPORT`` (the kernel spreads new connections over them), and
-starts each worker with its socket (``--listen-fd``). It keeps every socket open for its
-own life, so connections that reach a worker's socket while that worker restarts wait
-in its backlog instead of being refused.
+same port with ``SO_REUSEPORT`` (the kernel spreads new connections over them), hands
+each worker its socket (``--listen-fd``) and closes its own copy: a socket lives as long
+as its worker, so the kernel never sends a connection to a worker that is gone (it
+would wait there, unanswered). A restarted worker gets a new socket.
 
 Each worker also gets a pipe to say it is serving (``--ready-fd``) and the read end of a
 lifeline (``--lifeline-fd``): end of file on it means the supervisor is gone, however it
@@ -34,6 +34,7 @@ __all__ = [
     "READY",
     "Supervisor",
     "WorkerFailed",
+    "bind_reuseport",
     "reuseport_sockets",
     "serve_fds",
     "watch_lifeline",
@@ -51,26 +52,37 @@ class WorkerFailed(Exception):
     """A worker ended (or hung) before it served: the command fails with its code."""
 
     def __init__(self, index: int, code: int | None) -> None:
-        super().__init__(f"worker {index} failed before serving (exit code {code})")
+        why = f"exit code {code}" if code is not None else "no word from it in time"
+        super().__init__(f"worker {index} failed before serving ({why})")
         self.index = index
         self.code = code
 
+    @property
+    def exit_status(self) -> int:
+        """What the command exits with: the worker's code, 128+N for its signal N."""
+        if self.code is None or self.code == 0:
+            return 1
+        return 128 - self.code if self.code < 0 else self.code
+
 
 def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[socket.socket]:
-    """``count`` listening sockets on one port (port 0: the first one's, chosen by the OS)."""
+    """``count`` listening sockets on one port (port 0: the first one's, chosen by the OS).
+    A port that something already listens on is refused, as it is for one process (with
+    ``SO_REUSEPORT`` alone a second gateway would quietly take half the connections)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ConfigurationError("several gateway workers need SO_REUSEPORT (Linux, BSD)")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ConfigurationError(f"cannot listen on {host}:{port}: {exc}") from None
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
-            port = sock.getsockname()[1]
-            sock.listen(backlog)
+            sockets.append(bind_reuseport(host, port, backlog))
+            port = sockets[0].getsockname()[1]
     except OSError as exc:
         for sock in sockets:
             sock.close()
@@ -78,19 +90,40 @@ def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[so
     return sockets
 
 
+def bind_reuseport(host: str, port: int, backlog: int) -> socket.socket:
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 class Supervisor:
-    """Runs ``command(index)`` once per socket, for as long as the supervisor runs."""
+    """Runs ``command(index)`` once per socket, for as long as the supervisor runs;
+    ``rebind()`` makes the socket of a worker started again."""
 
     def __init__(
         self,
         command: Callable[[int], Sequence[str]],
         sockets: Sequence[socket.socket],
+        rebind: Callable[[], socket.socket],
         *,
         grace: float,
         ready_timeout: float = 60.0,
     ) -> None:
         self.command = command
-        self.sockets = list(sockets)
+        self.count = len(sockets)
+        self._sockets: dict[int, socket.socket] = dict(enumerate(sockets))
+        self.rebind = rebind
         self.grace = grace  # seconds a worker has to stop after SIGTERM, before SIGKILL
         self.ready_timeout = ready_timeout
         #: worker index -> the pid of its current process
@@ -112,7 +145,7 @@ class Supervisor:
                 async with asyncio.TaskGroup() as group:
                     slots = [
                         group.create_task(self._slot(i, read_end, on_ready), name=f"worker-{i}")
-                        for i in range(len(self.sockets))
+                        for i in range(self.count)
                     ]
                     await stop
                     for slot in slots:
@@ -121,14 +154,17 @@ class Supervisor:
             first = group.exceptions[0]
             assert isinstance(first, WorkerFailed)
             failed = first
+        except* OSError as group:  # no process could be started (too many files, say)
+            log.error("gateway: cannot start a worker: %s", group.exceptions[0])
+            failed = WorkerFailed(-1, 1)
         finally:
             os.close(read_end)
             os.close(self._lifeline)
-            for sock in self.sockets:
+            for sock in self._sockets.values():  # not handed over (a start that failed)
                 sock.close()
         if failed is not None:
             log.error("gateway %s", failed)
-            return failed.code or 1
+            return failed.exit_status
         return 0
 
     async def _slot(self, index: int, lifeline: int, on_ready: Callable[[], None]) -> None:
@@ -136,18 +172,23 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         delay, first = BACKOFF, True
         while True:
-            proc, ready = await self._spawn(index, lifeline)
+            spawned = await self._spawn(index, lifeline)
+            if spawned is None:  # no socket for it now: try again later
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX)
+                continue
+            proc, ready = spawned
             began = loop.time()
             try:
                 serving = await self._await_ready(ready)
                 if not serving:
                     await self._stop(proc)
                     if first:
-                        raise WorkerFailed(index, proc.returncode)
+                        raise WorkerFailed(index, None if serving is None else proc.returncode)
                 else:
                     if first:
                         self._ready += 1
-                        if self._ready == len(self.sockets):
+                        if self._ready == self.count:
                             on_ready()
                     first = False
                 code = await proc.wait()
@@ -169,14 +210,24 @@ class Supervisor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
 
-    async def _spawn(self, index: int, lifeline: int) -> tuple[asyncio.subprocess.Process, int]:
-        sock = self.sockets[index].fileno()
+    async def _spawn(
+        self, index: int, lifeline: int
+    ) -> tuple[asyncio.subprocess.Process, int] | None:
+        """Start worker ``index`` with its socket, which only the worker keeps open."""
+        sock = self._sockets.pop(index, None)
+        if sock is None:
+            try:
+                sock = self.rebind()
+            except OSError as exc:
+                log.error("gateway worker %d: cannot listen again: %s", index, exc)
+                return None
         ready_read, ready_write = os.pipe()
         try:
+            fd = sock.fileno()
             proc = await asyncio.create_subprocess_exec(
                 *self.command(index),
-                *serve_fds(sock, ready_write, lifeline),
-                pass_fds=(sock, ready_write, lifeline),
+                *serve_fds(fd, ready_write, lifeline),
+                pass_fds=(fd, ready_write, lifeline),
                 start_new_session=True,
             )
         except BaseException:
@@ -184,11 +235,13 @@ class Supervisor:
             raise
         finally:
             os.close(ready_write)
+            sock.close()
         self.pids[index] = proc.pid
         return proc, ready_read
 
-    async def _await_ready(self, fd: int) -> bool:
-        """True once the worker says it serves; False if it exits or hangs first."""
+    async def _await_ready(self, fd: int) -> bool | None:
+        """True once the worker says it serves; False if it exits first, None if it says
+        nothing within ``ready_timeout``."""
         loop = asyncio.get_running_loop()
         readable: asyncio.Future[None] = loop.create_future()
         loop.add_reader(fd, _settle, readable)
@@ -197,7 +250,7 @@ class Supervisor:
                 await readable
             return os.read(fd, 1) == READY  # b"": it exited without a word
         except TimeoutError:
-            return False
+            return None
         finally:
             loop.remove_reader(fd)
             os.close(fd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -23,7 +24,8 @@ __all__ = ["Intake"]
 
 log = logging.getLogger("reach.agent")
 
-_REFUSALS_GRACE = 1.0  # seconds for refusals still being sent when the agent stops
+_REFUSALS_GRACE = 0.5  # seconds for refusals still being sent when the agent stops
+_OUTBOX_MIN = 256  # refusals waiting to be sent, at least (else the agent's max_queue)
 _PRIORITIES = {p.value: p for p in Priority}
 _HIGH = Priority.HIGH
 _NORMAL = Priority.NORMAL
@@ -39,7 +41,11 @@ class Intake:
         self.life = life
         #: False once the agent stops for good: what still arrives is refused
         self.accepting = False
+        #: owns the task that sends refusals, until the subscriptions are gone (``close``)
         self.refusals = TaskOwner(f"agent {agent_id} refusals")
+        self._outbox: deque[tuple[Msg, str, str]] = deque()
+        self._outbox_max = max(_OUTBOX_MIN, workers.max_queue)
+        self._sender: asyncio.Task[None] | None = None
 
     def handler_for(self, cap: Served) -> Callable[[Msg], None]:
         """What ``cap``'s subscriptions deliver to, in nats-py's reading task
@@ -59,16 +65,32 @@ class Intake:
         return on_request
 
     def _refuse(self, msg: Msg, code: str, message: str) -> None:
-        """Send the refusal from a task (a send may wait), owned until the agent's
-        subscriptions are gone (``close``)."""
-        if self.refusals.closed:  # after close: no subscription delivers any more
-            log.warning("agent %s: refusal %s not sent: closed", self.agent_id, code)
+        """Queue the refusal for the one task that sends them (a send may wait). The queue
+        is bounded: past it, under a flood, a refusal is counted (``unsent``) and its
+        caller left to its timeout, rather than memory and tasks growing with the flood."""
+        if self.refusals.closed:  # the agent stopped while its connection was down
+            self._refused("unsent")
             return
-        self.refusals.spawn(self.workers.reply_error(msg, code, message), "refusal")
+        if len(self._outbox) >= self._outbox_max:
+            self._refused("unsent")
+            return
+        self._outbox.append((msg, code, message))
+        if self._sender is None or self._sender.done():
+            self._sender = self.refusals.spawn(self._send_refusals(), "refusals")
+
+    async def _send_refusals(self) -> None:
+        outbox, reply_error = self._outbox, self.workers.reply_error
+        while outbox:
+            await reply_error(*outbox.popleft())
 
     async def close(self) -> None:
         """Once nothing is delivered any more: let the refusals on their way go out."""
-        await self.refusals.finish(_REFUSALS_GRACE)
+        left = await self.refusals.finish(_REFUSALS_GRACE)
+        if left or self._outbox:
+            log.warning(
+                "agent %s: %d refusal(s) not sent at stop", self.agent_id, len(self._outbox) + left
+            )
+        self._outbox.clear()
 
     def _accept(self, msg: Msg, cap: Served) -> tuple[str, str] | None:
         """Queue the request; else the (code, message) to refuse it with, or None when it

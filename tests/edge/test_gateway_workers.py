@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from reach import ReachSettings
+from reach._supervisor import WorkerFailed
 from reach.testing import eventually
 
 from .gateway_kit import echo_agent
@@ -21,11 +22,36 @@ from .test_gateway_http import start_gateway
 
 
 def children(pid: int) -> set[int]:
-    """The live child processes of ``pid`` (Linux /proc)."""
+    """The live child processes of ``pid`` (Linux /proc); none once it is gone."""
     found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found |= {int(c) for c in (task / "children").read_text().split()}
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    except FileNotFoundError:
+        return set()
     return {c for c in found if alive(c)}
+
+
+def listening(port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on ``port`` (Linux /proc/net)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def sockets_of(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds open."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
 
 
 def alive(pid: int) -> bool:
@@ -113,6 +139,47 @@ async def test_every_worker_serves_calls_on_the_one_port(reach_settings: ReachSe
     assert not any(alive(pid) for pid in workers)  # SIGTERM stopped them all
 
 
+async def test_each_socket_is_held_by_its_worker_alone(reach_settings: ReachSettings):
+    """The kernel sends connections to every socket listening on the port: one held by
+    the supervisor too would keep taking them while its worker is down or stopping."""
+    async with supervised(reach_settings, workers=2) as (proc, url, _):
+        port = int(url.rsplit(":", 1)[1])
+        workers = children(proc.pid)
+        ports = listening(port)
+        assert len(ports) == 2
+        assert not ports & sockets_of(proc.pid)
+        assert all(len(ports & sockets_of(pid)) == 1 for pid in workers)
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        await eventually(lambda: len(children(proc.pid)) == 2 and victim not in children(proc.pid))
+        # the new worker listens on a socket of its own, and the dead one's is gone
+        await eventually(lambda: len(listening(port)) == 2)
+        assert not listening(port) & sockets_of(proc.pid)
+
+
+async def test_a_port_in_use_is_refused(reach_settings: ReachSettings):
+    with socket.socket() as taken:  # as another gateway's workers would: SO_REUSEPORT
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await start_gateway(
+            "--port", str(port), "--workers", "2", env=env_of(reach_settings)
+        )
+        async with asyncio.timeout(60):
+            _, err = await proc.communicate()
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
+
+
+def test_the_exit_status_of_a_worker_that_failed():
+    assert WorkerFailed(0, 1).exit_status == 1
+    assert WorkerFailed(0, 3).exit_status == 3
+    assert WorkerFailed(0, -signal.SIGKILL).exit_status == 128 + signal.SIGKILL
+    assert WorkerFailed(0, None).exit_status == 1  # hung: no word in time
+    assert "no word from it in time" in str(WorkerFailed(1, None))
+
+
 async def test_a_worker_that_dies_is_started_again(reach_settings: ReachSettings):
     async with supervised(reach_settings, workers=2) as (proc, url, lines):
         first = children(proc.pid)
@@ -122,7 +189,7 @@ async def test_a_worker_that_dies_is_started_again(reach_settings: ReachSettings
         now = children(proc.pid)
         await eventually(lambda: any("starting it again" in line for line in lines))
         assert any(f"(pid {victim}) exited with code -9" in line for line in lines)
-        # the new worker serves on the dead one's socket (connections to it waited)
+        # the new worker serves too
         answered: set[int] = set()
 
         async def both_answer() -> bool:

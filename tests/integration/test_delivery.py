@@ -4,6 +4,7 @@ nats-py on a real server: delivery in the reading task, and writing through."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import nats
 import pytest
@@ -93,11 +94,9 @@ async def test_nothing_stays_pending_and_draining_waits_for_nothing(
         await eventually(lambda: count == 2000)
         # nats-py counts bytes as it queues; a count never taken back would end in
         # "slow consumer" drops once it passed the subscription's limit
-        assert (sub.pending_msgs, sub.pending_bytes) == (0, 0)
-        await asyncio.wait_for(leave(nc, sub), 10)
-        await nc.publish("direct.c", b"after")
-        await nc.flush()
-        assert count == 2000
+        assert sub.pending_bytes == 0
+        await asyncio.wait_for(leave(nc, sub), 10)  # returns: nothing is ever pending
+        assert sub not in nc._subs.values()
     finally:
         await nc.close()
 
@@ -128,6 +127,34 @@ async def test_write_through_empties_nats_py_buffer_at_once(reach_settings: Reac
         if not nc.is_closed:
             await nc.close()
         await other.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_write_through_leaves_a_closed_socket_to_the_flusher(
+    reach_settings: ReachSettings, loop: str
+):
+    """A socket reset that nats-py has not read yet: nothing is written nor raised, and
+    nats-py's flusher keeps what it was woken for (it notices, and reconnects)."""
+
+    async def scenario() -> None:
+        nc = await nats.connect(reach_settings.nats_url, allow_reconnect=False)
+        try:
+            await nc.publish("direct.e", b"lost")  # held for the flusher's next turn
+            held = nc._pending_data_size
+            nc._transport._io_writer.transport.abort()
+            assert nc.is_connected  # nats-py has not noticed yet
+            write_through(nc)
+            assert (nc._pending_data_size, nc._flush_queue.qsize()) == (held, 1)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(scenario())
+    else:
+        asyncio.run(scenario())
 
 
 async def test_requests_during_stop_are_refused_not_left_waiting(
@@ -165,3 +192,38 @@ async def test_requests_during_stop_are_refused_not_left_waiting(
         await stopping
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
+    reach_settings: ReachSettings,
+):
+    """Refusals are made in nats-py's reading task, as fast as requests come: they queue
+    for one sending task, and past the queue's bound they are counted, not kept."""
+    agent = Agent("flooded", settings=reach_settings, max_queue=4)
+
+    @agent.capability("flood.op")
+    async def op(req: dict) -> dict:
+        return req
+
+    listener = await nats.connect(reach_settings.nats_url)
+    got: list[str] = []
+
+    async def on_reply(msg: nats.aio.msg.Msg) -> None:
+        got.append(msg.headers.get("Nats-Service-Error-Code", "") if msg.headers else "")
+
+    await listener.subscribe("flood.replies.*", cb=on_reply)
+    await listener.flush()
+    try:
+        async with agent:
+            intake = agent._intake
+            bound = intake._outbox_max
+            flood = bound + 100
+            for i in range(flood):  # one burst, no turn of the loop between
+                msg = nats.aio.msg.Msg(_client=listener, subject="x", reply=f"flood.replies.{i}")
+                intake._refuse(msg, "resource_exhausted", "full")
+            assert len(intake.refusals) == 1  # one sender, not a task per refusal
+            assert agent.stats.refusals["unsent"] == 100
+            await eventually(lambda: len(got) == bound)
+            assert set(got) == {"429"}
+    finally:
+        await listener.close()
