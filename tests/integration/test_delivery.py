@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -17,88 +18,83 @@ from reach._nats import leave
 from reach.testing import eventually
 
 
-async def test_messages_are_delivered_in_nats_py_reading_task(reach_settings: ReachSettings):
-    nc = await nats.connect(reach_settings.nats_url)
-    try:
-        seen: list[tuple[bytes, str]] = []
+@pytest.fixture
+async def nc(reach_settings: ReachSettings) -> AsyncIterator[nats.NATS]:
+    """A plain nats-py connection to the test's server."""
+    conn = await nats.connect(reach_settings.nats_url)
+    yield conn
+    await conn.close()
 
-        def deliver(msg: nats.aio.msg.Msg) -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            seen.append((msg.data, task.get_coro().__qualname__))  # type: ignore[union-attr]
 
-        sub = await subscribe_direct(nc, "direct.a", deliver)
-        # the installed nats-py is as subscribe_direct expects (else it fell back)
-        assert isinstance(sub._pending_queue, DirectQueue)
-        for n in range(3):
-            await nc.publish("direct.a", str(n).encode())
-        await nc.flush()
-        await eventually(lambda: len(seen) == 3)
-        assert seen == [
-            (b"0", "Client._read_loop"),
-            (b"1", "Client._read_loop"),
-            (b"2", "Client._read_loop"),
-        ]
-    finally:
-        await nc.close()
+async def test_messages_are_delivered_in_nats_py_reading_task(nc: nats.NATS):
+    seen: list[tuple[bytes, str]] = []
+
+    def deliver(msg: nats.aio.msg.Msg) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        seen.append((msg.data, task.get_coro().__qualname__))  # type: ignore[union-attr]
+
+    sub = await subscribe_direct(nc, "direct.a", deliver)
+    # the installed nats-py is as subscribe_direct expects (else it fell back)
+    assert isinstance(sub._pending_queue, DirectQueue)
+    for n in range(3):
+        await nc.publish("direct.a", str(n).encode())
+    await nc.flush()
+    await eventually(lambda: len(seen) == 3)
+    assert seen == [
+        (b"0", "Client._read_loop"),
+        (b"1", "Client._read_loop"),
+        (b"2", "Client._read_loop"),
+    ]
 
 
 async def test_a_delivery_that_raises_is_counted_and_reading_goes_on(
     reach_settings: ReachSettings,
+    nc: nats.NATS,
 ):
-    nc = await nats.connect(reach_settings.nats_url)
-    try:
-        good: list[bytes] = []
+    good: list[bytes] = []
 
-        def deliver(msg: nats.aio.msg.Msg) -> None:
-            if msg.data == b"bad":
-                raise RuntimeError("a bug in the deliver function")
-            good.append(msg.data)
+    def deliver(msg: nats.aio.msg.Msg) -> None:
+        if msg.data == b"bad":
+            raise RuntimeError("a bug in the deliver function")
+        good.append(msg.data)
 
-        sub = await subscribe_direct(nc, "direct.b", deliver)
-        for data in (b"bad", b"ok", b"bad", b"ok"):
-            await nc.publish("direct.b", data)
-        await nc.flush()
-        await eventually(lambda: len(good) == 2)
-        assert isinstance(sub._pending_queue, DirectQueue)
-        assert sub._pending_queue.failures == 2
-        # the connection still reads: a request over it is answered
-        responder = await nats.connect(reach_settings.nats_url)
+    sub = await subscribe_direct(nc, "direct.b", deliver)
+    for data in (b"bad", b"ok", b"bad", b"ok"):
+        await nc.publish("direct.b", data)
+    await nc.flush()
+    await eventually(lambda: len(good) == 2)
+    assert isinstance(sub._pending_queue, DirectQueue)
+    assert sub._pending_queue.failures == 2
+    # the connection still reads: a request over it is answered
+    responder = await nats.connect(reach_settings.nats_url)
 
-        async def echo(msg: nats.aio.msg.Msg) -> None:
-            await msg.respond(msg.data)
+    async def echo(msg: nats.aio.msg.Msg) -> None:
+        await msg.respond(msg.data)
 
-        await responder.subscribe("direct.echo", cb=echo)
-        await responder.flush()
-        assert (await nc.request("direct.echo", b"hi", timeout=5)).data == b"hi"
-        await responder.close()
-    finally:
-        await nc.close()
+    await responder.subscribe("direct.echo", cb=echo)
+    await responder.flush()
+    assert (await nc.request("direct.echo", b"hi", timeout=5)).data == b"hi"
+    await responder.close()
 
 
-async def test_nothing_stays_pending_and_draining_waits_for_nothing(
-    reach_settings: ReachSettings,
-):
-    nc = await nats.connect(reach_settings.nats_url)
-    try:
-        count = 0
+async def test_nothing_stays_pending_and_draining_waits_for_nothing(nc: nats.NATS):
+    count = 0
 
-        def deliver(msg: nats.aio.msg.Msg) -> None:
-            nonlocal count
-            count += 1
+    def deliver(msg: nats.aio.msg.Msg) -> None:
+        nonlocal count
+        count += 1
 
-        sub = await subscribe_direct(nc, "direct.c", deliver)
-        for _ in range(2000):
-            await nc.publish("direct.c", b"x" * 1024)
-        await nc.flush()
-        await eventually(lambda: count == 2000)
-        # nats-py counts bytes as it queues; a count never taken back would end in
-        # "slow consumer" drops once it passed the subscription's limit
-        assert sub.pending_bytes == 0
-        await asyncio.wait_for(leave(nc, sub), 10)  # returns: nothing is ever pending
-        assert sub not in nc._subs.values()
-    finally:
-        await nc.close()
+    sub = await subscribe_direct(nc, "direct.c", deliver)
+    for _ in range(2000):
+        await nc.publish("direct.c", b"x" * 1024)
+    await nc.flush()
+    await eventually(lambda: count == 2000)
+    # nats-py counts bytes as it queues; a count never taken back would end in
+    # "slow consumer" drops once it passed the subscription's limit
+    assert sub.pending_bytes == 0
+    await asyncio.wait_for(leave(nc, sub), 10)  # returns: nothing is ever pending
+    assert sub not in nc._subs.values()
 
 
 async def test_write_through_empties_nats_py_buffer_at_once(reach_settings: ReachSettings):
