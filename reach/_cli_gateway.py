@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reach.gateway")
 
-_BACKLOG = 2048  # uvicorn's default
-
 
 async def _gateway(args: argparse.Namespace, settings: ReachSettings) -> int:
     if args.lifeline_fd is None:
@@ -113,8 +111,9 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
-            if args.ready_fd is not None and self.started:
-                os.write(args.ready_fd, READY)  # to the supervisor: this worker serves
+            if args.ready_fd is not None and self.started and not self.should_exit:
+                with contextlib.suppress(BrokenPipeError):  # the supervisor left meanwhile
+                    os.write(args.ready_fd, READY)  # to the supervisor: this worker serves
 
     async with Client(settings=settings, name="reach-gateway") as client:
         metrics = None
@@ -171,11 +170,11 @@ async def _supervise(
     args: argparse.Namespace, settings: ReachSettings, gateway: GatewaySettings
 ) -> int:
     """``--workers N``: N gateway processes on one port (``reach._supervisor``)."""
-    sockets = reuseport_sockets(gateway.host, gateway.port, gateway.workers, _BACKLOG)
+    sockets = reuseport_sockets(gateway.host, gateway.port, gateway.workers)
     host, port = sockets[0].getsockname()[:2]
 
     def rebind() -> socket.socket:
-        return bind_reuseport(host, port, _BACKLOG)
+        return bind_reuseport(gateway.host, port)  # the host as given (an IPv6 scope too)
 
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
 

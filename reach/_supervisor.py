@@ -2,10 +2,11 @@
 
 A gateway call is Python work on one core; a machine with more cores serves more calls
 with more processes. The supervisor binds one listening socket per worker, all on the
-same port with ``SO_REUSEPORT`` (the kernel spreads new connections over them), hands
-each worker its socket (``--listen-fd``) and closes its own copy: a socket lives as long
-as its worker, so the kernel never sends a connection to a worker that is gone (it
-would wait there, unanswered). A restarted worker gets a new socket.
+same port with ``SO_REUSEPORT``, hands each worker its socket (``--listen-fd``) and
+closes its own copy. The worker's server listens on it once it is ready to serve, and
+the kernel spreads new connections over the sockets listening: never to a worker that is
+still starting, or gone (they would wait there, unanswered). A restarted worker gets a
+new socket.
 
 Each worker also gets a pipe to say it is serving (``--ready-fd``) and the read end of a
 lifeline (``--lifeline-fd``): end of file on it means the supervisor is gone, however it
@@ -65,8 +66,9 @@ class WorkerFailed(Exception):
         return 128 - self.code if self.code < 0 else self.code
 
 
-def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[socket.socket]:
-    """``count`` listening sockets on one port (port 0: the first one's, chosen by the OS).
+def reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets bound to one port, not yet listening (port 0: the first one's,
+    chosen by the OS).
     A port that something already listens on is refused, as it is for one process (with
     ``SO_REUSEPORT`` alone a second gateway would quietly take half the connections)."""
     if not hasattr(socket, "SO_REUSEPORT"):
@@ -81,7 +83,7 @@ def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[so
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sockets.append(bind_reuseport(host, port, backlog))
+            sockets.append(bind_reuseport(host, port))
             port = sockets[0].getsockname()[1]
     except OSError as exc:
         for sock in sockets:
@@ -90,13 +92,13 @@ def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[so
     return sockets
 
 
-def bind_reuseport(host: str, port: int, backlog: int) -> socket.socket:
+def bind_reuseport(host: str, port: int) -> socket.socket:
+    """A socket bound to the port beside others; its worker's server listens on it."""
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(backlog)
     except BaseException:
         sock.close()
         raise
@@ -154,9 +156,6 @@ class Supervisor:
             first = group.exceptions[0]
             assert isinstance(first, WorkerFailed)
             failed = first
-        except* OSError as group:  # no process could be started (too many files, say)
-            log.error("gateway: cannot start a worker: %s", group.exceptions[0])
-            failed = WorkerFailed(-1, 1)
         finally:
             os.close(read_end)
             os.close(self._lifeline)
@@ -173,7 +172,9 @@ class Supervisor:
         delay, first = BACKOFF, True
         while True:
             spawned = await self._spawn(index, lifeline)
-            if spawned is None:  # no socket for it now: try again later
+            if spawned is None:  # no socket or process for it now: try again later
+                if first:
+                    raise WorkerFailed(index, 1)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
                 continue
@@ -213,15 +214,18 @@ class Supervisor:
     async def _spawn(
         self, index: int, lifeline: int
     ) -> tuple[asyncio.subprocess.Process, int] | None:
-        """Start worker ``index`` with its socket, which only the worker keeps open."""
+        """Start worker ``index`` with its socket, which only the worker keeps open; None
+        (logged) when the system refuses a socket, a pipe or a process for it."""
         sock = self._sockets.pop(index, None)
-        if sock is None:
-            try:
+        try:
+            if sock is None:
                 sock = self.rebind()
-            except OSError as exc:
-                log.error("gateway worker %d: cannot listen again: %s", index, exc)
-                return None
-        ready_read, ready_write = os.pipe()
+            ready_read, ready_write = os.pipe()
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            log.error("gateway worker %d: cannot start it: %s", index, exc)
+            return None
         try:
             fd = sock.fileno()
             proc = await asyncio.create_subprocess_exec(
@@ -230,6 +234,10 @@ class Supervisor:
                 pass_fds=(fd, ready_write, lifeline),
                 start_new_session=True,
             )
+        except OSError as exc:
+            os.close(ready_read)
+            log.error("gateway worker %d: cannot start it: %s", index, exc)
+            return None
         except BaseException:
             os.close(ready_read)
             raise

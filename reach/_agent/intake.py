@@ -66,13 +66,10 @@ class Intake:
 
     def _refuse(self, msg: Msg, code: str, message: str) -> None:
         """Queue the refusal for the one task that sends them (a send may wait). The queue
-        is bounded: past it, under a flood, a refusal is counted (``unsent``) and its
-        caller left to its timeout, rather than memory and tasks growing with the flood."""
-        if self.refusals.closed:  # the agent stopped while its connection was down
-            self._refused("unsent")
-            return
-        if len(self._outbox) >= self._outbox_max:
-            self._refused("unsent")
+        is bounded: past it, under a flood, a refusal is counted (``unsent_refusals``) and
+        its caller left to its timeout, rather than memory and tasks growing with the flood."""
+        if self.refusals.closed or len(self._outbox) >= self._outbox_max:
+            self.stats.unsent_refusals += 1  # (closed: stopped with the connection down)
             return
         self._outbox.append((msg, code, message))
         if self._sender is None or self._sender.done():
@@ -85,11 +82,10 @@ class Intake:
 
     async def close(self) -> None:
         """Once nothing is delivered any more: let the refusals on their way go out."""
-        left = await self.refusals.finish(_REFUSALS_GRACE)
-        if left or self._outbox:
-            log.warning(
-                "agent %s: %d refusal(s) not sent at stop", self.agent_id, len(self._outbox) + left
-            )
+        left = await self.refusals.finish(_REFUSALS_GRACE) + len(self._outbox)
+        if left:
+            self.stats.unsent_refusals += left
+            log.warning("agent %s: %d refusal(s) not sent at stop", self.agent_id, left)
         self._outbox.clear()
 
     def _accept(self, msg: Msg, cap: Served) -> tuple[str, str] | None:

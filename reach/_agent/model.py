@@ -120,3 +120,6 @@ class AgentStats:
     #: requests refused at intake, by reason (full, degraded, paused, stopping,
     #: bad_header, no_reply_subject)
     refusals: dict[str, int] = field(default_factory=dict)
+    #: refusals never sent (past the sending queue's bound under a flood, or still queued
+    #: when the agent stopped): their callers wait for their timeout
+    unsent_refusals: int = 0

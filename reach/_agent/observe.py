@@ -91,6 +91,7 @@ def agent_source(agent: Agent) -> Callable[[Emitter], None]:
         out.counter("reach_agent_requests_expired", (name,), s.expired)
         for reason, n in list(s.refusals.items()):
             out.counter("reach_agent_requests_rejected", (name, reason), n)
+        out.counter("reach_agent_refusals_unsent", (name,), s.unsent_refusals)
         if agent.last_drain_seconds is not None:
             out.gauge("reach_agent_drain_duration_seconds", (name,), agent.last_drain_seconds)
         t = agent.task_stats

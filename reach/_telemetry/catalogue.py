@@ -97,6 +97,12 @@ CATALOGUE: Final[dict[str, Spec]] = {
         " no_reply_subject).",
         ("agent", "reason"),
     ),
+    "reach_agent_refusals_unsent": Spec(
+        "counter",
+        "Refusals never sent (past the sending queue's bound, or queued at stop): their"
+        " callers wait for their timeout.",
+        ("agent",),
+    ),
     "reach_agent_drain_duration_seconds": Spec(
         "gauge", "How long the last drain took.", ("agent",)
     ),

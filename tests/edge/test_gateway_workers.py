@@ -152,9 +152,12 @@ async def test_each_socket_is_held_by_its_worker_alone(reach_settings: ReachSett
         victim = min(workers)
         os.kill(victim, signal.SIGKILL)
         await eventually(lambda: len(children(proc.pid)) == 2 and victim not in children(proc.pid))
-        # the new worker listens on a socket of its own, and the dead one's is gone
+        # the new worker listens on a socket of its own once it serves (the supervisor
+        # holds none that listens), and the dead one's is gone
         await eventually(lambda: len(listening(port)) == 2)
         assert not listening(port) & sockets_of(proc.pid)
+        (new,) = children(proc.pid) - workers
+        assert len(listening(port) & sockets_of(new)) == 1
 
 
 async def test_a_port_in_use_is_refused(reach_settings: ReachSettings):
@@ -166,8 +169,15 @@ async def test_a_port_in_use_is_refused(reach_settings: ReachSettings):
         proc = await start_gateway(
             "--port", str(port), "--workers", "2", env=env_of(reach_settings)
         )
-        async with asyncio.timeout(60):
-            _, err = await proc.communicate()
+        try:
+            async with asyncio.timeout(60):
+                _, err = await proc.communicate()
+        finally:
+            if proc.returncode is None:  # it started after all: take it and its workers down
+                for pid in children(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                proc.kill()
+                await proc.wait()
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
 

@@ -256,7 +256,9 @@ async def test_a_drain_under_async_with_stops_the_probes_and_closes_the_pool(set
         await control(client, "h-1", "drain")
         await eventually(lambda: w.agent.state is State.STOPPED)
         await eventually(lambda: pool.is_closed)
-        assert len(w._owner) == 0  # the probe loop ended with the agent
+        # the probe loop and the follower end with the agent (the follower just after it
+        # closed the pool: a turn of the loop later)
+        await eventually(lambda: len(w._owner) == 0)
         with pytest.raises(reach.NotStarted):
             _ = w.http
     assert pool.is_closed
