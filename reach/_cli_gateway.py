@@ -137,7 +137,7 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
             server = Server(config)
             servers.append(server)
             if worker:
-                sock = socket.socket(fileno=args.listen_fd)  # the supervisor's, listening
+                sock = socket.socket(fileno=args.listen_fd)  # bound; uvicorn listens on it
             else:
                 sock = config.bind_socket()  # bound here, so the port (also with 0) is known
                 sock.listen(config.backlog)  # connections queue from now on: say so below

@@ -37,7 +37,6 @@ __all__ = [
     "WorkerFailed",
     "bind_reuseport",
     "reuseport_sockets",
-    "serve_fds",
     "watch_lifeline",
 ]
 
@@ -128,19 +127,14 @@ class Supervisor:
         self.rebind = rebind
         self.grace = grace  # seconds a worker has to stop after SIGTERM, before SIGKILL
         self.ready_timeout = ready_timeout
-        #: worker index -> the pid of its current process
-        self.pids: dict[int, int] = {}
-        #: workers that exited after serving, and were started again
-        self.restarts = 0
         self._ready = 0
-        self._lifeline = -1
 
     async def run(self, on_ready: Callable[[], None]) -> int:
         """Serve until SIGINT or SIGTERM (0), or until a worker fails to start (its code);
         ``on_ready`` is called once every worker serves."""
         loop = asyncio.get_running_loop()
         stop: asyncio.Future[None] = loop.create_future()
-        read_end, self._lifeline = os.pipe()
+        read_end, write_end = os.pipe()  # the lifeline: its end of file is ours
         failed: WorkerFailed | None = None
         try:
             with on_stop_signals(lambda _sig: _settle(stop)):
@@ -158,7 +152,7 @@ class Supervisor:
             failed = first
         finally:
             os.close(read_end)
-            os.close(self._lifeline)
+            os.close(write_end)
             for sock in self._sockets.values():  # not handed over (a start that failed)
                 sock.close()
         if failed is not None:
@@ -196,11 +190,8 @@ class Supervisor:
             except BaseException:
                 await self._stop(proc)
                 raise
-            finally:
-                self.pids.pop(index, None)
             if loop.time() - began >= STEADY:
                 delay = BACKOFF
-            self.restarts += 1
             log.error(
                 "gateway worker %d (pid %d) exited with code %s; starting it again in %.1f s",
                 index,
@@ -230,7 +221,7 @@ class Supervisor:
             fd = sock.fileno()
             proc = await asyncio.create_subprocess_exec(
                 *self.command(index),
-                *serve_fds(fd, ready_write, lifeline),
+                *_serve_fds(fd, ready_write, lifeline),
                 pass_fds=(fd, ready_write, lifeline),
                 start_new_session=True,
             )
@@ -244,7 +235,6 @@ class Supervisor:
         finally:
             os.close(ready_write)
             sock.close()
-        self.pids[index] = proc.pid
         return proc, ready_read
 
     async def _await_ready(self, fd: int) -> bool | None:
@@ -279,7 +269,7 @@ class Supervisor:
         await proc.wait()
 
 
-def serve_fds(sock: int, ready: int, lifeline: int) -> list[str]:
+def _serve_fds(sock: int, ready: int, lifeline: int) -> list[str]:
     """The worker's side of the handshake, as command-line options."""
     return ["--listen-fd", str(sock), "--ready-fd", str(ready), "--lifeline-fd", str(lifeline)]
 

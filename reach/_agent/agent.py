@@ -220,7 +220,6 @@ class Agent(Declarations, Exposure, Serving):
                 await self._expose(self)
                 self._started_ms = now_ms()
                 self._work.reopen()
-                self._intake.refusals.reopen()
                 self._workers.start(nc, self._work)
                 self._intake.accepting = True
                 self._presence.attach(nc)

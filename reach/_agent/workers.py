@@ -80,14 +80,14 @@ class Workers(Answers):
         self._on_exit = on_exit  # True: the agent takes a handler's SystemExit in hand
         self.tracer: Tracer | None = None  # spans around handler runs; None: off
         self._nc: NatsConnection
-        self.owner: TaskOwner | None = None
+        self._owner: TaskOwner | None = None
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
         self._armed = asyncio.Event()
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
 
     def start(self, nc: NatsConnection, owner: TaskOwner) -> None:
         self._nc = nc
-        self.owner = owner
+        self._owner = owner
         for _ in range(self.max_concurrency):
             owner.keep(self._worker, "worker")
         owner.keep(self._deadline_watch, "deadline-watch")
@@ -331,7 +331,7 @@ class Workers(Answers):
                 job.cap.info.name,
                 job.request_id or "-",
             )
-            owner = self.owner
+            owner = self._owner
             if owner is not None and not owner.closed:
                 owner.keep(self._worker, "worker")
         await self._timed_out(job)
