@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
 
 from .._codec import now_ms
 from .._owner import TaskOwner
@@ -25,7 +26,9 @@ __all__ = ["Intake"]
 log = logging.getLogger("reach.agent")
 
 _REFUSALS_GRACE = 0.5  # seconds for refusals still being sent when the agent stops
-_OUTBOX_MIN = 256  # refusals waiting to be sent, at least (else the agent's max_queue)
+#: refusals waiting to be sent: as many messages as nats-py would hold for a subscription
+#: (one read of the socket can bring thousands, all refused before the sender runs)
+_OUTBOX_MAX = DEFAULT_SUB_PENDING_MSGS_LIMIT
 _PRIORITIES = {p.value: p for p in Priority}
 _HIGH = Priority.HIGH
 _NORMAL = Priority.NORMAL
@@ -44,7 +47,7 @@ class Intake:
         #: owns the task that sends refusals, until the subscriptions are gone (``close``)
         self.refusals = TaskOwner(f"agent {agent_id} refusals")
         self._outbox: deque[tuple[Msg, str, str]] = deque()
-        self._outbox_max = max(_OUTBOX_MIN, workers.max_queue)
+        self._outbox_max = _OUTBOX_MAX
         self._sender: asyncio.Task[None] | None = None
 
     def handler_for(self, cap: Served) -> Callable[[Msg], None]:
@@ -82,7 +85,8 @@ class Intake:
 
     async def close(self) -> None:
         """Once nothing is delivered any more: let the refusals on their way go out."""
-        left = await self.refusals.finish(_REFUSALS_GRACE) + len(self._outbox)
+        await self.refusals.finish(_REFUSALS_GRACE)
+        left = len(self._outbox)  # (one cut mid-send is not counted)
         if left:
             self.stats.unsent_refusals += left
             log.warning("agent %s: %d refusal(s) not sent at stop", self.agent_id, left)

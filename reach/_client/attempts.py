@@ -138,7 +138,7 @@ class Requester:
         loop = asyncio.get_running_loop()
         now = loop.time()
         cells = self.metrics.cap(capability) if self.metrics is not None else None
-        refused = router.admit(capability, now)
+        refused, probe = router.admit_call(capability, now)
         if refused is not None:
             if cells is not None:
                 cells.inflight += 1
@@ -185,7 +185,7 @@ class Requester:
             outcome = "cancelled"
             raise
         finally:
-            if router.cap_breakers:
+            if probe:  # this call is the capability breaker's probe: settle it
                 router.call_ended(capability, outcome, loop.time())
             if cells is not None:
                 cells.finished(policy.value, outcome, loop.time() - now)

@@ -75,26 +75,28 @@ class Router:
         """Three-level routing: a task type maps to the capability that serves it."""
         return self.task_types.get(name, name)
 
-    def admit(self, capability: str, now: float) -> str | None:
-        """Why the request must fail fast (rate limit or open capability breaker), or None."""
+    def admit_call(self, capability: str, now: float) -> tuple[str | None, bool]:
+        """Why the request must fail fast (rate limit or open capability breaker), or None;
+        and whether it took the capability breaker's half-open probe: then, and only then,
+        its end goes to ``call_ended``."""
         limit = self.rate_limits.get(capability)
         if limit is not None:
             bucket = self.buckets.get(capability)
             if bucket is None:
                 bucket = self.buckets[capability] = TokenBucket(limit[0], limit[1], now)
             if not bucket.take(now):
-                return "resource_exhausted"
+                return "resource_exhausted", False
         breaker = self.cap_breakers.get(capability)
-        if breaker is not None and not breaker.allow(now):
-            return "circuit_open"
-        return None
+        if breaker is None:
+            return None, False
+        was = breaker.probing
+        if not breaker.allow(now):
+            return "circuit_open", False
+        return None, breaker.probing and not was
 
     def call_ended(self, capability: str, outcome: str, now: float) -> None:
-        """A whole request ended. If it was the capability breaker's half-open probe and
-        said nothing to the breaker (an agent answered with its own refusal, the caller
-        cancelled, it failed before it was sent), settle the probe: an answer means the
-        capability is reachable; anything else opens the breaker again for a cooldown.
-        Otherwise the probe slot stayed taken and the capability was refused for good."""
+        """The call that took the capability's probe ended (perhaps telling the breaker
+        nothing): an answer closes the breaker; anything else opens it for a cooldown."""
         breaker = self.cap_breakers.get(capability)
         if breaker is None or not breaker.probing:
             return

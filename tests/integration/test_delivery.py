@@ -153,11 +153,13 @@ def test_write_through_leaves_a_closed_socket_to_the_flusher(
 
 
 async def test_requests_during_stop_are_refused_not_left_waiting(
-    reach_settings: ReachSettings, reach_client: reach.Client
+    reach_settings: ReachSettings, reach_client: reach.Client, monkeypatch: pytest.MonkeyPatch
 ):
     """Refusals leave from tasks owned until the subscriptions are gone: a direct request
     that comes once the agent has closed its workers (and waits for a handler that
     ignores its cancellation) is still told at once that the agent is stopping."""
+    # the stop waits this long for the stubborn handler: the window the request comes in
+    monkeypatch.setattr("reach._agent.workers._CLOSE_GRACE", 5.0)
     agent = Agent("stubborn", settings=reach_settings, max_concurrency=1, drain_timeout=0.1)
     entered, cut, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -211,7 +213,7 @@ async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
     try:
         async with agent:
             intake = agent._intake
-            bound = intake._outbox_max
+            bound = intake._outbox_max = 300  # (nats-py's pending limit by default)
             flood = bound + 100
             for i in range(flood):  # one burst, no turn of the loop between
                 msg = nats.aio.msg.Msg(_client=listener, subject="x", reply=f"flood.replies.{i}")
@@ -222,3 +224,34 @@ async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
             assert set(got) == {"429"}
     finally:
         await listener.close()
+
+
+async def test_a_burst_that_finds_the_agent_full_is_refused_in_full(
+    reach_settings: ReachSettings, nc: nats.NATS
+):
+    """A thousand requests in one read of the socket, to an agent with room for two: each
+    of the rest is told at once (resource_exhausted), none left to its timeout."""
+    agent = Agent("busy", settings=reach_settings, max_concurrency=1, max_queue=1)
+    release = asyncio.Event()
+
+    @agent.capability("burst.op")
+    async def op(req: dict) -> dict:
+        await release.wait()
+        return req
+
+    codes: list[str] = []
+
+    async def on_reply(msg: nats.aio.msg.Msg) -> None:
+        codes.append(msg.headers.get("Nats-Service-Error-Code", "") if msg.headers else "ok")
+
+    await nc.subscribe("burst.replies.*", cb=on_reply)
+    async with agent:
+        subject = agent.subjects.cap("burst.op")
+        for i in range(1000):
+            await nc.publish(subject, b"{}", reply=f"burst.replies.{i}")
+        await nc.flush()
+        await eventually(lambda: len(codes) == 998, timeout=30)
+        assert set(codes) == {"429"}
+        assert agent.stats.unsent_refusals == 0
+        release.set()
+        await eventually(lambda: len(codes) == 1000, timeout=30)

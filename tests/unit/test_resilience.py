@@ -283,11 +283,12 @@ def test_router_admission_rate_limit_and_task_types():
     router = Router(rate_limits={"work.do": (1.0, 2.0)}, task_types={"job": "work.do"})
     assert router.resolve("job") == "work.do"
     assert router.resolve("other.cap") == "other.cap"
-    assert [router.admit("work.do", 0.0) for _ in range(3)] == [None, None, "resource_exhausted"]
-    assert router.admit("work.do", 1.0) is None
+    admitted = [router.admit_call("work.do", 0.0)[0] for _ in range(3)]
+    assert admitted == [None, None, "resource_exhausted"]
+    assert router.admit_call("work.do", 1.0)[0] is None
     for _ in range(5):
         router.request_done("work.do", False, 2.0)
-    assert router.admit("work.do", 2.0) == "circuit_open"
+    assert router.admit_call("work.do", 2.0)[0] == "circuit_open"
 
 
 def test_eligible_cache_follows_status_changes_not_load():

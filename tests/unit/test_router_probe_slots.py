@@ -62,7 +62,7 @@ def test_a_cancelled_early_probe_does_not_skip_the_cooldown():
 def _open_capability(router):
     for n in range(5):
         router.request_done("work.do", False, float(n))
-    assert router.admit("work.do", 4.5) == "circuit_open"
+    assert router.admit_call("work.do", 4.5)[0] == "circuit_open"
 
 
 @pytest.mark.parametrize(
@@ -76,11 +76,23 @@ def test_a_capability_probe_that_says_nothing_to_the_breaker_is_settled(outcome,
     else opens it again for a cooldown."""
     router = Router(breaker_cooldown=5.0)
     _open_capability(router)
-    assert router.admit("work.do", 10.0) is None  # the probe
-    assert router.admit("work.do", 10.0) == "circuit_open"  # one at a time
+    assert router.admit_call("work.do", 10.0)[0] is None  # the probe
+    assert router.admit_call("work.do", 10.0)[0] == "circuit_open"  # one at a time
     router.call_ended("work.do", outcome, 10.1)
-    assert (router.admit("work.do", 10.2) is None) is admitted_after
-    assert router.admit("work.do", 1000.0) is None  # never refused for good
+    assert (router.admit_call("work.do", 10.2)[0] is None) is admitted_after
+    assert router.admit_call("work.do", 1000.0)[0] is None  # never refused for good
+
+
+def test_only_the_call_that_took_the_capability_probe_settles_it():
+    """A call admitted while the breaker was closed, still running when the probe goes
+    out, must not settle the probe when it ends (a cancel would shut the capability for
+    another cooldown; a refusal would close it on no evidence of the probe)."""
+    router = Router(breaker_cooldown=5.0)
+    assert router.admit_call("work.do", 0.0) == (None, False)  # closed: no probe taken
+    _open_capability(router)
+    assert router.admit_call("work.do", 10.0) == (None, True)  # the probe
+    assert router.admit_call("work.do", 10.0) == ("circuit_open", False)
+    assert router.cap_breakers["work.do"].probing  # until the probe's own call ends
 
 
 def test_a_probe_ending_on_an_instance_that_left_and_came_back_frees_its_slot():
