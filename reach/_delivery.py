@@ -9,20 +9,26 @@ two task switches on each side, before any work, on top of the task that does th
   and hand it on (a future, the workers' queue), which is what a subscription task would
   do a turn later. The function must not block nor raise: what it raises is logged and
   counted in ``failures``, never allowed into nats-py's reading loop.
-- ``write_through``: when the caller knows nothing else is about to be sent (one request
-  pending, one handler running), what nats-py holds is written now instead of on the
-  flusher's next turn. Under load, callers skip it and nats-py batches as before.
+- ``publish``: nats-py's own publish, framed in one step. When the caller knows nothing
+  else is about to be sent (one request pending, one request accepted and unanswered),
+  the message is written to the socket at once, not on the flusher's next turn. Under
+  load it joins nats-py's buffer, and nats-py's flusher batches as before. nats-py's
+  publish costs four coroutines, two regular-expression checks per header, and a
+  future per kick of the flusher.
+- ``write_through``: what nats-py already holds (a publish that went through nats-py),
+  written now instead of on the flusher's next turn.
 
-Both reach into nats-py's internals (``Subscription._pending_queue``; the connection's
-``_pending``, ``_flush_queue`` and transport). Each checks what it relies on and falls
-back to nats-py's own path when it finds something else (``tests/integration/
-test_delivery.py`` holds them to the installed nats-py).
+They reach into nats-py's internals (``Subscription._pending_queue``; the connection's
+status, ``_pending``, ``_flush_queue``, flusher task, transport and stats). Each checks what
+it relies on and falls back to nats-py's own path when it finds something else
+(``tests/integration/test_delivery.py`` holds them to the installed nats-py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +36,22 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-__all__ = ["Deliver", "DirectQueue", "subscribe_direct", "write_through"]
+from .wire import Header
+
+__all__ = ["Deliver", "DirectQueue", "publish", "subscribe_direct", "write_through"]
 
 log = logging.getLogger("reach.nats")
 
 Deliver = Callable[[Msg], None]
+
+_CONNECTED = NatsConnection.CONNECTED
+#: what nats-py refuses in a subject: a space or a line break would inject protocol
+_BAD_SUBJECT = re.compile(r"[ \t\r\n]")
+#: the header names written here; any other (a trace's, say) goes through nats-py's checks
+_OWN_HEADERS = frozenset(
+    value for name, value in vars(Header).items() if name.isupper() and isinstance(value, str)
+)
+_NEWLINES = str.maketrans({"\r": " ", "\n": " "})  # in a header value, as nats-py does
 
 
 class DirectQueue:
@@ -99,17 +116,87 @@ def write_through(nc: NatsConnection) -> None:
     if queue is None or queue.qsize() != 1 or not nc._pending_data_size or not nc.is_connected:
         return  # (reconnecting: nats-py keeps what is pending for the new connection)
     writer = getattr(nc._transport, "_io_writer", None)  # TCP; other transports: the flusher
-    if writer is None:
-        return
-    transport = writer.transport
-    if transport.is_closing() or transport.get_write_buffer_size():
-        return  # closing, or the socket is behind: the flusher waits for it, or fails
-    try:
-        writer.writelines(nc._pending)
-    except (OSError, RuntimeError):  # a transport closed under us (uvloop raises)
+    if writer is None or not _write(writer.transport, b"".join(nc._pending)):
         return
     nc._pending = []
     nc._pending_data_size = 0
     kicked = queue.get_nowait()
     if not kicked.done():
         kicked.set_result(None)
+
+
+def publish(
+    nc: NatsConnection,
+    subject: str,
+    payload: bytes,
+    reply: str = "",
+    headers: dict[str, str] | None = None,
+    *,
+    alone: bool = False,
+) -> bool:
+    """Frame a message as nats-py's ``publish`` would, and write it to the socket now
+    (``alone``: the caller has nothing to batch it with) or add it to what nats-py's
+    flusher writes on its next turn. False when it did neither: the caller awaits nats-py's
+    own ``publish``, which checks, waits or raises (closed, draining, reconnecting, a full
+    buffer, a subject or header it would refuse)."""
+    if (
+        nc._status != _CONNECTED
+        or len(payload) > nc._max_payload
+        or not subject
+        or _BAD_SUBJECT.search(subject)
+        or (reply and _BAD_SUBJECT.search(reply))
+    ):
+        return False
+    queue = getattr(nc, "_flush_queue", None)
+    flusher = getattr(nc, "_flusher_task", None)
+    writer = getattr(nc._transport, "_io_writer", None)  # TCP; other transports: nats-py
+    if queue is None or flusher is None or flusher.done() or writer is None:
+        return False
+    if headers:
+        lines = ["NATS/1.0\r\n"]
+        for key, value in headers.items():
+            if key not in _OWN_HEADERS:
+                return False
+            if "\r" in value or "\n" in value:
+                value = value.translate(_NEWLINES)
+            lines.append(f"{key}: {value.strip()}\r\n")
+        lines.append("\r\n")
+        block = "".join(lines).encode()
+        size = len(block) + len(payload)
+        frame = f"HPUB {subject} {reply} {len(block)} {size}\r\n".encode() + block + payload
+    else:
+        frame = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload
+    frame += b"\r\n"
+    held = nc._pending_data_size
+    if alone and not held and not queue.qsize() and _write(writer.transport, frame):
+        _count(nc, payload)
+        return True
+    limit = nc._max_pending_size
+    if limit > 0 and held + len(frame) > limit:
+        return False  # nats-py flushes and waits first: its back-pressure
+    nc._pending.append(frame)
+    nc._pending_data_size = held + len(frame)
+    _count(nc, payload)
+    if queue.empty():  # kick the flusher, as nats-py does
+        queue.put_nowait(asyncio.get_running_loop().create_future())
+    if alone:
+        write_through(nc)
+    return True
+
+
+def _write(transport: Any, frame: bytes) -> bool:
+    """Whether ``frame`` went to the socket; else it is left to nats-py's flusher, which
+    waits for a socket that is behind and fails on one that is closing."""
+    if transport.is_closing() or transport.get_write_buffer_size():
+        return False
+    try:
+        transport.write(frame)
+    except (OSError, RuntimeError):  # a transport closed under us (uvloop raises)
+        return False
+    return True
+
+
+def _count(nc: NatsConnection, payload: bytes) -> None:
+    stats = nc.stats
+    stats["out_msgs"] += 1
+    stats["out_bytes"] += len(payload)

@@ -20,7 +20,7 @@ import msgspec
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
-from .._delivery import write_through
+from .._delivery import publish, write_through
 from .._nats import HEADROOM, TRANSIENT, NatsConnection, fits
 from .._owner import TaskOwner
 from .._telemetry import LOG_AGENT, LOG_WORK
@@ -252,9 +252,12 @@ class Workers(Answers):
             cells.latency.observe(elapsed / 1e9)
             cells.ok[job.priority] += 1
         try:
-            await nc.publish(msg.reply, body, reply=cap.direct, headers=headers)
-            if self.outstanding == 1:
-                write_through(nc)  # nothing else accepted, so nothing to batch with: out now
+            # nothing else accepted, so nothing to batch with: out now
+            alone = self.outstanding == 1
+            if not publish(nc, msg.reply, body, cap.direct, headers, alone=alone):
+                await nc.publish(msg.reply, body, reply=cap.direct, headers=headers)
+                if alone:
+                    write_through(nc)
         except TRANSIENT as exc:
             if len(body) > nc.max_payload:
                 await self._failed(job, "failed", f"result of {len(body)} bytes is too large")

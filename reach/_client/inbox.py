@@ -16,7 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
-from .._delivery import subscribe_direct, write_through
+from .._delivery import publish, subscribe_direct, write_through
 from .._nats import (
     CONNECTION_LOST,
     HEADROOM,
@@ -202,9 +202,12 @@ class Inbox:
         started = time.perf_counter()
         reconnects = nc.stats["reconnects"]
         try:
-            await nc.publish(subject, call.data, reply=reply_to, headers=headers)
-            if len(self.pending) == 1:
-                write_through(nc)  # nothing else to send with it: out now, not next turn
+            # alone: nothing to send with it, so out now, not on nats-py's next turn
+            alone = len(self.pending) == 1
+            if not publish(nc, subject, call.data, reply_to, headers, alone=alone):
+                await nc.publish(subject, call.data, reply=reply_to, headers=headers)
+                if alone:
+                    write_through(nc)
             msg = await fut
         except TimeoutError:
             if not nc.is_connected:

@@ -13,7 +13,7 @@ import pytest
 import reach
 from reach import Agent, ReachSettings
 from reach._agent.lifecycle import State
-from reach._delivery import DirectQueue, subscribe_direct, write_through
+from reach._delivery import DirectQueue, publish, subscribe_direct, write_through
 from reach._nats import leave
 from reach.testing import eventually
 
@@ -125,6 +125,77 @@ async def test_write_through_empties_nats_py_buffer_at_once(reach_settings: Reac
         await other.close()
 
 
+@pytest.mark.parametrize("alone", [True, False])
+async def test_publish_frames_as_nats_py_does(
+    reach_settings: ReachSettings, nc: nats.NATS, alone: bool
+):
+    """The same message, sent by nats-py's publish and by ours, written at once (alone) or
+    by nats-py's flusher, arrives the same: subject, reply, payload and headers (values
+    cleaned of line breaks as nats-py does)."""
+    listener = await nats.connect(reach_settings.nats_url)
+    got: list[nats.aio.msg.Msg] = []
+
+    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        got.append(msg)
+
+    await listener.subscribe("now.>", cb=on_msg)
+    await listener.flush()
+    cases = [
+        ("now.a", b"", "", None),
+        ("now.b", b"x" * 300, "now.reply.1", None),
+        ("now.c", b"{}", "now.reply.2", {"Reach-Deadline": "1733000000000"}),
+        ("now.d", b"body", "", {"Reach-Caller": " a\r\nb ", "Reach-Request-Id": "r-1"}),
+    ]
+    try:
+        for subject, payload, reply, headers in cases:
+            await nc.publish(subject, payload, reply=reply, headers=headers)
+            await nc.flush()
+            assert publish(nc, subject, payload, reply, headers, alone=alone)
+            assert (nc._pending_data_size == 0) is alone  # written, or held for the flusher
+        await eventually(lambda: len(got) == 2 * len(cases))
+        seen = [(m.subject, m.data, m.reply, m.headers) for m in got]
+        assert seen[0::2] == seen[1::2]
+        assert seen[-1][3] == {"Reach-Caller": "a  b", "Reach-Request-Id": "r-1"}
+        assert nc.stats["out_msgs"] == 2 * len(cases)
+    finally:
+        await listener.close()
+
+
+async def test_publish_keeps_order_and_leaves_to_nats_py_what_it_would_refuse(
+    reach_settings: ReachSettings, nc: nats.NATS
+):
+    """A message never overtakes what nats-py holds; what nats-py would check, refuse or
+    wait for goes through nats-py's own publish (False: nothing written nor held)."""
+    listener = await nats.connect(reach_settings.nats_url)
+    got: list[bytes] = []
+
+    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        got.append(msg.data)
+
+    await listener.subscribe("order.>", cb=on_msg)
+    await listener.flush()
+    try:
+        await nc.publish("order.a", b"1")  # held for the flusher's next turn
+        assert publish(nc, "order.b", b"2", alone=True)  # written with it, after it
+        assert nc._pending_data_size == 0
+        assert publish(nc, "order.c", b"3")  # held, for the flusher
+        await nc.flush()
+        await eventually(lambda: got == [b"1", b"2", b"3"])
+    finally:
+        await listener.close()
+    held = nc.stats["out_msgs"]
+    assert not publish(nc, "bad subject", b"x")
+    assert not publish(nc, "order.d", b"x", reply="bad\r\nPUB x 0")
+    assert not publish(nc, "order.d", b"x", headers={"baggage": "k=v"})  # not ours
+    assert not publish(nc, "order.d", b"x" * (nc.max_payload + 1))
+    nc._max_pending_size = 8  # nats-py would flush and wait first
+    assert not publish(nc, "order.d", b"x" * 16)
+    await nc.close()
+    assert not publish(nc, "order.d", b"x", alone=True)
+    assert nc.stats["out_msgs"] == held
+    assert nc._pending_data_size == 0
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_write_through_leaves_a_closed_socket_to_the_flusher(
     reach_settings: ReachSettings, loop: str
@@ -144,6 +215,15 @@ def test_write_through_leaves_a_closed_socket_to_the_flusher(
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()
+        idle = await nats.connect(reach_settings.nats_url, allow_reconnect=False)
+        try:
+            idle._transport._io_writer.transport.abort()
+            # nor is a message written to it: it is held for the flusher, as nats-py would
+            assert publish(idle, "direct.e", b"lost", alone=True)
+            assert idle._pending_data_size > 0
+        finally:
+            with contextlib.suppress(Exception):
+                await idle.close()
 
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop")  # the `fast` extra, which make installs
