@@ -75,20 +75,25 @@ class Call:
     cells: CapCells | None = None  # metrics; None when they are off
 
 
-def _expire(fut: asyncio.Future[Msg]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
+#: how often pending requests are checked against their deadlines: one timer for the
+#: inbox instead of one per request (which cost ~5% of a request's CPU), at the price of
+#: a timeout reported up to this late
+_SWEEP = 0.005
 
 
 class Inbox:
     """Replies for one connection. The reply subject, less ``_INBOX.``, is the request id,
     so a request needs no Reach-Request-Id header (each header costs a parse on both sides);
-    the inbox is unique per connection, so a counter makes it unique per request."""
+    the inbox is unique per connection, so a counter makes it unique per request.
+    Deadlines are kept per request and swept by one timer while requests are pending."""
 
     def __init__(self, url: str, agent_prefix: str) -> None:
         self.url = url
         self.nc: NatsConnection | None = None
         self.pending: dict[str, asyncio.Future[Msg]] = {}
+        #: token -> the loop time its attempt gives up
+        self._due: dict[str, float] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
         self._agent_subjects = agent_prefix
         self._prefix = ""
         self._seq = 0
@@ -154,8 +159,25 @@ class Inbox:
             return via[len(self._agent_subjects) :].partition(".")[0]
         return ""
 
+    def _sweep(self) -> None:
+        """Time out what is due; again in ``_SWEEP`` while anything is pending."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        pending = self.pending
+        for token, due in self._due.items():
+            if due <= now:
+                fut = pending[token]
+                if not fut.done():
+                    fut.set_exception(TimeoutError())
+        if pending:
+            self._sweeper = loop.call_at(now + _SWEEP, self._sweep)
+
     async def close(self, *, unsubscribe: bool) -> None:
         """Fail every pending request; drop the subscription on a connection we keep."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(ConnectionFailed("client closed", url=self.url))
@@ -198,7 +220,9 @@ class Inbox:
         self.pending[token] = fut
         if agent_id is not None:
             self.expect[token] = subject
-        expiry = loop.call_later(wait, _expire, fut)
+        self._due[token] = loop.time() + wait
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(min(wait, _SWEEP), self._sweep)
         started = time.perf_counter()
         reconnects = nc.stats["reconnects"]
         try:
@@ -238,10 +262,10 @@ class Inbox:
         except TOO_LARGE:
             raise too_large(nc, len(call.data), repr(capability)) from None
         except Recheck as exc:
-            msg = await self._recheck(exc, subject, wait, started, call, agent_id, rid)
+            msg = await self._recheck(exc, subject, wait, call, agent_id, rid)
         finally:
-            expiry.cancel()
             del self.pending[token]
+            del self._due[token]
             if agent_id is not None:
                 del self.expect[token]
         latency_ms = (time.perf_counter() - started) * 1000
@@ -274,7 +298,6 @@ class Inbox:
         exc: Recheck,
         subject: str,
         wait: float,
-        started: float,
         call: Call,
         agent_id: str | None,
         rid: str,
@@ -282,16 +305,13 @@ class Inbox:
         """A publish was refused while this call waited: Unauthorized if it was this
         call's, else wait on for the reply in the time left."""
         own = subject.lower()
-        loop = asyncio.get_running_loop()
         while True:
             if exc.violation.subject == own:
                 conn = self._permissions.name if self._permissions is not None else ""
                 err = unauthorized(exc.violation, conn, capability=call.capability)
                 err.agent_id, err.request_id = agent_id or "", rid
                 raise err from None
-            fut = exc.fresh
-            left = wait - (time.perf_counter() - started)
-            timer = loop.call_later(max(0.0, left), _expire, fut)
+            fut = exc.fresh  # pending in its place: the sweep times it out when due
             try:
                 result: Msg = await fut
                 return result
@@ -304,8 +324,6 @@ class Inbox:
                     agent_id=agent_id or "",
                     request_id=rid,
                 ) from None
-            finally:
-                timer.cancel()
 
 
 def _no_responders(capability: str, agent_id: str | None, rid: str) -> RemoteError:

@@ -285,3 +285,33 @@ async def test_a_long_request_id_with_a_payload_near_the_limit_is_refused_on_the
     with pytest.raises(reach.ConfigurationError, match="request_id"):
         await reach_client.call("big.op", near, request_id="r" * 6000, timeout=2)
     assert reach_client.connected
+
+
+async def test_each_request_times_out_at_its_own_deadline(reach_settings, reach_client):
+    """One timer sweeps every pending request: each still gives up at its own deadline,
+    whatever the order they were sent in, and the client serves on afterwards."""
+    agent = Agent("silent", "silent-1", settings=reach_settings)
+    release = asyncio.Event()
+
+    @agent.capability("silent.op")
+    async def op(req: dict) -> dict:
+        if req.get("wait"):
+            await release.wait()
+        return req
+
+    ended: list[float] = []
+
+    async def ask(timeout: float) -> None:
+        try:
+            await reach_client.request(
+                "silent.op", {"wait": True}, agent_id="silent-1", timeout=timeout
+            )
+        finally:
+            ended.append(timeout)
+
+    async with agent:
+        results = await asyncio.gather(*(ask(t) for t in (1.3, 0.1, 0.7)), return_exceptions=True)
+        assert all(isinstance(r, reach.RequestTimeout) for r in results), results
+        assert ended == [0.1, 0.7, 1.3]
+        release.set()
+        assert await reach_client.request("silent.op", {"n": 1}, agent_id="silent-1") == {"n": 1}
