@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NatsConnection
@@ -38,7 +38,14 @@ from nats.aio.subscription import Subscription
 
 from .wire import Header
 
-__all__ = ["Deliver", "DirectQueue", "publish", "subscribe_direct", "write_through"]
+__all__ = [
+    "Deliver",
+    "DirectQueue",
+    "publish",
+    "read_headers",
+    "subscribe_direct",
+    "write_through",
+]
 
 log = logging.getLogger("reach.nats")
 
@@ -66,7 +73,11 @@ class DirectQueue:
         self.failures = 0
 
     def put_nowait(self, msg: Msg) -> None:
+        """nats-py's own way in (a message it read itself: ``_read_messages`` passed)."""
         self._sub._pending_size -= len(msg.data)  # counted by nats-py as it queued it
+        self.hand(msg)
+
+    def hand(self, msg: Msg) -> None:
         try:
             self.deliver(msg)
         except Exception:
@@ -104,7 +115,70 @@ async def subscribe_direct(
     sub._pending_queue = direct  # type: ignore[assignment]
     while not pending.empty():  # nothing can have come yet; should it have, it goes first
         direct.put_nowait(pending.get_nowait())
+    if not getattr(nc._process_msg, "reads_direct", False):
+        nc._process_msg = _read_messages(nc)  # type: ignore[method-assign,assignment]
     return sub
+
+
+_HEADER_LINE = b"NATS/1.0\r\n"  # a header block without a status (a status has a code)
+
+
+def _read_messages(nc: NatsConnection) -> Callable[..., Awaitable[None]]:
+    """Stands in for ``nc._process_msg``, which nats-py's parser calls for each message.
+    A message without a status for a direct subscription is built and handed over here,
+    in one step: nats-py's own way parses the headers in a coroutine of their own, and
+    counts what it queues, for the subscription to count back. Any other goes nats-py's
+    way."""
+    original = nc._process_msg
+
+    async def process_msg(
+        sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        sub = nc._subs.get(sid)
+        if sub is not None:
+            direct: Any = sub._pending_queue
+            if (
+                direct.__class__ is DirectQueue
+                and not sub._max_msgs
+                and (not headers or headers.startswith(_HEADER_LINE))
+            ):
+                stats = nc.stats
+                stats["in_msgs"] += 1
+                stats["in_bytes"] += len(data)
+                sub._received += 1
+                msg = nc.msg_class(
+                    subject=subject.decode(),
+                    reply=reply.decode(),
+                    data=data,
+                    headers=read_headers(headers) if headers else None,
+                    _client=nc,
+                    _sid=sid,
+                )
+                direct.hand(msg)
+                return
+        await original(sid, subject, reply, data, headers)  # type: ignore[arg-type]
+
+    process_msg.reads_direct = True  # type: ignore[attr-defined]
+    return process_msg
+
+
+def read_headers(block: bytes) -> dict[str, str] | None:
+    """A header block without a status, read as nats-py reads one (its
+    ``_parse_header_lines``): a name that is not ASCII or holds whitespace is skipped, a
+    value is stripped and decoded with replacement; None when nothing is left."""
+    found: dict[str, str] = {}
+    for line in block[len(_HEADER_LINE) :].split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        try:
+            key = name.strip().decode("ascii")
+        except UnicodeDecodeError:
+            continue
+        if key and key.split() != [key]:
+            continue
+        found[key] = value.strip().decode("utf-8", "replace")
+    return found or None
 
 
 def write_through(nc: NatsConnection) -> None:

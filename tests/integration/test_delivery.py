@@ -48,6 +48,53 @@ async def test_messages_are_delivered_in_nats_py_reading_task(nc: nats.NATS):
     ]
 
 
+async def test_direct_messages_arrive_as_nats_py_builds_them(nc: nats.NATS):
+    """Read by reach (no status) or by nats-py (a status, as no-responders): a direct
+    subscription gets what a plain one gets, counted as nats-py counts; other
+    subscriptions on the connection, and a direct one that left, are nats-py's."""
+    direct: list[nats.aio.msg.Msg] = []
+    plain: list[nats.aio.msg.Msg] = []
+
+    async def on_plain(msg: nats.aio.msg.Msg) -> None:
+        plain.append(msg)
+
+    sub = await subscribe_direct(nc, "same.>", direct.append)
+    assert nc._process_msg.reads_direct  # reach reads for it (the installed nats-py fits)
+    await nc.subscribe("same.>", cb=on_plain)
+    sent = [
+        ("same.a", b"one", "", None),
+        ("same.b", b"", "rep.1", {"Reach-Deadline": "17", "X-Other": "v"}),
+    ]
+    for subject, data, reply, headers in sent:
+        await nc.publish(subject, data, reply=reply, headers=headers)
+    await nc.flush()
+    await eventually(lambda: len(direct) == 2 and len(plain) == 2)
+
+    def seen(msgs: list[nats.aio.msg.Msg]) -> list[tuple[object, ...]]:
+        return [(m.subject, m.data, m.reply, m.headers, m._client, m.sid) for m in msgs]
+
+    assert [(m.subject, m.data, m.reply, m.headers) for m in direct] == [
+        (s, d, r, h) for s, d, r, h in sent
+    ]
+    assert [row[:5] for row in seen(direct)] == [row[:5] for row in seen(plain)]
+    assert {m.sid for m in direct} == {sub._id}
+    assert sub.delivered == 2
+    assert nc.stats["in_msgs"] == 4
+    # a status message (no one listens: 503) is read by nats-py, then handed over alike
+    inbox = nc.new_inbox()
+    await subscribe_direct(nc, inbox + ".*", direct.append)
+    await nc.publish("nobody.listens", b"", reply=inbox + ".1", headers={"X": "1"})
+    await eventually(lambda: len(direct) == 3)
+    assert direct[-1].headers is not None
+    assert direct[-1].headers.get("Status") == "503"
+    # a direct subscription that left gets nothing more
+    await sub.unsubscribe()
+    await nc.publish("same.c", b"late")
+    await nc.flush()
+    await eventually(lambda: len(plain) == 3)
+    assert len(direct) == 3
+
+
 async def test_a_delivery_that_raises_is_counted_and_reading_goes_on(
     reach_settings: ReachSettings,
     nc: nats.NATS,
