@@ -1,34 +1,38 @@
-"""Two shortcuts through nats-py on the request path, each a turn of the event loop less.
+"""Shortcuts through nats-py on the request path: a turn of the event loop less, or
+objects per message fewer.
 
 nats-py hands every message to a subscription's own task through an ``asyncio.Queue``,
 and every publish to a flusher task that writes on its next turn. For a request that is
 two task switches on each side, before any work, on top of the task that does the work.
 
-- ``subscribe_direct``: the message goes to a plain function as nats-py parses it, in its
+- ``subscribe_direct``: the message goes to a plain function as nats-py reads it, in its
   reading task. The client's reply inbox and an agent's intake only look at the message
   and hand it on (a future, the workers' queue), which is what a subscription task would
   do a turn later. The function must not block nor raise: what it raises is logged and
-  counted in ``failures``, never allowed into nats-py's reading loop.
-- ``publish``: nats-py's own publish, framed in one step. When the caller knows nothing
+  counted in ``failures``, never allowed into nats-py's reading loop. reach reads these
+  messages itself (``_read_messages``, ``read_headers``), where nats-py's parser hands
+  them over: nats-py takes a coroutine for the headers, and counts each message into and
+  out of the subscription's queue.
+- ``publish``: nats-py's publish, framed by reach in one step (nats-py's takes four
+  coroutines and two regular-expression checks per header). When the caller knows nothing
   else is about to be sent (one request pending, one request accepted and unanswered),
   the message is written to the socket at once, not on the flusher's next turn. Under
-  load it joins nats-py's buffer, and nats-py's flusher batches as before. nats-py's
-  publish costs four coroutines, two regular-expression checks per header, and a
-  future per kick of the flusher.
+  load it joins nats-py's buffer, and nats-py's flusher batches as before.
 - ``write_through``: what nats-py already holds (a publish that went through nats-py),
   written now instead of on the flusher's next turn.
 
-They reach into nats-py's internals (``Subscription._pending_queue``; the connection's
-status, ``_pending``, ``_flush_queue``, flusher task, transport and stats). Each checks what
-it relies on and falls back to nats-py's own path when it finds something else
-(``tests/integration/test_delivery.py`` holds them to the installed nats-py).
+They reach into nats-py's internals: the connection's ``_process_msg``, ``_subs``,
+``msg_class``, status, ``_pending``, ``_flush_queue``, flusher task, transport and stats;
+a subscription's ``_pending_queue``, ``_pending_size``, ``_received`` and ``_max_msgs``.
+Each checks what it relies on and falls back to nats-py's own path when it finds
+something else (``tests/integration/test_delivery.py`` and
+``tests/unit/test_read_headers.py`` hold them to the installed nats-py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,9 +56,8 @@ log = logging.getLogger("reach.nats")
 Deliver = Callable[[Msg], None]
 
 _CONNECTED = NatsConnection.CONNECTED
-#: what nats-py refuses in a subject: a space or a line break would inject protocol
-_BAD_SUBJECT = re.compile(r"[ \t\r\n]")
-#: the header names written here; any other (a trace's, say) goes through nats-py's checks
+#: the header names reach frames itself (its own, W3C trace context); any other (baggage,
+#: a caller's own) goes through nats-py's publish and its checks
 _OWN_HEADERS = frozenset(
     value for name, value in vars(Header).items() if name.isupper() and isinstance(value, str)
 )
@@ -126,9 +129,11 @@ _HEADER_LINE = b"NATS/1.0\r\n"  # a header block without a status (a status has 
 def _read_messages(nc: NatsConnection) -> Callable[..., Awaitable[None]]:
     """Stands in for ``nc._process_msg``, which nats-py's parser calls for each message.
     A message without a status for a direct subscription is built and handed over here,
-    in one step: nats-py's own way parses the headers in a coroutine of their own, and
-    counts what it queues, for the subscription to count back. Any other goes nats-py's
-    way."""
+    in one step; any other goes nats-py's way. Installed once per connection, it stays
+    with it: on a connection shared with other code, its other subscriptions pay one
+    coroutine call more per message. Headers are read as nats-py's ``_parse_header_lines``
+    reads them (with ``fast_mail_parser`` installed, nats-py reads them as email headers
+    instead; reach does not)."""
     original = nc._process_msg
 
     async def process_msg(
@@ -175,8 +180,8 @@ def read_headers(block: bytes) -> dict[str, str] | None:
             key = name.strip().decode("ascii")
         except UnicodeDecodeError:
             continue
-        if key and key.split() != [key]:
-            continue
+        if key not in _OWN_HEADERS and key and key.split() != [key]:
+            continue  # whitespace inside the name (reach's own names have none)
         found[key] = value.strip().decode("utf-8", "replace")
     return found or None
 
@@ -217,8 +222,8 @@ def publish(
         nc._status != _CONNECTED
         or len(payload) > nc._max_payload
         or not subject
-        or _BAD_SUBJECT.search(subject)
-        or (reply and _BAD_SUBJECT.search(reply))
+        or _unsafe(subject)
+        or (reply and _unsafe(reply))
     ):
         return False
     queue = getattr(nc, "_flush_queue", None)
@@ -237,10 +242,10 @@ def publish(
         lines.append("\r\n")
         block = "".join(lines).encode()
         size = len(block) + len(payload)
-        frame = f"HPUB {subject} {reply} {len(block)} {size}\r\n".encode() + block + payload
+        head = f"HPUB {subject} {reply} {len(block)} {size}\r\n".encode()
+        frame = b"".join((head, block, payload, b"\r\n"))
     else:
-        frame = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload
-    frame += b"\r\n"
+        frame = b"".join((f"PUB {subject} {reply} {len(payload)}\r\n".encode(), payload, b"\r\n"))
     held = nc._pending_data_size
     if alone and not held and not queue.qsize() and _write(writer.transport, frame):
         _count(nc, payload)
@@ -256,6 +261,12 @@ def publish(
     if alone:
         write_through(nc)
     return True
+
+
+def _unsafe(subject: str) -> bool:
+    """What nats-py refuses in a subject: a space or a line break would inject protocol.
+    (Four scans in C cost a third of a regular expression's search.)"""
+    return " " in subject or "\n" in subject or "\r" in subject or "\t" in subject
 
 
 def _write(transport: Any, frame: bytes) -> bool:

@@ -222,6 +222,7 @@ class Client(DurableTasks, ConfigWrites):
             **self._router.footprint(),
             "capabilities.checked": self._requests.checked,
             "pending": len(self._inbox.pending),
+            "deadlines": self._inbox.deadlines,
             "tasks": len(self._watches.owner),
         }
 

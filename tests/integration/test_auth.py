@@ -25,6 +25,7 @@ from reach import (
     Context,
     ReachSettings,
     Registry,
+    RequestTimeout,
     TaskContext,
     TaskRecord,
     TaskRef,
@@ -354,6 +355,48 @@ async def test_other_refusals_never_extend_a_jetstream_call(secured: NatsServer,
         await silent.unsubscribe()
         await api.close()
         await nc.close()
+
+
+async def test_a_request_woken_by_other_refusals_still_times_out(secured: NatsServer):
+    """A client request woken by refusals that are not its own waits on under the same
+    deadline, and times out then (neither extended by each refusal, nor left hanging)."""
+    agent = Agent("logistics", "logistics-1", settings=as_user(secured, "logistics-1"))
+    started = asyncio.Event()
+
+    @agent.capability("logistics.track")
+    async def track(ref: OrderRef) -> str:
+        started.set()
+        await asyncio.Event().wait()  # never answers
+        return ref.order_id
+
+    stop = asyncio.Event()
+    async with agent, Client(settings=as_user(secured, "client"), name="shopper") as client:
+
+        async def refuse_often() -> None:
+            while not stop.is_set():
+                await client.nc.publish("reach.hb.logistics-1", b"{}")  # not the client's
+                with contextlib.suppress(Unauthorized):
+                    await client.flush()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
+
+        noise: asyncio.Future[None] | None = None
+        try:
+            async with asyncio.timeout(20):  # only a guard against hanging
+                call = asyncio.ensure_future(
+                    client.request(
+                        "logistics.track", {"order_id": "A-7"}, agent_id="logistics-1", timeout=1
+                    )
+                )
+                await started.wait()
+                noise = asyncio.ensure_future(refuse_often())
+                with pytest.raises(RequestTimeout):
+                    await call
+        finally:
+            stop.set()
+            if noise is not None:
+                await noise
+        assert client.stats.permission_violations >= 1
 
 
 async def test_a_user_without_task_rights_cannot_submit(secured: NatsServer):

@@ -230,3 +230,25 @@ async def test_a_close_while_routing_starts_leaves_the_next_connection_a_live_ta
                 await client.request("ghost.do", {}, timeout=2, max_attempts=1)
             await kv.put("g-2", record("g-2"))
             await eventually(lambda: client.footprint()["table.records"] == 2)
+
+
+async def test_deadlines_of_ended_requests_are_dropped(settings):
+    """Requests' deadlines wait in one heap for the one timer: an ended request's stays
+    until it comes due or the heap is compacted, so thousands of requests keep it small,
+    and once nothing is pending the timer drops them all."""
+    from reach import Agent
+
+    agent = Agent("quick", "quick-1", settings=settings)
+
+    @agent.capability("quick.op")
+    async def op(req: dict) -> dict:
+        return req
+
+    async with agent, Client(settings=settings) as client:
+        sizes = []
+        for n in range(2000):
+            await client.request("quick.op", {"n": n}, agent_id="quick-1", timeout=0.05)
+            sizes.append(client.footprint()["deadlines"])
+        assert max(sizes) <= 2 * 1 + 64 + 1  # (pending at most one, plus the one sent)
+        await eventually(lambda: client.footprint()["deadlines"] == 0)
+        assert client.footprint()["pending"] == 0

@@ -80,6 +80,7 @@ async def test_direct_messages_arrive_as_nats_py_builds_them(nc: nats.NATS):
     assert {m.sid for m in direct} == {sub._id}
     assert sub.delivered == 2
     assert nc.stats["in_msgs"] == 4
+    assert nc.stats["in_bytes"] == 2 * len(b"one")
     # a status message (no one listens: 503) is read by nats-py, then handed over alike
     inbox = nc.new_inbox()
     await subscribe_direct(nc, inbox + ".*", direct.append)
@@ -204,6 +205,7 @@ async def test_publish_frames_as_nats_py_does(
         assert seen[0::2] == seen[1::2]
         assert seen[-1][3] == {"Reach-Caller": "a  b", "Reach-Request-Id": "r-1"}
         assert nc.stats["out_msgs"] == 2 * len(cases)
+        assert nc.stats["out_bytes"] == 2 * sum(len(case[1]) for case in cases)
     finally:
         await listener.close()
 
@@ -225,9 +227,10 @@ async def test_publish_keeps_order_and_leaves_to_nats_py_what_it_would_refuse(
         await nc.publish("order.a", b"1")  # held for the flusher's next turn
         assert publish(nc, "order.b", b"2", alone=True)  # written with it, after it
         assert nc._pending_data_size == 0
-        assert publish(nc, "order.c", b"3")  # held, for the flusher
-        await nc.flush()
+        assert publish(nc, "order.c", b"3")  # held, and nats-py's flusher kicked for it
+        assert nc._pending_data_size > 0
         await eventually(lambda: got == [b"1", b"2", b"3"])
+        assert nc._pending_data_size == 0
     finally:
         await listener.close()
     held = nc.stats["out_msgs"]
@@ -237,6 +240,12 @@ async def test_publish_keeps_order_and_leaves_to_nats_py_what_it_would_refuse(
     assert not publish(nc, "order.d", b"x" * (nc.max_payload + 1))
     nc._max_pending_size = 8  # nats-py would flush and wait first
     assert not publish(nc, "order.d", b"x" * 16)
+    nc._max_pending_size = 0
+    connected = nc._status
+    for status in (nc.DRAINING_SUBS, nc.DRAINING_PUBS, nc.RECONNECTING):
+        nc._status = status  # nats-py raises, or holds it for the next connection
+        assert not publish(nc, "order.d", b"x", alone=True)
+    nc._status = connected
     await nc.close()
     assert not publish(nc, "order.d", b"x", alone=True)
     assert nc.stats["out_msgs"] == held

@@ -315,3 +315,8 @@ async def test_each_request_times_out_at_its_own_deadline(reach_settings, reach_
         assert ended == [0.1, 0.7, 1.3]
         release.set()
         assert await reach_client.request("silent.op", {"n": 1}, agent_id="silent-1") == {"n": 1}
+        # nothing pending any more, then a request that gets no answer: timed out all the same
+        release.clear()
+        with pytest.raises(reach.RequestTimeout):
+            await ask(0.2)
+        assert ended[-1] == 0.2
