@@ -111,7 +111,9 @@ class Inbox:
         self.ignored = 0
 
     async def open(self, nc: NatsConnection) -> None:
-        self._disarm()  # (a timer set on another loop would never fire on this one)
+        # Requests still waiting on a previous connection (closed under the client) can
+        # never be answered on this new inbox; and a timer set on another loop never fires.
+        self._fail_pending("the connection closed while waiting for the answer")
         self.nc = nc
         self._prefix = f"_INBOX.{self._nuid.next().decode()}."
         self._permissions = permissions = permissions_of(nc)
@@ -191,19 +193,19 @@ class Inbox:
             self._sweeper.cancel()
         self._sweeper, self._sweep_at = loop.call_at(at, self._sweep), at
 
-    def _disarm(self) -> None:
-        """No timer and no deadlines: closed, or not yet open (nothing can be pending)."""
+    def _fail_pending(self, why: str) -> None:
+        """End every pending request with ConnectionFailed; no timer, no deadlines left."""
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._sweeper, self._sweep_at = None, _NEVER
         self._deadlines.clear()
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionFailed(why, url=self.url))
 
     async def close(self, *, unsubscribe: bool) -> None:
         """Fail every pending request; drop the subscription on a connection we keep."""
-        self._disarm()
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(ConnectionFailed("client closed", url=self.url))
+        self._fail_pending("client closed")
         sub, self._sub, self.nc = self._sub, None, None
         if self._permissions is not None:
             self._permissions.unlisten(self._on_violation)
@@ -248,7 +250,8 @@ class Inbox:
         deadlines = self._deadlines
         heapq.heappush(deadlines, (due, token))
         if len(deadlines) > 2 * len(self.pending) + 64:  # mostly ended attempts: drop them
-            self._deadlines = deadlines = [d for d in deadlines if d[1] in self.pending]
+            pending = self.pending
+            self._deadlines = deadlines = [d for d in deadlines if d[1] in pending]
             heapq.heapify(deadlines)
         if due < self._sweep_at:  # sooner than any other: the timer comes forward
             at = max(due, now + _SWEEP)

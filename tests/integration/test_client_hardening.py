@@ -12,6 +12,7 @@ from reach.errors import NotStarted, ReachError
 from reach.testing import eventually
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo
 from tests.integration.test_registry import fast_settings, wait_status
+from tests.integration.test_requests import listen_silently
 from tests.integration.test_resilience import gated
 
 
@@ -251,4 +252,69 @@ async def test_deadlines_of_ended_requests_are_dropped(settings):
             sizes.append(client.footprint()["deadlines"])
         assert max(sizes) <= 2 * 1 + 64 + 1  # (pending at most one, plus the one sent)
         await eventually(lambda: client.footprint()["deadlines"] == 0)
+        assert client.footprint()["pending"] == 0
+
+
+async def test_deadlines_of_pending_requests_survive_compaction(settings):
+    """Fifty requests wait for answers that never come while hundreds of quick ones end,
+    so the heap of deadlines is compacted under them: each still times out, never before
+    its deadline. (The listener never answers; an agent would answer "timeout" itself.)"""
+    import nats
+
+    from reach import Agent, RequestTimeout
+
+    agent = Agent("quick", "quick-1", settings=settings)
+
+    @agent.capability("quick.op")
+    async def op(req: dict) -> dict:
+        return req
+
+    async with agent, Client(settings=settings) as client:
+        listener = await nats.connect(settings.nats_url)
+        subject = client.subjects.agent("silent-1", "silent.op")
+        await listen_silently(listener, client.nc, subject)
+        loop = asyncio.get_running_loop()
+
+        async def silent(timeout: float) -> None:
+            sent = loop.time()
+            with pytest.raises(RequestTimeout):
+                await client.request("silent.op", {}, agent_id="silent-1", timeout=timeout)
+            assert loop.time() - sent >= timeout
+
+        try:
+            async with asyncio.timeout(30):  # only a guard against hanging
+                waiting = [asyncio.ensure_future(silent(0.5 + i / 50)) for i in range(50)]
+                await eventually(lambda: client.footprint()["pending"] == 50)
+                for n in range(300):
+                    await client.request("quick.op", {"n": n}, agent_id="quick-1")
+                assert client.footprint()["deadlines"] <= 2 * 51 + 64
+                await asyncio.gather(*waiting)
+        finally:
+            await listener.close()
+        await eventually(lambda: client.footprint()["deadlines"] == 0)
+
+
+async def test_a_request_pending_when_the_connection_is_replaced_is_failed(settings):
+    """Connecting again after the connection closed under the client (closed by its user,
+    or by nats-py) starts a new inbox: a request still waiting on the old one can never be
+    answered, so it fails at once instead of waiting forever."""
+    from reach import Agent, ConnectionFailed
+
+    agent = Agent("stuck", "stuck-1", settings=settings)
+
+    @agent.capability("stuck.op")
+    async def op(req: dict) -> dict:
+        await asyncio.Event().wait()
+        return req
+
+    async with agent, Client(settings=settings) as client:
+        waiting = asyncio.ensure_future(
+            client.request("stuck.op", {}, agent_id="stuck-1", timeout=0.5)
+        )
+        await eventually(lambda: client.footprint()["pending"] == 1)
+        await client.nc.close()
+        await client.connect()
+        async with asyncio.timeout(10):  # only a guard against hanging
+            with pytest.raises(ConnectionFailed, match="closed while waiting"):
+                await waiting
         assert client.footprint()["pending"] == 0
