@@ -298,23 +298,24 @@ async def test_a_request_pending_when_the_connection_is_replaced_is_failed(setti
     """Connecting again after the connection closed under the client (closed by its user,
     or by nats-py) starts a new inbox: a request still waiting on the old one can never be
     answered, so it fails at once instead of waiting forever."""
-    from reach import Agent, ConnectionFailed
+    import nats
 
-    agent = Agent("stuck", "stuck-1", settings=settings)
+    from reach import ConnectionFailed
 
-    @agent.capability("stuck.op")
-    async def op(req: dict) -> dict:
-        await asyncio.Event().wait()
-        return req
-
-    async with agent, Client(settings=settings) as client:
-        waiting = asyncio.ensure_future(
-            client.request("stuck.op", {}, agent_id="stuck-1", timeout=0.5)
-        )
-        await eventually(lambda: client.footprint()["pending"] == 1)
-        await client.nc.close()
-        await client.connect()
-        async with asyncio.timeout(10):  # only a guard against hanging
-            with pytest.raises(ConnectionFailed, match="closed while waiting"):
-                await waiting
-        assert client.footprint()["pending"] == 0
+    async with Client(settings=settings) as client:
+        listener = await nats.connect(settings.nats_url)
+        try:
+            subject = client.subjects.agent("stuck-1", "stuck.op")
+            await listen_silently(listener, client.nc, subject)
+            waiting = asyncio.ensure_future(
+                client.request("stuck.op", {}, agent_id="stuck-1", timeout=60)
+            )
+            await eventually(lambda: client.footprint()["pending"] == 1)
+            await client.nc.close()
+            await client.connect()
+            async with asyncio.timeout(10):  # only a guard against hanging
+                with pytest.raises(ConnectionFailed, match="closed while waiting"):
+                    await waiting
+            assert client.footprint()["pending"] == 0
+        finally:
+            await listener.close()
