@@ -27,7 +27,7 @@ def children(pid: int) -> set[int]:
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             found |= {int(c) for c in (task / "children").read_text().split()}
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return set()
     return {c for c in found if alive(c)}
 
@@ -47,7 +47,7 @@ def sockets_of(pid: int) -> set[int]:
     """Inodes of the sockets process ``pid`` holds open."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             target = os.readlink(fd)
             if target.startswith("socket:["):
                 inodes.add(int(target[8:-1]))
@@ -57,7 +57,7 @@ def sockets_of(pid: int) -> set[int]:
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped as it was read
         return False
     return state != "Z"  # a zombie has exited
 
