@@ -46,6 +46,7 @@ __all__ = [
     "Deliver",
     "DirectQueue",
     "publish",
+    "publish_by_nats",
     "read_headers",
     "subscribe_direct",
     "write_through",
@@ -261,6 +262,22 @@ def publish(
     if alone:
         write_through(nc)
     return True
+
+
+async def publish_by_nats(
+    nc: NatsConnection,
+    subject: str,
+    payload: bytes,
+    reply: str,
+    headers: dict[str, str] | None,
+    *,
+    alone: bool,
+) -> None:
+    """What a caller does when ``publish`` returns False: nats-py's own publish (which
+    checks, waits or raises), then, ``alone``, ``write_through``."""
+    await nc.publish(subject, payload, reply=reply, headers=headers)
+    if alone:
+        write_through(nc)
 
 
 def _unsafe(subject: str) -> bool:

@@ -20,7 +20,7 @@ import msgspec
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
-from .._delivery import publish, write_through
+from .._delivery import publish, publish_by_nats
 from .._nats import HEADROOM, TRANSIENT, NatsConnection, fits
 from .._owner import TaskOwner
 from .._telemetry import LOG_AGENT, LOG_WORK
@@ -255,9 +255,7 @@ class Workers(Answers):
             # nothing else accepted, so nothing to batch with: out now
             alone = self.outstanding == 1
             if not publish(nc, msg.reply, body, cap.direct, headers, alone=alone):
-                await nc.publish(msg.reply, body, reply=cap.direct, headers=headers)
-                if alone:
-                    write_through(nc)
+                await publish_by_nats(nc, msg.reply, body, cap.direct, headers, alone=alone)
         except TRANSIENT as exc:
             if len(body) > nc.max_payload:
                 await self._failed(job, "failed", f"result of {len(body)} bytes is too large")

@@ -17,7 +17,7 @@ from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
 from .._codec import decoder_for, error_from_reply
-from .._delivery import publish, subscribe_direct, write_through
+from .._delivery import publish, publish_by_nats, subscribe_direct
 from .._nats import (
     CONNECTION_LOST,
     HEADROOM,
@@ -88,7 +88,7 @@ class Inbox:
     """Replies for one connection. The reply subject, less ``_INBOX.``, is the request id,
     so a request needs no Reach-Request-Id header (each header costs a parse on both sides);
     the inbox is unique per connection, so a counter makes it unique per request.
-    Deadlines are kept per request and swept by one timer while requests are pending."""
+    Deadlines wait in a heap for one timer, set for the soonest."""
 
     def __init__(self, url: str, agent_prefix: str) -> None:
         self.url = url
@@ -98,7 +98,6 @@ class Inbox:
         #: ended stays until it comes due or the heap is compacted
         self._deadlines: list[tuple[float, str]] = []
         self._sweeper: asyncio.TimerHandle | None = None
-        self._sweep_at = _NEVER  # when the timer is set for
         self._agent_subjects = agent_prefix
         self._prefix = ""
         self._seq = 0
@@ -174,7 +173,7 @@ class Inbox:
 
     def _sweep(self) -> None:
         """Time out what is due, and set the timer for the soonest deadline left."""
-        self._sweeper, self._sweep_at = None, _NEVER
+        self._sweeper = None
         pending, deadlines = self.pending, self._deadlines
         if not pending:
             deadlines.clear()  # all ended: nothing to wake up for
@@ -191,13 +190,13 @@ class Inbox:
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        self._sweeper, self._sweep_at = loop.call_at(at, self._sweep), at
+        self._sweeper = loop.call_at(at, self._sweep)
 
     def _fail_pending(self, why: str) -> None:
         """End every pending request with ConnectionFailed; no timer, no deadlines left."""
         if self._sweeper is not None:
             self._sweeper.cancel()
-        self._sweeper, self._sweep_at = None, _NEVER
+            self._sweeper = None
         self._deadlines.clear()
         for fut in self.pending.values():
             if not fut.done():
@@ -253,9 +252,11 @@ class Inbox:
             pending = self.pending
             self._deadlines = deadlines = [d for d in deadlines if d[1] in pending]
             heapq.heapify(deadlines)
-        if due < self._sweep_at:  # sooner than any other: the timer comes forward
+        sweeper = self._sweeper
+        set_for = _NEVER if sweeper is None else sweeper.when()
+        if due < set_for:  # sooner than any other: the timer comes forward
             at = max(due, now + _SWEEP)
-            if at < self._sweep_at:
+            if at < set_for:
                 self._arm(loop, at)
         started = time.perf_counter()
         reconnects = nc.stats["reconnects"]
@@ -263,9 +264,7 @@ class Inbox:
             # alone: nothing to send with it, so out now, not on nats-py's next turn
             alone = len(self.pending) == 1
             if not publish(nc, subject, call.data, reply_to, headers, alone=alone):
-                await nc.publish(subject, call.data, reply=reply_to, headers=headers)
-                if alone:
-                    write_through(nc)
+                await publish_by_nats(nc, subject, call.data, reply_to, headers, alone=alone)
             msg = await fut
         except TimeoutError:
             if not nc.is_connected:
