@@ -179,20 +179,29 @@ async def _supervise(
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
 
     def command(index: int) -> list[str]:
-        argv = [sys.executable, "-m", "reach.cli", "gateway", "--workers", "1"]
-        if args.url:
-            argv += ["--url", args.url]
-        if args.access_log:
-            argv.append("--access-log")
-        if metrics_port is not None:  # one port each: P, P+1, ... (0: any)
-            argv += ["--metrics-port", str(metrics_port + index if metrics_port else 0)]
-        return argv
+        return _worker_argv(args, gateway.host, port, metrics_port, index)
 
     extra = f", {gateway.workers} workers"
     if metrics_port:
         extra += f", metrics on ports {metrics_port}-{metrics_port + gateway.workers - 1}"
     supervisor = Supervisor(command, sockets, rebind, grace=gateway.shutdown_grace)
     return await supervisor.run(lambda: _banner(host, port, settings.nats_url, gateway, extra))
+
+
+def _worker_argv(
+    args: argparse.Namespace, host: str, port: int, metrics_port: int | None, index: int
+) -> list[str]:
+    """Worker ``index``'s command line: the supervisor's host and bound port (its Host
+    guard and banner go by them), URL, access log, and a metrics port of its own."""
+    argv = [sys.executable, "-m", "reach.cli", "gateway", "--workers", "1"]
+    argv += ["--host", host, "--port", str(port)]
+    if args.url:
+        argv += ["--url", args.url]
+    if args.access_log:
+        argv.append("--access-log")
+    if metrics_port is not None:  # one port each: P, P+1, ... (0: any)
+        argv += ["--metrics-port", str(metrics_port + index if metrics_port else 0)]
+    return argv
 
 
 def add_gateway_commands(

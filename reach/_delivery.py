@@ -119,9 +119,17 @@ async def subscribe_direct(
     sub._pending_queue = direct  # type: ignore[assignment]
     while not pending.empty():  # nothing can have come yet; should it have, it goes first
         direct.put_nowait(pending.get_nowait())
-    if not getattr(nc._process_msg, "reads_direct", False):
+    if _readable(nc, sub) and not getattr(nc._process_msg, "reads_direct", False):
         nc._process_msg = _read_messages(nc)  # type: ignore[method-assign,assignment]
     return sub
+
+
+def _readable(nc: NatsConnection, sub: Subscription) -> bool:
+    """Whether nats-py has what ``_read_messages`` uses; else nats-py reads on, and hands
+    each message to the ``DirectQueue``."""
+    return all(hasattr(nc, a) for a in ("_process_msg", "_subs", "msg_class", "stats")) and all(
+        hasattr(sub, a) for a in ("_received", "_max_msgs")
+    )
 
 
 _HEADER_LINE = b"NATS/1.0\r\n"  # a header block without a status (a status has a code)
@@ -248,9 +256,11 @@ def publish(
     else:
         frame = b"".join((f"PUB {subject} {reply} {len(payload)}\r\n".encode(), payload, b"\r\n"))
     held = nc._pending_data_size
-    if alone and not held and not queue.qsize() and _write(writer.transport, frame):
-        _count(nc, payload)
-        return True
+    if alone and not held and not queue.qsize():
+        if _write(writer.transport, frame):
+            _count(nc, payload)
+            return True
+        alone = False  # the socket is behind or closing: the flusher's, not ours
     limit = nc._max_pending_size
     if limit > 0 and held + len(frame) > limit:
         return False  # nats-py flushes and waits first: its back-pressure

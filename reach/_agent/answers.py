@@ -99,12 +99,18 @@ class Answers:
         self, msg: Any, code: str, message: str, *, status: int = 500, retryable: bool = False
     ) -> None:
         """Answer ``msg`` with an error (best effort: a lost reply is logged)."""
-        if not msg.reply:
+        await self.send_error(msg.reply, code, message, status=status, retryable=retryable)
+
+    async def send_error(
+        self, reply: str, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        """Send an error to the reply subject ``reply`` (nothing when there is none)."""
+        if not reply:
             return
         body, headers = error_reply(
             code, message, self.agent_id, status=status, retryable=retryable
         )
         try:
-            await self._nc.publish(msg.reply, body, headers=headers)
+            await self._nc.publish(reply, body, headers=headers)
         except TRANSIENT as exc:
             log.warning("agent %s: error reply lost: %s", self.agent_id, exc)

@@ -46,7 +46,8 @@ class Intake:
         self.accepting = False
         #: owns the task that sends refusals, until the subscriptions are gone (``close``)
         self.refusals = TaskOwner(f"agent {agent_id} refusals")
-        self._outbox: deque[tuple[Msg, str, str]] = deque()
+        #: (reply subject, code, message): not the request, whose payload may be large
+        self._outbox: deque[tuple[str, str, str]] = deque()
         self._outbox_max = _OUTBOX_MAX
         self._sender: asyncio.Task[None] | None = None
 
@@ -74,18 +75,19 @@ class Intake:
         if self.refusals.closed or len(self._outbox) >= self._outbox_max:
             self.stats.unsent_refusals += 1  # (closed: stopped with the connection down)
             return
-        self._outbox.append((msg, code, message))
+        self._outbox.append((msg.reply, code, message))
         if self._sender is None or self._sender.done():
             self._sender = self.refusals.spawn(self._send_refusals(), "refusals")
 
     async def _send_refusals(self) -> None:
-        outbox, reply_error = self._outbox, self.workers.reply_error
+        outbox, send_error = self._outbox, self.workers.send_error
         while outbox:
-            await reply_error(*outbox.popleft())
+            await send_error(*outbox.popleft())
 
     async def close(self) -> None:
         """Once nothing is delivered any more: let the refusals on their way go out."""
-        await self.refusals.finish(_REFUSALS_GRACE)
+        if await self.refusals.finish(_REFUSALS_GRACE):
+            log.warning("agent %s: the refusals' sender did not end", self.agent_id)
         left = len(self._outbox)  # (one cut mid-send is not counted)
         if left:
             self.stats.unsent_refusals += left

@@ -231,3 +231,19 @@ async def test_a_worker_that_cannot_start_fails_the_command(reach_settings: Reac
     assert "cannot reach NATS" in text
     assert "# gateway on" not in text
     assert "failed before serving" in text
+
+
+def test_workers_are_given_the_host_and_port_the_supervisor_bound():
+    """A worker's Host guard and banner go by its settings: it must be told the host
+    given to the supervisor (``--host``) and the port bound (0 becomes a real one)."""
+    import argparse
+
+    from reach._cli_gateway import _worker_argv
+
+    args = argparse.Namespace(url="nats://127.0.0.1:4222", access_log=True)
+    argv = _worker_argv(args, "::1", 8123, 9100, 2)
+    assert argv[argv.index("--host") + 1] == "::1"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--metrics-port") + 1] == "9102"
+    assert argv[argv.index("--url") + 1] == "nats://127.0.0.1:4222"
+    assert "--access-log" in argv

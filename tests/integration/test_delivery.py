@@ -356,6 +356,8 @@ async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
                 intake._refuse(msg, "resource_exhausted", "full")
             assert len(intake.refusals) == 1  # one sender, not a task per refusal
             assert agent.stats.unsent_refusals == 100
+            # what waits is where to answer, not the requests (a flood's payloads)
+            assert not any(isinstance(part, nats.aio.msg.Msg) for e in intake._outbox for part in e)
             await eventually(lambda: len(got) == bound)
             assert set(got) == {"429"}
     finally:
