@@ -1,6 +1,13 @@
 """One request's life: check the arguments, then attempts with failover, backoff and
 hedging until an answer, a final error or the deadline. Each attempt is reported to the
-router with its true outcome; a cancelled one ("cancelled") teaches it nothing."""
+router with its true outcome; a cancelled one ("cancelled") teaches it nothing.
+
+The rule for time: the first attempt gets the caller's whole deadline. A timeout is not
+proof that the instance failed (the handler may still be running), so a timed-out attempt
+is retried only when the caller says the work may run twice (``idempotent``), and only on
+another instance, never through the queue group. Only then may an attempt be cut short,
+to leave a faster live instance the time to answer. Fast failures (no responders, a
+refusal, an open circuit, a lost connection) fail over at once."""
 
 from __future__ import annotations
 
@@ -18,7 +25,6 @@ from .._routing import (
     Policy,
     Router,
     TableView,
-    attempt_budget,
     backoff_delay,
 )
 from .._subjects import Subjects, validate_agent_id, validate_capability
@@ -103,6 +109,7 @@ class Requester:
         affinity_key: str | None,
         hedge: bool,
         max_attempts: int | None,
+        idempotent: bool = False,
     ) -> Reply:
         router = self.router
         table = None
@@ -175,7 +182,9 @@ class Requester:
             cells.inflight += 1
         outcome = "error"
         try:
-            reply = await self._attempts(call, policy, agent_id, base, limit, deadline, wait, hedge)
+            reply = await self._attempts(
+                call, policy, agent_id, base, limit, deadline, wait, hedge, idempotent
+            )
             outcome = "ok"
             return reply
         except RemoteError as exc:
@@ -200,8 +209,10 @@ class Requester:
         deadline: float,
         wait: float,
         hedge: bool,
+        idempotent: bool,
     ) -> Reply:
-        """Attempt after attempt, within the deadline and the retry budget."""
+        """Attempt after attempt, within the deadline and the retry budget (the module
+        docstring has the rule for timeouts)."""
         router = self.router
         loop = asyncio.get_running_loop()
         capability, table, prio, affinity_key = (
@@ -246,10 +257,30 @@ class Requester:
                     loop.time(),
                 )
                 target, probe = choice.agent_id, choice.probe
+            if (
+                last is not None
+                and last.outcome == "timeout"
+                and (target is None or target in tried)
+            ):
+                # the only other way is the queue group or an instance that timed out: it
+                # may be the same one, still running the work
+                if probe and target is not None:
+                    router.release_probe(target)
+                router.request_done(capability, False, loop.time())
+                if len(attempts) > 1:
+                    raise exhausted(capability, attempts, last, wait)
+                last.attempts = attempts
+                raise last
             if n > 1 and cells is not None and target != previous:
                 cells.failovers += 1
             headers = base if n == 1 else {**base, Header.ATTEMPT: str(n)}
-            budget = attempt_budget(remaining, limit - n + 1)
+            budget = remaining
+            if idempotent and n < limit and target is not None and table is not None:
+                keep = router.reserve(
+                    table, capability, call.version, call.tags, prio, target, tried, loop.time()
+                )
+                if 0 < keep <= remaining / 2:
+                    budget = remaining - keep
             started = loop.time()
             try:
                 if hedge and policy is not Policy.DIRECT and target is not None:
@@ -265,9 +296,14 @@ class Requester:
                 if target is not None:
                     tried.append(target)
                 last = exc
-                if outcome not in FAILOVER or policy is Policy.DIRECT:
+                final = outcome not in FAILOVER or policy is Policy.DIRECT
+                if outcome == "timeout" and (not idempotent or target is None):
+                    final = True  # the work may still be running: never run it twice unasked
+                if final:
                     if outcome in FAILOVER and outcome not in NOT_COUNTED:
                         router.request_done(capability, False, loop.time())
+                    if len(attempts) > 1:
+                        raise exhausted(capability, attempts, last, wait) from exc
                     exc.attempts = attempts
                     raise
                 if target is None and outcome == "no_responders":
@@ -277,9 +313,10 @@ class Requester:
                         exc.attempts = attempts
                         raise
                     break
-                if outcome not in NOT_COUNTED and n < limit:
-                    # Busy or slow: back off (full jitter) before the next instance, within
-                    # the deadline. A vanished instance, or a lost answer, goes on at once.
+                if outcome not in NOT_COUNTED and outcome != "timeout" and n < limit:
+                    # Busy: back off (full jitter) before the next instance, within the
+                    # deadline. A vanished instance, a lost answer or a timed-out one (the
+                    # deadline's share is spent already) goes on at once.
                     pause = backoff_delay(n, router.rng, base=self.retry_base, cap=self.retry_cap)
                     pause = min(pause, max(0.0, deadline - loop.time() - 0.001))
                     if pause > 0:

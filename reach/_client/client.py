@@ -294,6 +294,7 @@ class Client(DurableTasks, ConfigWrites):
         affinity_key: str | None = None,
         hedge: bool = False,
         max_attempts: int | None = None,
+        idempotent: bool = False,
     ) -> Any:
         """Call ``capability`` and return the decoded answer; errors raise ``ReachError``s."""
         reply = await self._requests.call(
@@ -310,6 +311,7 @@ class Client(DurableTasks, ConfigWrites):
             affinity_key=affinity_key,
             hedge=hedge,
             max_attempts=max_attempts,
+            idempotent=idempotent,
         )
         return reply.value
 
@@ -329,6 +331,7 @@ class Client(DurableTasks, ConfigWrites):
         affinity_key: str | None = None,
         hedge: bool = False,
         max_attempts: int | None = None,
+        idempotent: bool = False,
     ) -> Reply:
         """Like :meth:`request` but returns the :class:`Reply` (who answered, latency).
 
@@ -337,9 +340,14 @@ class Client(DurableTasks, ConfigWrites):
         Otherwise ``routing`` (default: the client's, ``balanced``) picks among live
         instances in the routing table (UP; DEGRADED too unless priority is high) that offer
         the capability in the same major ``version`` with all ``required_tags``; with no
-        instance of it in the table at all, the NATS queue group chooses. An attempt that
-        finds nobody, a full queue, an open circuit or no answer in its share of the time
-        moves to another instance while the deadline and the retry budget last;
+        instance of it in the table at all, the NATS queue group chooses.
+
+        Time: ``timeout`` (default ``REACH_TIMEOUT_MS``) is the whole deadline, and the
+        first attempt gets all of it. An attempt that finds nobody, a full queue, an open
+        circuit or a lost connection moves to another instance at once, while the deadline
+        and the retry budget last. A timed-out attempt may still be running, so it is
+        retried only with ``idempotent=True``, and only on another instance (then an
+        attempt may be cut short to leave a faster live instance time to answer).
         ``failed`` and ``bad_request`` are never retried. ``hedge=True`` sends one
         duplicate to a second instance after the capability's p95 latency.
         """
@@ -357,6 +365,7 @@ class Client(DurableTasks, ConfigWrites):
             affinity_key=affinity_key,
             hedge=hedge,
             max_attempts=max_attempts,
+            idempotent=idempotent,
         )
 
     # -- broadcast ---------------------------------------------------------------------

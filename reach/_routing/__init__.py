@@ -25,7 +25,6 @@ from .resilience import (
     PeakEwma,
     RetryBudget,
     TokenBucket,
-    attempt_budget,
     backoff_delay,
 )
 from .router import Router
@@ -45,7 +44,6 @@ __all__ = [
     "TableView",
     "TokenBucket",
     "Weights",
-    "attempt_budget",
     "backoff_delay",
     "balanced_cost",
     "clamp_latency",

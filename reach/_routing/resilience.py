@@ -1,5 +1,5 @@
 """Pure reliability machinery: backoff, retry budget, circuit breakers, token buckets,
-peak-EWMA latency and deadline arithmetic. No I/O and no event loop: time is passed in."""
+and peak-EWMA latency. No I/O and no event loop: time is passed in."""
 
 from __future__ import annotations
 
@@ -17,16 +17,6 @@ def backoff_delay(
     if attempt < 1:
         return 0.0
     return rng.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
-
-
-def attempt_budget(remaining: float, attempts_left: int) -> float:
-    """Time one attempt may take so that the ones after it still fit in the deadline;
-    the last attempt gets everything left."""
-    if remaining <= 0:
-        return 0.0
-    if attempts_left <= 1:
-        return remaining
-    return remaining / attempts_left
 
 
 class RetryBudget:
@@ -158,6 +148,11 @@ class CircuitBreaker:
         self._early = False
         self.state = BreakerState.HALF_OPEN
         self._probing = True
+
+    def give_back(self) -> None:
+        """The probe slot was taken but nothing was sent: it is free again."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probing = False
 
     def release(self, now: float) -> None:
         """The probe ended without an outcome for the breaker (nobody listened, the

@@ -33,6 +33,7 @@ from .resilience import (
 
 _MAX_AFFINITY = 100_000  # remembered sessions per client
 _MAX_ABSENT = 10_000  # instances remembered as not listening
+_MIN_RESERVE = 0.25  # seconds kept for a retry elsewhere, at least: a busy machine's round trip
 
 
 class Router:
@@ -195,6 +196,34 @@ class Router:
 
         return take(two_choices(pool, self.rng, cost), now)
 
+    def reserve(
+        self,
+        table: TableView,
+        capability: str,
+        version: str | None,
+        tags: tuple[str, ...],
+        priority: Priority,
+        target: str,
+        tried: Sequence[str],
+        now: float,
+    ) -> float:
+        """Seconds to keep back from an attempt on ``target`` for a retry elsewhere: the
+        time another usable instance, known to answer faster than ``target``, typically
+        takes, three times over and at least ``_MIN_RESERVE`` (0.0 when there is none, or
+        either latency is unknown).
+        Only a caller whose work may run twice cuts an attempt short for it."""
+        mine = self.ewma.get(target)
+        if mine is None or not table.offers(capability):
+            return 0.0
+        best: float | None = None
+        for other in self._usable(table.eligible_ids(capability, version, tags, priority), (), now):
+            if other == target or other in tried or other in self.absent:
+                continue
+            ewma = self.ewma.get(other)
+            if ewma is not None and ewma.value < mine.value and (best is None or ewma.value < best):
+                best = ewma.value
+        return 0.0 if best is None else max(3 * best / 1000, _MIN_RESERVE)
+
     def _usable(self, ids: list[str], tried: Sequence[str], now: float) -> list[str]:
         """Instances whose breaker lets traffic through, untried ones first, never the one
         tried last."""
@@ -223,6 +252,12 @@ class Router:
             ):
                 best, opened = i, breaker.opened_at
         return best
+
+    def release_probe(self, agent_id: str) -> None:
+        """A probe slot taken by ``choose`` but never sent: free it, learning nothing."""
+        breaker = self.instance_breakers.get(agent_id)
+        if breaker is not None:
+            breaker.give_back()
 
     def renewed(self, agent_id: str) -> None:
         """The instance's record was written again (a heartbeat, a new registration): it

@@ -17,7 +17,6 @@ from reach._routing import (
     Router,
     TokenBucket,
     Weights,
-    attempt_budget,
     backoff_delay,
     balanced_cost,
     normalised,
@@ -77,11 +76,34 @@ def test_backoff_grows_then_caps():
     assert backoff_delay(0, rng) == 0.0
 
 
-def test_attempt_budget_leaves_room_for_later_attempts():
-    assert attempt_budget(3.0, 3) == pytest.approx(1.0)
-    assert attempt_budget(3.0, 1) == 3.0
-    assert attempt_budget(0.0, 3) == 0.0
-    assert attempt_budget(-1.0, 2) == 0.0
+def test_reserve_is_kept_only_for_a_live_instance_known_to_be_faster():
+    router = Router()
+    table = table_of(rec("slow"), rec("fast"), rec("unknown"))
+    args = (table, "work.do", None, (), Priority.NORMAL)
+    assert router.reserve(*args, "slow", (), 0.0) == 0.0  # nothing is known yet
+    for agent_id, ms in (("slow", 900.0), ("fast", 100.0)):
+        router.started(agent_id)
+        router.finished(agent_id, "work.do", "ok", ms, 0.0)
+    assert router.reserve(*args, "slow", (), 0.0) == pytest.approx(0.3)  # 3 x 100 ms
+    router.started("fast")
+    router.finished("fast", "work.do", "ok", 1.0, 10.0)  # decays towards 1 ms
+    assert router.reserve(*args, "slow", (), 10.0) == pytest.approx(0.25)  # the floor
+    assert router.reserve(*args, "fast", (), 0.0) == 0.0  # nobody faster than it
+    assert router.reserve(*args, "unknown", (), 0.0) == 0.0  # its own latency unknown
+    assert router.reserve(*args, "slow", ("fast",), 0.0) == 0.0  # tried already
+    router.absent["fast"] = 0.0
+    assert router.reserve(*args, "slow", (), 0.0) == 0.0  # nobody listens there
+
+
+def test_a_probe_slot_given_back_is_free_again():
+    breaker = CircuitBreaker(window=4, min_volume=1, threshold=0.5, cooldown=1.0)
+    breaker.failure(0.0)
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.allow(2.0)  # half-open: the probe slot taken
+    assert not breaker.would_allow(2.0)
+    breaker.give_back()
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow(2.0)
 
 
 # -- retry budget --------------------------------------------------------------------------
