@@ -112,11 +112,16 @@ class Requester:
         idempotent: bool = False,
     ) -> Reply:
         router = self.router
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        wait = self.default_timeout if timeout is None else timeout
+        if wait <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
         table = None
         if agent_id is None:
             table = self.table
             if table is None:
-                table = await self._start_table()
+                table = await self._first_table(wait)
         capability = router.resolve(capability)
         self.check_capability(capability)
         prio = _PRIORITIES.get(priority)
@@ -134,15 +139,11 @@ class Requester:
                 raise ConfigurationError(
                     f"routing {routing!r} is invalid; use balanced, scored, queue or affinity"
                 ) from None
-        wait = self.default_timeout if timeout is None else timeout
-        if wait <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout}")
         if request_id and len(request_id) > MAX_REQUEST_ID:
             raise ConfigurationError(
                 f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID}"
             )
         data = encode_payload(payload)  # before admit: once admitted, only the try below
-        loop = asyncio.get_running_loop()
         now = loop.time()
         cells = self.metrics.cap(capability) if self.metrics is not None else None
         refused, probe = router.admit_call(capability, now)
@@ -156,9 +157,9 @@ class Requester:
                 + ("rate limit reached" if refused == "resource_exhausted" else "circuit open"),
                 capability=capability,
             )
-        deadline = now + wait
+        deadline = began + wait  # the routing table's first start came out of it
         limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
-        base = {Header.DEADLINE: str(now_ms() + int(wait * 1000))}
+        base = {Header.DEADLINE: str(now_ms() + int((deadline - now) * 1000))}
         if prio is not Priority.NORMAL:
             base[Header.PRIORITY] = prio.value
         if self.name:
@@ -198,6 +199,15 @@ class Requester:
                 router.call_ended(capability, outcome, loop.time())
             if cells is not None:
                 cells.finished(policy.value, outcome, loop.time() - now)
+
+    async def _first_table(self, wait: float) -> TableView | None:
+        """The routing table, started on first use within the caller's deadline; None (the
+        queue group) if it is not ready by then: its start goes on for later calls."""
+        try:
+            async with asyncio.timeout(wait):
+                return await self._start_table()
+        except TimeoutError:
+            return None
 
     async def _attempts(
         self,

@@ -16,7 +16,7 @@ from typing import Any, Self
 
 from nats.aio.client import Client as NatsConnection
 
-from .._nats import TRANSIENT, connect_nats, flush_nats, permissions_of
+from .._nats import close_nats, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
 from .._subjects import MAX_NAME, Subjects
 from .._tasks import Tasks
@@ -256,17 +256,8 @@ class Client(DurableTasks, ConfigWrites):
         self._requests.table = None
         nc, self._nc = self._nc, None
         await self._inbox.close(unsubscribe=not self._owns_nc)
-        if nc is not None and self._owns_nc and not nc.is_closed:
-            try:
-                await nc.drain()
-            except TRANSIENT as exc:
-                log.debug("drain on close failed: %s", exc)
-                try:
-                    # nats-py writes what it buffered while reconnecting to the dead socket
-                    # (ConnectionResetError) after it already marked itself closed
-                    await nc.close()
-                except TRANSIENT as exc2:
-                    log.debug("close after a lost connection: %s", exc2)
+        if nc is not None and self._owns_nc:
+            await close_nats(nc)
 
     async def __aenter__(self) -> Self:
         return await self.connect()
