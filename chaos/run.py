@@ -1,9 +1,12 @@
 """Run the chaos scenarios, print one line each, write a Markdown report.
 
-    python -m chaos.run [--short] [--only NAME ...] [--report PATH]
+    python -m chaos.run [--short] [--only NAME ...] [--repeat N] [--report PATH]
 
 ``--short`` (``make chaos-short``) runs each scenario with less load and shorter phases.
-Exit status 1 if any scenario failed.
+Each scenario has a hard deadline (``--deadline``; 300 s short, 900 s full): past it, it
+FAILs with a line naming where every task of the run was waiting, and is cancelled. A
+scenario that does not stop within 30 s of that ends the run (exit status 2), so a hang
+never eats CI's time. Exit status 1 if any scenario failed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 import tempfile
 import time
@@ -33,14 +37,55 @@ SCENARIOS = [
 ]
 
 
-async def run_one(name: str, short: bool, work: Path) -> Result:
+#: seconds a cancelled scenario has to stop (its own cleanup: agents, servers)
+STOP_GRACE = 30.0
+
+
+def waiting_in(skip: asyncio.Task[object] | None) -> str:
+    """Where each unfinished task of the run waits: its innermost frame in our code."""
+    places = []
+    for task in asyncio.all_tasks():
+        if task is skip or task.done():
+            continue
+        frames = [
+            f
+            for f in task.get_stack()
+            if "/chaos/" in f.f_code.co_filename or "/reach/" in f.f_code.co_filename
+        ]
+        if frames:
+            f = frames[-1]
+            where = Path(f.f_code.co_filename)
+            places.append(f"{where.parent.name}/{where.name}:{f.f_lineno} {f.f_code.co_name}")
+    return "; ".join(sorted(set(places))) or "no task of ours"
+
+
+async def run_one(name: str, short: bool, work: Path, deadline: float) -> Result:
     module = importlib.import_module(f"chaos.scenarios.{name}")
     started = time.monotonic()
-    try:
-        result: Result = await module.run(work / name, short)
-    except Exception:
+    task = asyncio.ensure_future(module.run(work / name, short))
+    done, _ = await asyncio.wait({task}, timeout=deadline)
+    if task in done:
+        try:
+            result: Result = task.result()
+        except Exception:
+            result = Result(name)
+            result.check("ran to the end", False, traceback.format_exc(limit=5))
+    else:
+        where = waiting_in(asyncio.current_task())
+        task.cancel()
+        stopped, _ = await asyncio.wait({task}, timeout=STOP_GRACE)
         result = Result(name)
-        result.check("ran to the end", False, traceback.format_exc(limit=5))
+        result.check(
+            f"ended within its deadline of {deadline:.0f} s", False, f"waiting in: {where}"
+        )
+        if not stopped:
+            result.check(f"stopped within {STOP_GRACE:.0f} s of being cancelled", False)
+            result.notes.append(f"took {time.monotonic() - started:.1f} s")
+            print(result.line(), flush=True)
+            for note in result.notes:
+                print(f"    {note}", flush=True)
+            print(f"chaos: {name} did not stop; ending the run", flush=True)
+            os._exit(2)  # its tasks will not end: nothing else can run in this loop
     result.notes.append(f"took {time.monotonic() - started:.1f} s")
     return result
 
@@ -68,11 +113,11 @@ def report(results: list[Result], short: bool) -> str:
     return "\n".join(lines)
 
 
-async def main_async(names: list[str], short: bool) -> list[Result]:
+async def main_async(names: list[str], short: bool, deadline: float) -> list[Result]:
     results = []
     with tempfile.TemporaryDirectory(prefix="reach-chaos-") as tmp:
-        for name in names:
-            result = await run_one(name, short, Path(tmp))
+        for i, name in enumerate(names):
+            result = await run_one(name, short, Path(tmp) / str(i), deadline)
             print(result.line(), flush=True)
             for note in result.notes:
                 print(f"    {note}", flush=True)
@@ -84,13 +129,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="run each scenario N times")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds per scenario")
     parser.add_argument("--report", type=Path, default=Path(__file__).with_name("REPORT.md"))
     args = parser.parse_args()
-    names = args.only or SCENARIOS
+    names = [n for n in (args.only or SCENARIOS) for _ in range(max(1, args.repeat))]
+    deadline = args.deadline or (300.0 if args.short else 900.0)
     unknown = set(names) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
-    results = asyncio.run(main_async(names, args.short))
+    results = asyncio.run(main_async(names, args.short, deadline))
     args.report.write_text(report(results, args.short))
     print(f"report: {args.report}")
     return 0 if all(r.passed for r in results) else 1
