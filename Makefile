@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) sdk/examples/demo.py
+	$(VENV)/bin/reach demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check reach services sdk tests bench chaos

@@ -18,7 +18,8 @@ import nats.errors
 from ._client import Client
 from ._cluster import NatsCluster
 from ._runtime import run_async
-from ._server import NatsServer, config_with_store
+from ._server import SHIPPED_CONFIG, NatsServer, config_with_store
+from .errors import ConfigurationError
 from .settings import ReachSettings
 
 __all__ = ["up"]
@@ -65,12 +66,17 @@ def _stop_registry(registry: subprocess.Popen[bytes] | None) -> None:
         registry.wait()
 
 
-def _config(args: argparse.Namespace) -> str | None:
-    """``--config``, else ``./nats-server.conf`` when there is one, else none."""
-    config: str | None = args.config
-    if config is None and Path("nats-server.conf").is_file():
-        config = "nats-server.conf"
-    return config
+def _config(args: argparse.Namespace) -> Path:
+    """``--config``, else ``./nats-server.conf`` when there is one, else the shipped one."""
+    if args.config is not None:
+        config = Path(args.config)
+        if not config.is_file():
+            raise ConfigurationError(
+                f"--config {args.config}: no such file; give the path of a nats-server config"
+            )
+        return config
+    local = Path("nats-server.conf")
+    return local if local.is_file() else SHIPPED_CONFIG
 
 
 def up(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -81,11 +87,11 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
         nonlocal stop
         stop = True
 
+    config = _config(args)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    config = _config(args)
     servers: NatsCluster | NatsServer
     if args.cluster:
         servers = NatsCluster(
@@ -100,7 +106,7 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
         servers = NatsServer(
             store_dir=data_dir / "jetstream",
             port=args.port,
-            config_file=config_with_store(config, data_dir) if config is not None else None,
+            config_file=config_with_store(config, data_dir),
             log_file=data_dir / "nats-server.log",
             extra_args=("-m", str(args.monitor_port)) if args.monitor_port is not None else (),
         )
@@ -122,6 +128,8 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
                 f"# nats-server pid {servers.pid}, JetStream in {data_dir}, log {servers.log_file}"
             )
             _say(f"# export REACH_NATS_URL={url}")
+        monitoring = ", ".join(n.monitor_url for n in nodes if n.monitor_url) or "off"
+        _say(f"# config {config.resolve()}, monitoring {monitoring}")
         if registry is not None:
             _say(f"# registry pid {registry.pid} (REACH_REPLICAS={replicas})")
         while not stop:

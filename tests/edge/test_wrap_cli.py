@@ -22,7 +22,7 @@ from reach.testing import eventually
 from .wrap_upstream import serve_app, serve_upstream
 
 ROOT = Path(__file__).parents[2]
-EXAMPLE = ROOT / "sdk/examples/wrap.toml"
+EXAMPLE = ROOT / "reach/examples/wrap.toml"
 
 
 def test_the_issue_command_line_parses_into_a_spec():
@@ -120,7 +120,7 @@ def test_config_errors_name_the_file_and_the_place(tmp_path, text, said):
 
 
 async def test_the_example_config_wraps_the_example_service(reach_settings, reach_client):
-    app = runpy.run_path(str(ROOT / "sdk/examples/http_service.py"))["app"]
+    app = runpy.run_path(str(ROOT / "reach/examples/http_service.py"))["app"]
     spec = load_config(EXAMPLE)
     assert [e.capability for e in spec.endpoints] == ["helpdesk.ask", "helpdesk.search"]
     async with serve_app(app) as port:

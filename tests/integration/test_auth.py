@@ -80,7 +80,7 @@ class OrderRef(msgspec.Struct):
 
 
 def logistics(settings: ReachSettings) -> Agent:
-    """The shape of sdk/examples/logistics.py (its user's permissions are made for it)."""
+    """The shape of reach/examples/logistics.py (its user's permissions are made for it)."""
     agent = Agent("logistics", "logistics-1", settings=settings)
 
     @agent.capability("logistics.track")

@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import json
 import os
-import runpy
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 import reach
 from reach import Agent, Client, ReachSettings
+from reach.examples import demo
 from reach.testing import eventually
 
 ROOT = Path(__file__).parents[2]
@@ -195,7 +195,8 @@ async def test_reach_up_checks_settings_before_it_starts_anything(tmp_path):
 async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(reach_settings):
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(ROOT / "sdk" / "examples" / "logistics.py"),
+        "-m",
+        "reach.examples.logistics",
         "logistics-sigterm",
         stderr=asyncio.subprocess.PIPE,
         env={
@@ -229,46 +230,11 @@ async def test_agent_run_drains_on_sigterm_without_losing_accepted_work(reach_se
             await proc.wait()
 
 
-DECOY = """
-def main():
-    print("DECOY RAN")
-    return 3
-"""
+# `reach demo` end to end, from the wheel and outside the checkout: test_packaging.py
 
 
-async def test_demo_runs_end_to_end_from_any_directory(tmp_path):
-    # A file of the same name in the current directory is not the demo: `reach demo` runs
-    # only the one in the checkout the package was installed from.
-    (tmp_path / "sdk/examples").mkdir(parents=True)
-    (tmp_path / "sdk/examples/demo.py").write_text(DECOY)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "reach.cli",
-        "demo",
-        cwd=tmp_path,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(120):
-        out, err = await proc.communicate()
-    text = out.decode()
-    assert "DECOY RAN" not in text
-    assert proc.returncode == 0, err.decode()
-    assert "logistics-1" in text
-    assert "logistics-2" in text
-    assert "fails fast" in text
-    assert "logistics-3 is killed" in text
-    assert "logistics-2 is drained" in text
-    assert "Demo OK" in text
-
-
-async def test_demo_burst_reports_failures_when_every_request_fails(
-    reach_client, monkeypatch, capsys
-):
-    monkeypatch.syspath_prepend(str(ROOT / "sdk/examples"))  # the demo's sibling agents
-    demo = runpy.run_path(str(ROOT / "sdk/examples/demo.py"))
-    await demo["burst"](reach_client, "nobody serves logistics.track:")
+async def test_demo_burst_reports_failures_when_every_request_fails(reach_client, capsys):
+    await demo.burst(reach_client, "nobody serves logistics.track:")
     out = capsys.readouterr().out
     assert "nobody serves logistics.track:" in out
     assert "60 capability_not_found" in out

@@ -5,7 +5,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import msgspec
 import nats.js.api
@@ -18,8 +17,6 @@ from reach.testing import NatsServer, eventually
 from reach.wire import Control, ControlReply, ListReply, RouteReply
 
 from .registry_wire import Relay, WireAgent, beat, fast_settings, heartbeat, info, register, stored
-
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture
@@ -120,7 +117,8 @@ async def test_sigkill_goes_unknown_then_down_then_gone_with_events_in_order(set
         if True:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                str(ROOT / "sdk" / "examples" / "logistics.py"),
+                "-m",
+                "reach.examples.logistics",
                 env=env,
                 stderr=asyncio.subprocess.DEVNULL,
             )

@@ -4,7 +4,6 @@ import asyncio
 import os
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,6 @@ import reach
 from reach import Agent, Client, Context, Registry, Status
 from reach.testing import eventually
 from tests.integration.test_registry import fast_settings, wait_status
-
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture
@@ -60,7 +57,8 @@ async def test_failover_on_sigkill_loses_no_request(settings):
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable,
-            str(ROOT / "sdk" / "examples" / "logistics.py"),
+            "-m",
+            "reach.examples.logistics",
             env=env,
             stderr=asyncio.subprocess.DEVNULL,
         )

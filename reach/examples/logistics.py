@@ -1,10 +1,11 @@
 """Logistics agent: tracks orders and broadcasts status changes. Run several instances.
 
-python sdk/examples/logistics.py [AGENT_ID]
+python -m reach.examples.logistics [AGENT_ID]
 """
 
 import asyncio
 import sys
+from typing import Any
 
 import msgspec
 
@@ -22,13 +23,13 @@ def build(settings: ReachSettings, agent_id: str | None = None, max_concurrency:
     )
 
     @agent.capability("logistics.track", version="1.0", description="where is an order")
-    async def track(ref: OrderRef, ctx: Context) -> dict:
+    async def track(ref: OrderRef, ctx: Context) -> dict[str, Any]:
         await asyncio.sleep(0.02)  # stands in for a carrier API call
         await ctx.client.publish("order.status", {"order_id": ref.order_id, "status": "in transit"})
         return {"order_id": ref.order_id, "eta_days": 2, "agent": agent.agent_id}
 
     @agent.task("logistics.reroute", version="1.0", timeout=30, description="book a new carrier")
-    async def reroute(ref: OrderRef, ctx: TaskContext) -> dict:
+    async def reroute(ref: OrderRef, ctx: TaskContext) -> dict[str, Any]:
         # A durable task: it survives this instance dying. Booking with the carrier is
         # keyed on the task id, so a second attempt cannot book twice.
         for step in range(4):
@@ -40,4 +41,5 @@ def build(settings: ReachSettings, agent_id: str | None = None, max_concurrency:
 
 
 if __name__ == "__main__":
-    build(ReachSettings(), *sys.argv[1:2]).run()
+    agent_id = sys.argv[1] if len(sys.argv) > 1 else None
+    build(ReachSettings(), agent_id).run()

@@ -1,9 +1,10 @@
 """Intent agent: classifies a customer's question and routes it to the right capability.
 
-python sdk/examples/intent.py [AGENT_ID]
+python -m reach.examples.intent [AGENT_ID]
 """
 
 import sys
+from typing import Any
 
 import msgspec
 
@@ -30,7 +31,7 @@ def build(settings: ReachSettings, agent_id: str | None = None) -> Agent:
     agent = Agent("intent", agent_id, tags=["frontdesk"], settings=settings)
 
     @agent.capability("support.ask", version="1.0", description="classify and route a question")
-    async def ask(q: Question, ctx: Context) -> dict:
+    async def ask(q: Question, ctx: Context) -> dict[str, Any]:
         text = q.text.lower()
         target = next((cap for word, cap in ROUTES.items() if word in text), None)
         if target is None:
@@ -42,4 +43,5 @@ def build(settings: ReachSettings, agent_id: str | None = None) -> Agent:
 
 
 if __name__ == "__main__":
-    build(ReachSettings(), *sys.argv[1:2]).run()
+    agent_id = sys.argv[1] if len(sys.argv) > 1 else None
+    build(ReachSettings(), agent_id).run()

@@ -1,7 +1,8 @@
-"""Shopper: a client that keeps the desk busy (tracking, refunds, reroute tasks), so a
-deployment has traffic to show. docker-compose.yml runs it beside the two agents.
+"""Shopper: a client that keeps the desk busy (tracking, refunds, reroute tasks).
 
-python sdk/examples/shopper.py [SECONDS_BETWEEN_ORDERS]
+It gives a deployment traffic to show; docker-compose.yml runs it beside the two agents.
+
+python -m reach.examples.shopper [SECONDS_BETWEEN_ORDERS]
 
 Settings come from ``REACH_*`` (``REACH_NATS_URL``, ``REACH_NATS_USER``,
 ``REACH_NATS_PASSWORD``, ...); with ``REACH_METRICS_PORT`` it serves its client metrics on

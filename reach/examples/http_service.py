@@ -1,8 +1,13 @@
-"""An HTTP agent that knows nothing of Reach: a small FastAPI service on 127.0.0.1:9000
-(PORT to change it) with a question endpoint, a search and a health check. ``reach wrap``
-puts it in the fleet without a line of change here (see wrap.toml and the README)."""
+"""A plain HTTP service that knows nothing of Reach, for ``reach wrap`` to put in the fleet.
+
+FastAPI on 127.0.0.1:9000 (PORT to change it) with a question endpoint, a search and a
+health check; wrap.toml beside it makes it one agent without a line of change here.
+
+python -m reach.examples.http_service          (needs the edge extra: agent-reach-nats[edge])
+"""
 
 import os
+from typing import Any
 
 from fastapi import FastAPI, Header
 from pydantic import BaseModel
@@ -20,7 +25,7 @@ class Question(BaseModel):
 
 
 @app.post("/ask")
-async def ask(q: Question, reach_request_id: str | None = Header(default=None)) -> dict:
+async def ask(q: Question, reach_request_id: str | None = Header(default=None)) -> dict[str, Any]:
     """Answer a question; the wrapper's Reach-Request-Id header shows up in the answer."""
     hits = [answer for topic, answer in FAQ.items() if topic in q.text.lower()]
     answer = hits[0] if hits else "A human will get back to you."
@@ -28,12 +33,12 @@ async def ask(q: Question, reach_request_id: str | None = Header(default=None)) 
 
 
 @app.get("/search")
-async def search(q: str = "") -> dict:
+async def search(q: str = "") -> dict[str, Any]:
     return {"hits": sorted(topic for topic in FAQ if q.lower() in topic)}
 
 
 @app.get("/healthz")
-async def healthz() -> dict:
+async def healthz() -> dict[str, Any]:
     return {"ok": True}
 
 

@@ -1,8 +1,8 @@
 """The customer-service desk of the example agents, start to finish, on an embedded nats-server.
 
-    python sdk/examples/demo.py          (what `make demo` and `reach demo` run)
+    reach demo                (or python -m reach.examples.demo; `make demo` in a checkout)
 
-It runs the agents of this folder (intent, aftersales, two logistics instances in this
+It runs the example agents beside it (intent, aftersales, two logistics instances in this
 process, a third as a separate process that gets killed) with a registry, and uses only the
 public `reach` API. Leases are short so failure handling shows in seconds, not minutes.
 """
@@ -15,11 +15,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import aftersales  # the example agents beside this file
-import intent
-import logistics
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
@@ -33,10 +31,9 @@ from reach import (
     ReachSettings,
     Registry,
 )
+from reach.examples import aftersales, intent, logistics
 from reach.testing import NatsServer, eventually
 from reach.wire import AgentEvent, Control
-
-HERE = Path(__file__).resolve().parent
 
 QUESTIONS = [
     intent.Question(customer="ada", text="Where is my parcel?", order_id="A-100"),
@@ -47,13 +44,13 @@ QUESTIONS = [
     intent.Question(customer="fay", text="What are your opening hours?"),
 ]
 
-# logistics.py as its own process; it exits with the demo however the demo ends (its stdin
-# is a pipe from us, closed when we end).
+# `python -m reach.examples.logistics` as its own process; it exits with the demo however
+# the demo ends (its stdin is a pipe from us, closed when we end).
 CRASHY = """
 import os, runpy, sys, threading
 threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
@@ -80,8 +77,8 @@ class Desk:
         self.events.append((ev.agent_id, new))
         line(f"  {self.stamp()} {ev.agent_id:<14} {old:>8} -> {new:<8} ({ev.reason})")
 
-    def listener(self, who: str):
-        async def hear(update: dict, topic: str) -> None:
+    def listener(self, who: str) -> Callable[[dict[str, Any], str], Awaitable[None]]:
+        async def hear(update: dict[str, Any], topic: str) -> None:
             self.heard[who] += 1
             if update.get("status") == "delivered":
                 self.delivered.add(who)
@@ -130,7 +127,7 @@ async def main() -> int:
                 sys.executable,
                 "-c",
                 CRASHY,
-                str(HERE / "logistics.py"),
+                logistics.__name__,
                 "logistics-3",
                 env={
                     **os.environ,
