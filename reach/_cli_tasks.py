@@ -16,7 +16,7 @@ import msgspec
 
 from ._cli_common import json_or_text, parse_json, print_value, table
 from ._client import Client
-from ._tasks import DeadLetter, TaskRecord
+from ._tasks import DeadLetter, TaskRecord, unserved
 from .errors import ReachError
 from .settings import ReachSettings
 from .wire import Priority
@@ -88,7 +88,11 @@ async def _submit(args: argparse.Namespace, settings: ReachSettings) -> int:
             timeout=args.timeout,
             max_attempts=args.max_attempts,
             idempotency_key=args.idempotency_key,
+            require_agent=args.require_agent,
         )
+        why = None if args.require_agent else unserved(await client.agents(), args.capability)
+        if why is not None:  # accepted all the same: a worker may start later
+            print(f"warning: {why}; the task waits until one does, however long", file=sys.stderr)
         if not args.wait:
             print(ref.task_id)
             return 0
@@ -319,6 +323,12 @@ def add_task_commands(
     p.add_argument("--idempotency-key", default=None)
     p.add_argument("--wait", action="store_true", help="wait for the end; print the result")
     p.add_argument("--wait-timeout", type=float, default=None, help="seconds (--wait)")
+    p.add_argument(
+        "--require-agent",
+        action="store_true",
+        help="refuse (capability_not_found) unless a live agent serves the task capability;"
+        " without it a task nobody serves is queued, with a warning",
+    )
     p.set_defaults(run=_submit, is_async=True)
 
     p = with_url(

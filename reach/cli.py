@@ -37,7 +37,7 @@ from ._runtime import run_async
 from ._telemetry import configure_logging, configure_tracing
 from .errors import AgentUnavailable, ReachError, RequestTimeout
 from .settings import ReachSettings
-from .wire import AgentEvent, Control, ControlReply, Priority
+from .wire import AgentEvent, AgentRecord, Control, ControlReply, Priority, Status
 
 __all__ = ["main"]
 
@@ -95,7 +95,12 @@ async def _listen(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
     async with Client(settings=settings, name="reach-cli") as client:
-        records = await client.agents(args.capability)
+        records = await client.agents()
+    if args.capability:  # served by request or as a task
+        cap = args.capability
+        records = [
+            r for r in records if any(c.name == cap for c in [*r.info.capabilities, *r.info.tasks])
+        ]
     if args.json:
         print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
         return 0
@@ -112,27 +117,43 @@ async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
                 r.info.agent_id,
                 r.info.name,
                 _status(r.status.value, colour),
-                ",".join(f"{c.name}@{c.version}" for c in r.info.capabilities),
+                ",".join(f"{c.name}@{c.version}" for c in r.info.capabilities) or "-",
+                ",".join(f"{c.name}@{c.version}" for c in r.info.tasks) or "-",
                 ",".join(r.info.tags),
                 str(hb.inflight) if hb else "-",
                 f"{hb.load:.2f}" if hb else "-",
                 f"{hb.latency_ms:.1f}ms" if hb else "-",
                 f"{(now - r.last_seen_ms) / 1000:.1f}s" if r.last_seen_ms else "-",
+                _why(r),
             ]
         )
     header = [
         "AGENT",
         "NAME",
         "STATUS",
-        "CAPABILITIES",
+        "CAPABILITIES",  # served by request
+        "TASKS",  # durable task capabilities (@agent.task)
         "TAGS",
         "INFLIGHT",
         "LOAD",
         "LATENCY",
         "SEEN",
+        "REASON",
     ]
     print(_table(rows, header))
     return 0
+
+
+def _why(r: AgentRecord) -> str:
+    """Why an instance has its status: what its agent reported, else what the registry
+    saw (a lease that lapsed, a probe lost); empty when UP."""
+    hb = r.heartbeat
+    if hb is not None and hb.status == r.status and hb.reason:
+        return hb.reason
+    last = r.transitions[-1] if r.transitions else None
+    if r.status is Status.UP or last is None or last.new != r.status:
+        return ""
+    return last.detail or last.reason
 
 
 async def _watch(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -154,9 +175,10 @@ async def _watch(args: argparse.Namespace, settings: ReachSettings) -> int:
                 old = ev.old.value if ev.old else "-"
                 new = "gone" if ev.removed else ev.new.value
                 stamp = time.strftime("%H:%M:%S", time.localtime(ev.at_ms / 1000))
+                why = f"{ev.reason}: {ev.detail}" if ev.detail else ev.reason  # the agent's own
                 print(
                     f"{stamp}  {ev.agent_id:<28} {_status(old, colour)} -> "
-                    f"{_status(new, colour)}  ({ev.reason})",
+                    f"{_status(new, colour)}  ({why})",
                     flush=True,
                 )
             count += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import TracebackType
 from typing import Self
 
@@ -32,7 +33,7 @@ from .control import ControlListeners
 from .declare import Declarations
 from .exposure import Exposure
 from .intake import Intake, topic_handler
-from .lifecycle import Lifecycle, Pause, Reason, State
+from .lifecycle import TIMEOUT_WINDOW, Lifecycle, Pause, Reason, State
 from .model import AgentStats, Served, TopicSpec
 from .presence import Presence
 from .process import Serving
@@ -131,6 +132,7 @@ class Agent(Declarations, Exposure, Serving):
             info=self.info,
             heartbeat=self.heartbeat,
             status=lambda: self._life.status,
+            review=lambda: self._workers.review(time.monotonic()),
         )
         self._build()
 
@@ -145,6 +147,9 @@ class Agent(Declarations, Exposure, Serving):
             max_queue=self.max_queue,
             reply_headers=self.reply_headers,
             on_exit=self._handler_exit,
+            # DEGRADED by timeouts ends when the timeout window (10 s) and three heartbeats
+            # have passed without a new one
+            timeout_quiet=max(TIMEOUT_WINDOW, 3 * self.settings.heartbeat_interval),
         )
         self._intake = Intake(self.agent_id, self._workers, self._life, self.stats)
 
@@ -253,7 +258,15 @@ class Agent(Declarations, Exposure, Serving):
                 await self._close(deregister=False)
                 check_refused(nc, f"agent {self.agent_id} start", exc)  # the cause, if it was
                 raise
-        log.info("agent %s serving %s", self.agent_id, ", ".join(self._caps) or "no capabilities")
+        log.info("agent %s serving %s", self.agent_id, self._serving_what())
+
+    def _serving_what(self) -> str:
+        """What the start log says it serves: capabilities by request, then tasks
+        ("a, b; tasks c"), or "no capabilities"."""
+        parts = [", ".join(self._caps)] if self._caps else []
+        if self._tasks.decls:
+            parts.append("tasks " + ", ".join(self._tasks.decls))
+        return "; ".join(parts) or "no capabilities"
 
     async def pause(self) -> None:
         """The operator's pause (a health check's is apart): take no new work, leave the

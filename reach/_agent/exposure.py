@@ -57,6 +57,7 @@ class Exposure:
             failed=s.failed,
             dropped=s.expired,
             sent_ms=now_ms(),
+            reason=self._life.explain(self._workers.details()),
         )
 
     @property

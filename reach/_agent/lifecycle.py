@@ -15,19 +15,23 @@ DEGRADED while they last. PAUSED has reasons too (``Pause``: an operator, a fail
 check): it lasts while any is held, so neither undoes the other's pause. Nothing leaves
 DRAINING but ``stopped``: ``resume`` is refused while the agent stops. The wire status is
 derived: DRAINING and STARTING advertise PAUSED (nothing new is routed there), STOPPED
-advertises DOWN. The machine does no I/O; the Agent owns it, performs the effects, and is
-told of every advertised change through ``on_change`` (it then heartbeats at once).
+advertises DOWN; ``explain`` says why, for people (the heartbeat's ``reason``). The machine
+does no I/O; the Agent owns it, performs the effects, and is told of every advertised
+change through ``on_change`` (it then heartbeats at once).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..wire import Status
 
-__all__ = ["Lifecycle", "Pause", "Reason", "State", "TimeoutWatch"]
+__all__ = ["TIMEOUT_WINDOW", "Lifecycle", "Pause", "Reason", "State", "TimeoutWatch"]
+
+#: seconds within which ``TimeoutWatch.limit`` handler timeouts make an agent DEGRADED
+TIMEOUT_WINDOW = 10.0
 
 
 class State(enum.StrEnum):
@@ -171,6 +175,19 @@ class Lifecycle:
         self._update()
         return True
 
+    def explain(self, detail: Mapping[Reason, str] | None = None) -> str:
+        """Why the agent advertises its status, in a few words for people: empty when UP;
+        the reasons held (``detail`` may word them with numbers), who paused it, or the
+        phase it is in."""
+        phase = self._phase
+        if phase is State.STARTING or phase is State.DRAINING or phase is State.STOPPED:
+            return phase.value.lower()
+        words = detail or {}
+        parts = [words.get(r, r.value) for r in sorted(self._reasons)]
+        if phase is State.PAUSED:
+            parts.insert(0, "paused by " + ", ".join(sorted(self._pauses)))
+        return "; ".join(parts)
+
     def _go(self, phase: State) -> bool:
         self._phase = phase
         self._update()
@@ -192,22 +209,48 @@ class Lifecycle:
 
 class TimeoutWatch:
     """Handler timeouts as a health signal: ``limit`` of them within ``window`` seconds trip
-    it; ``recover_after`` successes in a row (with no timeout between) reset it. Pure: time
-    comes in as ``now`` (monotonic seconds)."""
+    it; ``recover_after`` successes in a row (with no timeout between), or ``quiet`` seconds
+    with no timeout at all (``tick``: an agent nobody calls has no successes), reset it.
+    Pure: time comes in as ``now`` (monotonic seconds)."""
 
-    __slots__ = ("_successes", "_times", "limit", "recover_after", "tripped", "window")
+    __slots__ = (
+        "_last",
+        "_successes",
+        "_times",
+        "limit",
+        "quiet",
+        "recover_after",
+        "tripped",
+        "window",
+    )
 
-    def __init__(self, limit: int = 3, window: float = 10.0, recover_after: int = 10) -> None:
+    def __init__(
+        self,
+        limit: int = 3,
+        window: float = TIMEOUT_WINDOW,
+        recover_after: int = 10,
+        quiet: float = TIMEOUT_WINDOW,
+    ) -> None:
         self.limit = limit
         self.window = window
         self.recover_after = recover_after
+        self.quiet = quiet
         self.tripped = False
         self._times: deque[float] = deque(maxlen=limit)
         self._successes = 0
+        self._last = 0.0  # when the newest timeout came
+
+    def describe(self) -> str:
+        """What tripped the watch and what clears it, for people."""
+        return (
+            f"handler timeouts: {self.limit} within {self.window:g}s;"
+            f" UP again after {self.quiet:g}s without one"
+        )
 
     def timed_out(self, now: float) -> bool:
         """Count one timeout; True when this one trips the watch."""
         self._successes = 0
+        self._last = now
         self._times.append(now)
         while self._times and self._times[0] < now - self.window:
             self._times.popleft()
@@ -221,7 +264,18 @@ class TimeoutWatch:
         self._successes += 1
         if self._successes < self.recover_after:
             return False
+        self._reset()
+        return True
+
+    def tick(self, now: float) -> bool:
+        """Time passes: True when the watch recovers because no timeout came for ``quiet``
+        seconds (the agent calls it at every heartbeat)."""
+        if not self.tripped or now - self._last < self.quiet:
+            return False
+        self._reset()
+        return True
+
+    def _reset(self) -> None:
         self.tripped = False
         self._successes = 0
         self._times.clear()
-        return True

@@ -1,4 +1,6 @@
 """Presence: registration with backoff, heartbeats (at once on a status change), deregistration.
+Before each heartbeat the agent reviews what time alone changes (DEGRADED by timeouts ends
+after a quiet spell), so a status never waits for traffic to be corrected.
 
 The loop runs in the agent's TaskOwner via ``keep``: if it crashes it is logged and
 restarted with backoff, so an agent never goes silent while it serves.
@@ -73,6 +75,7 @@ class Presence:
         info: Callable[[], AgentInfo],
         heartbeat: Callable[[int], Heartbeat],
         status: Callable[[], Status],
+        review: Callable[[], None] = lambda: None,
     ) -> None:
         self.agent_id = agent_id
         self._subjects = subjects
@@ -80,6 +83,7 @@ class Presence:
         self._info = info
         self._heartbeat = heartbeat
         self._status = status
+        self._review = review  # before each beat: let time settle the agent's status
         self._nc: NatsConnection | None = None
         self._now = asyncio.Event()
         self._task: asyncio.Task[Any] | None = None
@@ -217,6 +221,7 @@ class Presence:
                     register_at = loop.time() + random.uniform(0, backoff)  # full jitter
                 if self._halt:
                     return
+            self._review()  # a status it changes goes out in this very heartbeat
             self._now.clear()
             await self.send_heartbeat()
             wait = self.interval

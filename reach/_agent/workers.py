@@ -27,7 +27,7 @@ from .._telemetry import LOG_AGENT, LOG_WORK
 from ..errors import RemoteError
 from ..wire import Header
 from .answers import Answers
-from .lifecycle import Lifecycle, Reason, TimeoutWatch
+from .lifecycle import TIMEOUT_WINDOW, Lifecycle, Reason, TimeoutWatch
 from .model import AgentStats, Job
 from .observe import traced_handler
 from .scheduler import WorkQueue
@@ -59,6 +59,7 @@ class Workers(Answers):
         max_queue: int,
         reply_headers: bool,
         on_exit: Callable[[BaseException], bool],
+        timeout_quiet: float = TIMEOUT_WINDOW,
     ) -> None:
         self.agent_id = agent_id
         self.stats = stats
@@ -66,7 +67,9 @@ class Workers(Answers):
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.reply_headers = reply_headers
-        self.timeouts = TimeoutWatch()
+        #: handler timeouts make the agent DEGRADED; ``timeout_quiet`` seconds without one
+        #: (or successes) make it UP again
+        self.timeouts = TimeoutWatch(quiet=timeout_quiet)
         self.overloaded = False
         #: queue length from which the agent is DEGRADED (80%), and back UP (25%)
         self.overload_at = (4 * max_queue + 4) // 5 if max_queue else sys.maxsize
@@ -116,6 +119,27 @@ class Workers(Answers):
         except TimeoutError:
             return False
         return True
+
+    def review(self, now: float) -> None:
+        """Time passes (at every heartbeat): DEGRADED by timeouts ends after a quiet spell,
+        even when no request comes to succeed."""
+        if self.timeouts.tick(now) and self._life.recover(Reason.TIMEOUTS):
+            log.info(
+                "agent %s: no handler timeout for %gs; timeouts no longer degrade it",
+                self.agent_id,
+                self.timeouts.quiet,
+            )
+
+    def details(self) -> dict[Reason, str]:
+        """The DEGRADED reasons in words, with their numbers (the heartbeat's ``reason``)."""
+        return {
+            Reason.TIMEOUTS: self.timeouts.describe(),
+            Reason.OVERLOAD: (
+                f"queue overload: {len(self.queue)} of {self.max_queue} waiting;"
+                f" UP again at {self.recover_at}"
+            ),
+            Reason.STUCK: f"{self.stats.stuck} handlers stuck past their deadline",
+        }
 
     def _done(self) -> None:
         self.outstanding -= 1

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._nats import NatsConnection
-from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, admin
+from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, TaskSubmit, admin, unserved
 from .._tasks.admin import DeadLetter
 from .._tasks.boundary import task_errors
-from ..errors import ConfigurationError, TaskNotFound
-from ..wire import Priority
+from ..errors import CapabilityNotFound, ConfigurationError, TaskNotFound
+from ..wire import AgentRecord, Priority
 from .metrics import ClientMetrics
 
 __all__ = ["DurableTasks"]
@@ -31,6 +31,18 @@ class DurableTasks:
     def nc(self) -> NatsConnection:
         raise NotImplementedError  # the Client's connection
 
+    async def agents(self, capability: str | None = None) -> list[AgentRecord]:
+        raise NotImplementedError  # the Client's routing table
+
+    async def _require_agent(self, sub: TaskSubmit) -> None:
+        """``CapabilityNotFound`` unless the routing table holds a live instance that would
+        run ``sub`` (``require_agent=True``)."""
+        why = unserved(
+            await self.agents(), sub.capability, version=sub.version, tags=sub.required_tags
+        )
+        if why is not None:
+            raise CapabilityNotFound(why)
+
     async def submit(
         self,
         capability: str,
@@ -43,10 +55,15 @@ class DurableTasks:
         callback: str | None = None,
         required_tags: Sequence[str] = (),
         version: str | None = None,
+        require_agent: bool = False,
     ) -> TaskRef:
         """Submit a durable task; returns once JetStream has stored it (and its record is
         readable from any process). It waits for an instance of ``capability`` declared
-        with ``@agent.task``, however long that takes, within the record's retention.
+        with ``@agent.task``, however long that takes (the task stream has no max age): a
+        task may be queued before its worker starts.
+        ``require_agent=True`` refuses at once instead (``CapabilityNotFound``, nothing
+        stored) when the routing table knows no live (UP or DEGRADED) instance serving it
+        with ``version`` and ``required_tags``.
 
         ``timeout`` is per attempt, ``max_attempts`` counts runs (timeouts and lost agents
         are retried with backoff; a handler's error is final unless it is retryable).
@@ -66,6 +83,8 @@ class DurableTasks:
             required_tags=required_tags,
             version=version,
         )
+        if require_agent:
+            await self._require_agent(sub)
         with task_errors(f"submit to {capability}"):
             ref = await self._tasks.submit(self.nc, sub)
         if self._metrics is not None:
@@ -84,11 +103,13 @@ class DurableTasks:
         required_tags: Sequence[str] = (),
         version: str | None = None,
         idempotency_keys: Sequence[str] | None = None,
+        require_agent: bool = False,
     ) -> Batch:
         """Submit one task per payload, pipelined. An item that could not be submitted
         holds its error in the batch; nothing raises for all. ``idempotency_keys`` (one per
         payload) make a batch safe to submit again: an item whose key was submitted within
-        the TTL gives that task."""
+        the TTL gives that task. ``require_agent``: as for ``submit``, checked once,
+        before anything is sent."""
         if idempotency_keys is not None and len(idempotency_keys) != len(payloads):
             raise ConfigurationError(
                 f"idempotency_keys has {len(idempotency_keys)} keys for"
@@ -109,6 +130,8 @@ class DurableTasks:
             )
             for p, key in zip(payloads, keys, strict=True)
         ]
+        if require_agent and subs:
+            await self._require_agent(subs[0])
         with task_errors(f"submit to {capability}"):
             batch = await self._tasks.submit_batch(self.nc, subs)
         if self._metrics is not None and subs:

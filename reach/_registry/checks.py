@@ -22,6 +22,7 @@ __all__ = [
     "MAX_CAPABILITIES",
     "MAX_COUNT",
     "MAX_LATENCY_MS",
+    "MAX_REASON",
     "MAX_TAGS",
     "check_registration",
     "is_stale",
@@ -34,6 +35,7 @@ MAX_METADATA = 64
 MAX_CONCURRENCY = 1_000_000
 MAX_COUNT = 2**53 - 1  # counters and unix ms: the largest integer every JSON reader keeps
 MAX_LATENCY_MS = 86_400_000.0  # a day
+MAX_REASON = 200  # characters of a heartbeat's reason kept (it is for people, one line)
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,31}")
 _COUNTS = ("seq", "inflight", "queue_len", "served", "failed", "dropped", "sent_ms")
 
@@ -71,8 +73,9 @@ def check_registration(reg: Registration) -> None:
 
 
 def sanitize_heartbeat(hb: Heartbeat) -> tuple[Heartbeat | None, bool]:
-    """(heartbeat fit to store, whether a number was clamped); None when it must be
-    dropped (a number that is not finite)."""
+    """(heartbeat fit to store, whether a field was clamped); None when it must be
+    dropped (a number that is not finite). A reason is cut to one printable line of at
+    most ``MAX_REASON`` characters."""
     if not (math.isfinite(hb.load) and math.isfinite(hb.latency_ms)):
         return None, False
     changes: dict[str, Any] = {}
@@ -84,6 +87,9 @@ def sanitize_heartbeat(hb: Heartbeat) -> tuple[Heartbeat | None, bool]:
         changes["load"] = min(max(hb.load, 0.0), 1.0)
     if not 0.0 <= hb.latency_ms <= MAX_LATENCY_MS:
         changes["latency_ms"] = min(max(hb.latency_ms, 0.0), MAX_LATENCY_MS)
+    if len(hb.reason) > MAX_REASON or not hb.reason.isprintable():
+        printable = "".join(c if c.isprintable() else " " for c in hb.reason[:MAX_REASON])
+        changes["reason"] = printable
     if not changes:
         return hb, False
     return msgspec.structs.replace(hb, **changes), True

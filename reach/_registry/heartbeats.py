@@ -169,7 +169,7 @@ class Heartbeats:
             reported = hb.status if hb.status in ALIVE else Status.UP
             reason = "heartbeat resumed" if before.status == Status.UNKNOWN else "reported"
             record, t = self.leases.transition(
-                before, reported, reason, heartbeat=hb, last_seen_ms=now
+                before, reported, reason, hb.reason, heartbeat=hb, last_seen_ms=now
             )
             if t is not None:
                 events.append(t)

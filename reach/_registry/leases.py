@@ -99,12 +99,13 @@ class Leases:
         return (await _kv.latest(core.jsc(), core.bucket, agent_id)).value is not None
 
     def transition(
-        self, record: AgentRecord, new: Status, reason: str, **changes: Any
+        self, record: AgentRecord, new: Status, reason: str, detail: str = "", **changes: Any
     ) -> tuple[AgentRecord, Transition | None]:
-        """``record`` moved to ``new`` (with ``changes``); the transition, if any."""
+        """``record`` moved to ``new`` (with ``changes``); the transition, if any.
+        ``detail``: the agent's own reason, when it reported the change."""
         if record.status == new:
             return msgspec.structs.replace(record, **changes), None
-        t = Transition(old=record.status, new=new, reason=reason, at_ms=now_ms())
+        t = Transition(old=record.status, new=new, reason=reason, at_ms=now_ms(), detail=detail)
         transitions = [*record.transitions[-(MAX_TRANSITIONS - 1) :], t]
         replaced = msgspec.structs.replace(
             record, status=new, transitions=transitions, registry=self.core.registry_id, **changes
@@ -121,6 +122,7 @@ class Leases:
             reason=transition.reason,
             at_ms=transition.at_ms,
             removed=removed,
+            detail=transition.detail,
         )
         try:
             await self.core.conn().publish(self.core.subjects.event(agent_id), encode_json(event))

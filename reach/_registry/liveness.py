@@ -126,8 +126,9 @@ class Liveness:
             if pong is not None:
                 alive = pong.status if pong.status in ALIVE else Status.UP
                 heartbeat = sanitize_heartbeat(pong)[0] or before.heartbeat
+                detail = heartbeat.reason if heartbeat is not None else ""
                 new, t = leases.transition(
-                    before, alive, why, heartbeat=heartbeat, last_seen_ms=now
+                    before, alive, why, detail, heartbeat=heartbeat, last_seen_ms=now
                 )
                 ttl = core.settings.lease_ttl
             else:

@@ -18,7 +18,7 @@ from .execute import Executor
 from .model import TaskDecl, TaskStats
 from .refs import Batch, BatchProgress, TaskRef
 from .runner import TaskRunner
-from .submit import Tasks
+from .submit import Tasks, unserved
 
 __all__ = [
     "Batch",
@@ -36,4 +36,5 @@ __all__ = [
     "TaskSubmit",
     "Tasks",
     "admin",
+    "unserved",
 ]

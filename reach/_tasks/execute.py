@@ -255,6 +255,13 @@ class Executor(Claims):
             try:
                 result = encode_payload(value)
             except TypeError as e:
+                log.error(
+                    "agent %s: task %s (%s): its result cannot be encoded",
+                    self.agent_id,
+                    d.task_id,
+                    d.sub.capability,
+                    exc_info=e,
+                )
                 return await self.settle(d, "failed", exc=e)
             room = self.nc.max_payload - _RECORD_OVERHEAD - len(st.record.payload) * 4 // 3
             if len(result) * 4 // 3 > room:

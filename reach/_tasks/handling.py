@@ -3,6 +3,7 @@ outcome, and the CONSUMER span of the attempt (only with a tracer)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from opentelemetry.trace import SpanKind, Tracer
 from .._codec import now_ms
 from .._handlers import TaskContext
 from .._telemetry import ATTR
+from ..errors import RemoteError
 from .model import Delivery
 
 if TYPE_CHECKING:
@@ -22,22 +24,43 @@ if TYPE_CHECKING:
 
 __all__ = ["call_handler", "redelivered", "task_context", "task_span"]
 
+log = logging.getLogger("reach.tasks")
+
 
 async def call_handler(
     decl: TaskDecl, payload: Any, ctx: TaskContext, on_exit: Callable[[BaseException], bool]
 ) -> tuple[bool, Any]:
     """(True, result) or (False, the exception): a handler's failure is the task's
-    outcome, not a crash of ours."""
+    outcome, not a crash of ours. As on the request path, an exception that is not a
+    refusal (``RemoteError``) is logged with its traceback under the task id; the task's
+    record keeps only its code and message."""
     try:
         if decl.spec.wants_context:
             return True, await decl.spec.fn(payload, ctx)
         return True, await decl.spec.fn(payload)
+    except RemoteError as exc:
+        return False, exc  # a refusal: the task's answer, meant for the caller
     except Exception as exc:
+        _log(ctx, " failed")
         return False, exc
     except (KeyboardInterrupt, SystemExit) as stop:
         if not on_exit(stop):
             raise
+        _log(ctx, ": the handler stopped the process")
         return False, RuntimeError("the handler stopped the process")
+
+
+def _log(ctx: TaskContext, what: str) -> None:
+    """Called in an ``except`` block: the exception being handled is logged with it."""
+    log.error(
+        "agent %s: task %s (%s, attempt %d)%s",
+        ctx.agent_id,
+        ctx.task_id,
+        ctx.capability,
+        ctx.attempt,
+        what,
+        exc_info=True,
+    )
 
 
 def task_context(

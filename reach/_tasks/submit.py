@@ -21,7 +21,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -37,14 +38,14 @@ from .._subjects import Subjects, validate_capability, validate_topic
 from .._telemetry import ATTR
 from ..errors import ConfigurationError, ConnectionFailed, NotStarted
 from ..settings import ReachSettings
-from ..wire import Header, Priority
+from ..wire import AgentRecord, CapabilityInfo, Header, Priority, Status
 from ..wire.tasks import TaskRecord, TaskSubmit
 from .boundary import patiently, task_errors
 from .jsapi import JsApi
 from .refs import Batch, TaskRef, cancel_record, read_record
 from .store import Conflict, TaskStore, idem_key
 
-__all__ = ["Tasks", "publish_task"]
+__all__ = ["Tasks", "publish_task", "unserved"]
 
 log = logging.getLogger("reach.client")
 
@@ -61,6 +62,50 @@ def payload_limit(max_payload: int) -> int:
     """The largest payload (raw bytes) whose record fits: base64 plus the overhead within
     half the server's ``max_payload`` (the other half is the result's)."""
     return max(0, (max_payload // 2 - RECORD_OVERHEAD) // 4 * 3)
+
+
+#: statuses whose agents pull tasks now (a PAUSED one stopped pulling; an UNKNOWN one may
+#: be gone)
+_PULLING = (Status.UP, Status.DEGRADED)
+
+
+def unserved(
+    records: Iterable[AgentRecord],
+    capability: str,
+    *,
+    version: str = "",
+    tags: Sequence[str] = (),
+) -> str | None:
+    """None when a live instance in ``records`` (a routing table) would take a task of
+    ``capability`` (same major ``version``, every one of ``tags``: what an agent checks
+    before it runs one); else why none would, in a sentence for people."""
+    offering: list[tuple[AgentRecord, CapabilityInfo]] = []
+    by_request = False
+    for r in records:
+        by_request = by_request or any(c.name == capability for c in r.info.capabilities)
+        offering += [(r, t) for t in r.info.tasks if t.name == capability]
+    if not offering:
+        hint = f" ({capability!r} is served by request, not as a task)" if by_request else ""
+        return f"no agent has registered task capability {capability!r}{hint}"
+    major = version.split(".")[0]
+    wanted = set(tags)
+    fits = [
+        r
+        for r, t in offering
+        if wanted.issubset(r.info.tags) and (not major or t.version.split(".")[0] == major)
+    ]
+    if not fits:
+        needs = [f"version {major}.x"] if major else []
+        needs += [f"tags {sorted(wanted)}"] if wanted else []
+        return (
+            f"no agent serves task capability {capability!r} with {' and '.join(needs)}"
+            f" ({len(offering)} instance(s) serve it without)"
+        )
+    if any(r.status in _PULLING for r in fits):
+        return None
+    counts = Counter(r.status.value for r in fits)
+    held = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return f"no live agent serves task capability {capability!r} ({held})"
 
 
 async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:

@@ -170,15 +170,30 @@ class Heartbeat(_Wire, tag="reach.agent.heartbeat", frozen=True, kw_only=True):
     failed: int = 0
     dropped: int = 0
     sent_ms: int = 0
+    reason: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                "Why the agent reports this status, for people; empty when UP."
+                " Free text: display it, do not parse it."
+            ),
+            examples=["handler timeouts: 3 within 10s; UP again after 15s without one"],
+        ),
+    ] = ""
 
 
 class Transition(_Wire, tag="reach.transition", frozen=True, kw_only=True):
-    """One status change as the registry saw it."""
+    """One status change as the registry saw it: ``reason`` is the registry's (a short
+    fixed phrase: "reported", "probe lost"...), ``detail`` the agent's own (its heartbeat's
+    ``reason``) when the agent reported the change."""
 
     old: Status | None
     new: Status
     reason: str
     at_ms: int
+    detail: Annotated[
+        str, msgspec.Meta(description="The agent's reason (its heartbeat's), when it reported")
+    ] = ""
 
 
 class AgentRecord(_Wire, tag="reach.agent.record", frozen=True, kw_only=True):
@@ -202,6 +217,9 @@ class AgentEvent(_Wire, tag="reach.agent.event", frozen=True, kw_only=True):
     reason: str
     at_ms: int
     removed: bool = False
+    detail: Annotated[
+        str, msgspec.Meta(description="The agent's reason (its heartbeat's), when it reported")
+    ] = ""
 
 
 class Registration(_Wire, tag="reach.registry.register", frozen=True, kw_only=True):

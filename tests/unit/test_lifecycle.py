@@ -233,3 +233,63 @@ def test_timeout_watch_trips_on_three_within_the_window():
     assert watch.succeeded()
     assert not watch.tripped
     assert not watch.timed_out(15.0)
+
+
+def test_timeout_watch_clears_after_a_quiet_spell_without_any_traffic():
+    """Issue 19: DEGRADED set by timeouts stayed for 25 minutes on an agent nobody called:
+    only successes cleared it. Time with no new timeout clears it too."""
+    watch = TimeoutWatch(limit=3, window=10.0, recover_after=10, quiet=15.0)
+    assert not watch.tick(100.0)  # not tripped: nothing to clear
+    for t in (0.0, 1.0, 2.0):
+        watch.timed_out(t)
+    assert watch.tripped
+    assert not watch.tick(16.9)  # 14.9 s since the last timeout
+    assert watch.timed_out(16.95) is False  # a new one restarts the quiet spell
+    assert not watch.tick(31.9)
+    assert watch.tick(31.95)
+    assert not watch.tripped
+    assert not watch.tick(1000.0)  # once
+    # it trips again only on `limit` new timeouts, not on the ones before it cleared
+    assert not watch.timed_out(1001.0)
+    assert not watch.timed_out(1002.0)
+    assert watch.timed_out(1003.0)
+
+
+def test_timeout_watch_says_what_trips_it():
+    watch = TimeoutWatch(limit=3, window=10.0, quiet=15.0)
+    assert watch.describe() == "handler timeouts: 3 within 10s; UP again after 15s without one"
+
+
+def test_explain_says_why_the_status_is_what_it_is():
+    life, _ = machine()
+    assert life.explain() == "stopped"
+    life.start()
+    assert life.explain() == "starting"
+    life.started()
+    assert life.explain() == ""  # UP needs no reason
+    life.degrade(Reason.TIMEOUTS)
+    assert life.explain() == "handler timeouts"
+    life.degrade(Reason.OVERLOAD)
+    detail = {Reason.TIMEOUTS: "handler timeouts: 3 within 10s"}
+    assert life.explain(detail) == "handler timeouts: 3 within 10s; queue overload"
+    life.pause()
+    life.pause(Pause.HEALTH)
+    assert life.explain(detail) == (
+        "paused by health check, operator; handler timeouts: 3 within 10s; queue overload"
+    )
+    life.recover(Reason.TIMEOUTS)
+    life.recover(Reason.OVERLOAD)
+    assert life.explain() == "paused by health check, operator"
+    life.drain()
+    assert life.explain() == "draining"
+
+
+@pytest.mark.parametrize(("interval", "quiet"), [(5.0, 15.0), (0.2, 10.0)])
+def test_an_agent_waits_out_the_window_and_three_heartbeats(interval: float, quiet: float):
+    """DEGRADED by timeouts ends when neither the 10 s window nor three heartbeats hold a
+    new timeout: the registry has seen the DEGRADED status before it clears."""
+    from reach import Agent, ReachSettings
+
+    agent = Agent("a", settings=ReachSettings(heartbeat_interval=interval))
+    assert agent._workers.timeouts.quiet == quiet
+    assert agent.heartbeat().reason == "stopped"

@@ -13,6 +13,7 @@ from reach._kv import KvEntry
 from reach._owner import TaskOwner
 from reach._registry.checks import (
     MAX_LATENCY_MS,
+    MAX_REASON,
     check_registration,
     is_stale,
     sanitize_heartbeat,
@@ -231,6 +232,19 @@ def test_numbers_out_of_range_are_clamped(fields, expected):
     assert clamped
     for name, value in expected.items():
         assert getattr(checked, name) == value
+
+
+def test_a_reason_is_kept_to_one_printable_line_of_bounded_length():
+    ok = beat(status=Status.DEGRADED, reason="handler timeouts: 3 within 10s")
+    assert sanitize_heartbeat(ok) == (ok, False)
+    checked, clamped = sanitize_heartbeat(beat(reason="x" * 5000))
+    assert clamped
+    assert checked is not None
+    assert checked.reason == "x" * MAX_REASON
+    checked, clamped = sanitize_heartbeat(beat(reason="line one\nline two\x1b[31m"))
+    assert clamped
+    assert checked is not None
+    assert checked.reason == "line one line two [31m"
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
