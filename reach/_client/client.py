@@ -85,12 +85,14 @@ class Client(DurableTasks, ConfigWrites):
             weights={c: Weights(**w) for c, w in self.settings.routing_weights.items()},
             task_types=self.settings.task_types,
         )
-        self._table = RoutingTable(on_leave=self._router.forget, on_renew=self._router.renewed)
+        self._inbox = Inbox(self.url, f"{self.subjects.prefix}.agent.")
+        self._table = RoutingTable(
+            on_leave=self._router.forget, on_renew=self._router.renewed, on_down=self._inbox.gone
+        )
         self._config = ConfigSink(self._router)
         self._watches = Watches(
             name or "reach-client", self.settings, self.subjects, self._table, self._config
         )
-        self._inbox = Inbox(self.url, f"{self.subjects.prefix}.agent.")
         self._tasks = Tasks(self.settings, self.subjects, name or "reach-client")
         self._metrics = ClientMetrics(self._router) if self.telemetry.metrics else None
         self._tasks.tracer = self.telemetry.tracer

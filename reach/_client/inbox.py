@@ -131,6 +131,19 @@ class Inbox:
         (the error path only; a request carries nothing extra for it)."""
         rearm(self.pending, violation)
 
+    def gone(self, agent_id: str) -> None:
+        """The registry declared ``agent_id`` DOWN (silent past its lease, and no answer to
+        a probe): attempts waiting on it end now, as ``agent_unavailable``, so they fail
+        over within the deadline instead of waiting it out. Rare: a scan is fine."""
+        if not self.expect:
+            return
+        infix = f"{self._agent_subjects}{agent_id}."
+        for token, subject in list(self.expect.items()):
+            if subject.startswith(infix):
+                fut = self.pending.get(token)
+                if fut is not None and not fut.done():
+                    fut.set_exception(_Gone())
+
     def _on_reply(self, msg: Msg) -> None:
         """In nats-py's reading task (``subscribe_direct``): settle the future, no more."""
         token = msg.subject[len(self._prefix) :]
@@ -290,6 +303,14 @@ class Inbox:
                 agent_id=agent_id or "",
                 request_id=rid,
             ) from None
+        except _Gone:
+            raise AgentUnavailable(
+                f"{capability!r}: agent {agent_id!r} went DOWN while this request waited"
+                " (silent past its lease, and no answer to the registry's probe)",
+                capability=capability,
+                agent_id=agent_id or "",
+                request_id=rid,
+            ) from None
         except CONNECTION_LOST as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
         except TOO_LARGE:
@@ -356,6 +377,10 @@ class Inbox:
                     agent_id=agent_id or "",
                     request_id=rid,
                 ) from None
+
+
+class _Gone(Exception):
+    """Set on an attempt's future when its instance went DOWN (``Inbox.gone``)."""
 
 
 def _no_responders(capability: str, agent_id: str | None, rid: str) -> RemoteError:

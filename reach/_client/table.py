@@ -17,7 +17,7 @@ import msgspec
 
 from .._kv import KvEntry
 from .._routing import eligible, in_range
-from ..wire import AgentRecord, Priority
+from ..wire import AgentRecord, Priority, Status
 
 __all__ = ["LISTEN_LIMIT", "RoutingTable"]
 
@@ -45,12 +45,16 @@ class RoutingTable:
         *,
         on_leave: Callable[[str], None] = _ignore,
         on_renew: Callable[[str], None] = _ignore,
+        on_down: Callable[[str], None] = _ignore,
         listen_limit: int = LISTEN_LIMIT,
     ) -> None:
         self.records: dict[str, AgentRecord] = {}
         self._by_cap: dict[str, set[str]] = {}
         self._on_leave = on_leave
         self._on_renew = on_renew
+        #: the registry declared an instance DOWN: its lease ran out and it did not answer
+        #: a probe (a graceful stop removes the record instead, and answers what it holds)
+        self._on_down = on_down
         self._listen_limit = listen_limit
         self._listeners: list[asyncio.Queue[AgentRecord | str]] = []
         # Eligibility depends on status, version and tags only, not on load: cache the
@@ -184,6 +188,8 @@ class RoutingTable:
             self._notify(key)
         else:
             self._on_renew(key)
+            if record.status is Status.DOWN and (old is None or old.status is not Status.DOWN):
+                self._on_down(key)
             self._notify(record)
 
     def _drop_capability(self, name: str) -> None:
