@@ -1,10 +1,11 @@
-# Quick start: `make demo` runs the demo, `make test` runs lint, types and the test suite.
+# Quick start: `make demo` runs the demo, `make test` runs lint, types, the docs build and the
+# test suite (every sample in README.md and docs/ runs in tests/docs).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench schemas clean chaos chaos-short soak
+.PHONY: demo test lint typecheck docs pytest bench schemas clean chaos chaos-short soak
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.11 is required") if sys.version_info < (3, 11) else None'
@@ -12,7 +13,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,fast,edge]'
+	$(PY) -m pip install --quiet -e '.[dev,fast,edge,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,7 +29,11 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: lint typecheck pytest
+# The documentation site, built strict: a broken link, anchor or API reference fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+test: lint typecheck docs pytest
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,fast,edge,bench]'
