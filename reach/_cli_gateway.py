@@ -192,8 +192,12 @@ def _worker_argv(
     args: argparse.Namespace, host: str, port: int, metrics_port: int | None, index: int
 ) -> list[str]:
     """Worker ``index``'s command line: the supervisor's host and bound port (its Host
-    guard and banner go by them), URL, access log, and a metrics port of its own."""
-    argv = [sys.executable, "-m", "reach.cli", "gateway", "--workers", "1"]
+    guard and banner go by them), settings file, URL, access log, and a metrics port of its
+    own."""
+    argv = [sys.executable, "-m", "reach.cli"]
+    if getattr(args, "settings_file", None):  # reach --config FILE gateway
+        argv += ["--config", args.settings_file]
+    argv += ["gateway", "--workers", "1"]
     argv += ["--host", host, "--port", str(port)]
     if args.url:
         argv += ["--url", args.url]

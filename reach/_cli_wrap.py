@@ -83,7 +83,7 @@ async def _wrap(args: argparse.Namespace, settings: ReachSettings) -> int:
     else:
         spec = build_spec(spec_data(args))
     if args.nats_url:
-        settings = ReachSettings(nats_url=args.nats_url)
+        settings = settings.model_copy(update={"nats_url": args.nats_url})  # keeps --config
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request

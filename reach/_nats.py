@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
+import socket
+import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +25,7 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.subscription import Subscription
 
 from ._permissions import Permissions, auth_refused
+from ._urls import check_servers, redact
 from .errors import ConfigurationError, ConnectionFailed, Unauthorized
 from .settings import ReachSettings
 
@@ -44,9 +47,9 @@ __all__ = [
     "permissions_of",
     "redact",
     "refusals",
-    "server_list",
     "too_large",
     "translate",
+    "unreachable",
 ]
 
 log = logging.getLogger("reach.nats")
@@ -100,12 +103,6 @@ CONNECTION_LOST: tuple[type[BaseException], ...] = (
 )
 
 
-def server_list(url: str) -> list[str]:
-    """The servers in ``url``: one URL, or several comma-separated (the nodes of a cluster;
-    nats-py takes a list, and reads a comma-joined string as one broken URL)."""
-    return [u.strip() for u in url.split(",") if u.strip()]
-
-
 async def connect_nats(
     settings: ReachSettings,
     url: str,
@@ -114,30 +111,29 @@ async def connect_nats(
 ) -> NatsConnection:
     """Open a NATS connection that reconnects forever, with the settings' credentials.
 
-    Raises ``Unauthorized`` at once when the server refuses the credentials (none given,
-    or wrong), ``ConnectionFailed`` when the first connect fails otherwise. The server's
+    ``url`` is checked first (nats-py spins on an empty one and raises its own errors on a
+    bad one). The first connect keeps trying for ``connect_timeout`` seconds per server in
+    ``url``, then raises ``ConnectionFailed`` saying why and what to do; ``Unauthorized``
+    at once when the server refuses the credentials (none given, or wrong). The server's
     permission violations on the connection go to its ``Permissions``
     (``permissions_of(nc)``), which logs and counts them.
     """
+    try:
+        servers = check_servers(url)  # a cluster: nats://a:4222,nats://b:4222
+    except ValueError as exc:
+        raise ConnectionFailed(str(exc), url=redact(url)) from None
     perms = Permissions(name)
-    state = {"connecting": True, "auth_warned": False}
+    nc = ReachConnection(perms)
+    link = _Link(name, redact(url), perms, nc)
 
     async def on_error(exc: Exception) -> None:
-        if perms.record(exc):
-            return
-        if auth_refused(exc):
-            if state["connecting"]:
-                # Raised inside nats-py's first-connect loop, it ends it: retrying the same
-                # credentials forever would only turn a clear refusal into a timeout.
-                raise _Refused(str(exc))
-            if not state["auth_warned"]:
-                state["auth_warned"] = True
-                log.warning("nats connection %s: credentials refused on reconnect: %s", name, exc)
-            return
-        log.warning("nats connection %s: %s", name, exc)
+        link.error(exc)
+
+    async def on_disconnect() -> None:
+        link.lost()
 
     async def on_reconnect() -> None:
-        state["auth_warned"] = False
+        link.back()
         perms.forget()  # the server may have been reloaded with other permissions
         if reconnected is not None:
             await reconnected()
@@ -148,16 +144,17 @@ async def connect_nats(
         "reconnect_time_wait": 0.25,
         **credentials(settings, url),
     }
-    nc = ReachConnection(perms)
+    budget = settings.connect_timeout * len(servers)
     try:
         # nats-py retries the first connect forever when reconnects are unlimited; bound it.
-        async with asyncio.timeout(settings.connect_timeout * 3):
+        async with asyncio.timeout(budget):
             await nc.connect(
-                server_list(url),  # a cluster: nats://a:4222,nats://b:4222
+                servers,
                 name=name,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 error_cb=on_error,
+                disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
                 **options,
             )
@@ -169,11 +166,117 @@ async def connect_nats(
             "REACH_NATS_USER and REACH_NATS_PASSWORD (or REACH_NATS_TOKEN, REACH_NATS_CREDS, "
             "or user:password in REACH_NATS_URL) to a user of its nats-server.conf"
         ) from None
-    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+    except (nats.errors.Error, OSError, TimeoutError) as exc:
         await _abandon(nc)
-        raise ConnectionFailed(f"cannot reach NATS at {redact(url)}: {exc}", url=url) from exc
-    state["connecting"] = False
+        reason, fix = unreachable(link.last or exc)
+        raise ConnectionFailed(
+            f"cannot reach NATS at {redact(url)} within {budget:g}s: {reason}; {fix}",
+            url=redact(url),
+        ) from None
+    link.connected()
     return nc
+
+
+def unreachable(exc: BaseException) -> tuple[str, str]:
+    """What a failed connect attempt means, and what to do about it, in a few words each."""
+    where = "REACH_NATS_URL (or --url)"
+    if isinstance(exc, ConnectionRefusedError):
+        return (
+            "connection refused (no server listens on that port)",
+            f"start one with `reach up`, or point {where} at a running nats-server",
+        )
+    if isinstance(exc, socket.gaierror):
+        return f"host not found ({exc.strerror})", f"check the host name in {where}"
+    if isinstance(exc, ssl.SSLError):
+        why = getattr(exc, "reason", None) or exc  # an SSLError made by hand has no reason
+        return f"TLS failed ({why})", "check the certificates, or use nats://"
+    if isinstance(exc, TimeoutError):
+        return (
+            "no answer",
+            f"check the host and port in {where} and any firewall, or raise REACH_CONNECT_TIMEOUT",
+        )
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__, f"check {where}"
+    text = str(exc).removeprefix("nats: ") or type(exc).__name__
+    return text, f"check that {where} names a nats-server's client port"
+
+
+class _Link:
+    """What the callbacks of one connection know: the last failure of the first connect
+    (for the error that ends it) and whether a reconnect episode is under way. nats-py
+    reports every failed attempt (four a second); an episode is logged once when the
+    connection is lost and once when it is back."""
+
+    def __init__(self, name: str, url: str, perms: Permissions, nc: NatsConnection) -> None:
+        self.name, self.url, self.perms, self.nc = name, url, perms, nc
+        self.connecting = True
+        self.last: BaseException | None = None
+        self.down_since: float | None = None
+        self.failed = 0  # attempts that failed in this episode
+        self.auth_warned = False
+
+    def connected(self) -> None:
+        self.connecting, self.last = False, None
+
+    def error(self, exc: Exception) -> None:
+        if self.perms.record(exc):
+            return
+        if auth_refused(exc):
+            if self.connecting:
+                # Raised inside nats-py's first-connect loop, it ends it: retrying the same
+                # credentials forever would only turn a clear refusal into a timeout.
+                raise _Refused(str(exc))
+            if not self.auth_warned:
+                self.auth_warned = True
+                log.warning(
+                    "nats connection %s: credentials refused on reconnect: %s", self.name, exc
+                )
+            return
+        if self.connecting or self.down_since is not None:
+            self.last = exc
+            self.failed += 1
+            log.debug("nats connection %s: %s", self.name, exc)
+        elif isinstance(exc, _LINK_ERRORS):
+            self.lost(exc)
+        else:
+            log.warning("nats connection %s: %s", self.name, exc)
+
+    def lost(self, exc: BaseException | None = None) -> None:
+        """The connection went (an error said so, or nats-py began to reconnect)."""
+        if self.connecting or self.down_since is not None:
+            return
+        if exc is None and not self.nc.is_reconnecting:
+            return  # closed on purpose
+        self.down_since, self.failed = time.monotonic(), 0
+        why = f" ({str(exc) or type(exc).__name__})" if exc is not None else ""
+        log.warning(
+            "nats connection %s: lost %s%s; reconnecting (logged again when it is back)",
+            self.name,
+            self.url,
+            why,
+        )
+
+    def back(self) -> None:
+        self.auth_warned = False
+        if self.down_since is not None:
+            log.info(
+                "nats connection %s: reconnected to %s after %.1fs (%d failed attempts)",
+                self.name,
+                self.url,
+                time.monotonic() - self.down_since,
+                self.failed,
+            )
+        self.down_since, self.last = None, None
+
+
+#: what an established connection reports when it goes (then nats-py reconnects)
+_LINK_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    nats.errors.UnexpectedEOF,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionClosedError,
+)
 
 
 class ReachConnection(NatsConnection):
@@ -239,9 +342,9 @@ def credentials(settings: ReachSettings, url: str) -> dict[str, Any]:
         return kwargs
     if settings.nats_user:
         kwargs["user"] = settings.nats_user
-        kwargs["password"] = settings.nats_password
+        kwargs["password"] = settings.nats_password.get_secret_value()
     elif settings.nats_token:
-        kwargs["token"] = settings.nats_token
+        kwargs["token"] = settings.nats_token.get_secret_value()
     return kwargs
 
 
@@ -257,11 +360,6 @@ def _user(settings: ReachSettings, url: str) -> str:
     if settings.nats_creds:
         return f"in {settings.nats_creds} "
     return "(none were given) "
-
-
-def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    return re.sub(r"(://[^:/@,]*):[^@/,]*@", r"\1:***@", url)
 
 
 async def flush_nats(nc: NatsConnection) -> None:
@@ -328,3 +426,4 @@ def jetstream_unready(exc: BaseException) -> bool:
             *CONNECTION_LOST,
         ),
     )
+

@@ -43,10 +43,14 @@ __all__ = ["main"]
 
 
 def _settings(args: argparse.Namespace) -> ReachSettings:
-    """The command's settings, built once here at the edge (``--url`` over ``REACH_*``)."""
+    """The command's settings, built once here at the edge: ``--url`` over ``REACH_*`` over
+    the settings file (``--config``, else ``REACH_CONFIG``)."""
+    values: dict[str, Any] = {}
     if getattr(args, "url", None):
-        return ReachSettings(nats_url=args.url)
-    return ReachSettings()
+        values["nats_url"] = args.url
+    if getattr(args, "settings_file", None):
+        values["config"] = args.settings_file
+    return ReachSettings.load(**values)
 
 
 async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -234,6 +238,13 @@ async def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reach", description="Agent-Reach over NATS")
+    parser.add_argument(
+        "--config",
+        dest="settings_file",
+        metavar="FILE",
+        help="settings file (.toml or .yaml; keys like nats_url), as REACH_CONFIG: below "
+        "the REACH_* variables and the command's options",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -308,7 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        settings = _settings(args)  # once, before anything starts: bad values stop us here
+        try:
+            settings = _settings(args)  # once, before anything starts: bad values stop us here
+        except ValueError as exc:  # a bad setting or settings file (ConfigurationError)
+            print(f"error: bad_request: {exc}", file=sys.stderr)
+            return 2  # as for a bad option
         # The program's edge: spans go where REACH_TRACE_EXPORTER says, for every Reach
         # object this command makes (they read OpenTelemetry's provider when made).
         provider = configure_tracing(settings, f"reach-{args.command}")

@@ -3,7 +3,7 @@
     ReachError
     ├── ConfigurationError         bad settings or arguments found before anything is sent
     │   └── NotReplayable          a dead letter that cannot run again (it stays in the DLQ)
-    ├── ConnectionFailed           the NATS server cannot be reached
+    ├── ConnectionFailed           connection_failed: the NATS server cannot be reached
     ├── NotStarted                 an agent or client used before start / after close
     ├── TaskNotFound               no task has this id (never had, or its record expired)
     ├── DeadLetterNotFound         no dead letter at this DLQ sequence
@@ -97,9 +97,10 @@ class ConfigurationError(ReachError, ValueError):
 
 
 class ConnectionFailed(ReachError, ConnectionError):
-    """The NATS server could not be reached."""
+    """The NATS server could not be reached (or its URL is unusable). A fact about our
+    connection, not about an agent: its code is not ``agent_unavailable``."""
 
-    code = "agent_unavailable"
+    code = "connection_failed"
     retryable = True
 
     def __init__(self, message: str, *, url: str = "") -> None:

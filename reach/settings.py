@@ -1,18 +1,31 @@
-"""Settings for every Agent-Reach process, from ``REACH_*`` variables, ``.env`` and arguments.
+"""Settings for every Agent-Reach process, from ``REACH_*`` variables, ``.env``, a settings
+file and arguments.
 
 Precedence, highest first: arguments passed to ``ReachSettings(...)`` (and the explicit
-arguments of ``Agent``/``Client``), environment variables, a ``.env`` file, defaults.
-Settings are built at the program's edge and passed in; nothing reads them at import.
+arguments of ``Agent``/``Client``), environment variables, a ``.env`` file, the settings
+file named by ``REACH_CONFIG`` (or ``reach --config``), defaults. Settings are built at the
+program's edge and passed in; nothing reads them at import.
 """
 
 from __future__ import annotations
 
-from typing import Self
+import difflib
+import importlib
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Self
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from ._subjects import validate_prefix
+from ._urls import redact
+from .errors import ConfigurationError
 
 __all__ = ["DEFAULT_NATS_URL", "ReachSettings"]
 
@@ -28,6 +41,7 @@ class ReachSettings(BaseSettings):
         env_file_encoding="utf-8",
         extra="ignore",
         frozen=True,
+        hide_input_in_errors=True,  # a ValidationError would print every value, secrets too
     )
 
     nats_url: str = DEFAULT_NATS_URL
@@ -42,6 +56,7 @@ class ReachSettings(BaseSettings):
     down_grace: float = Field(default=30.0, gt=0)
     register_backoff: float = Field(default=0.5, gt=0)
     register_backoff_max: float = Field(default=15.0, gt=0)
+    #: seconds the first connect keeps trying each server of nats_url; then ConnectionFailed
     connect_timeout: float = Field(default=2.0, gt=0)
     routing: str = "balanced"
     max_attempts: int = Field(default=3, ge=1)
@@ -92,8 +107,9 @@ class ReachSettings(BaseSettings):
     #: credentials for a server with authorization on (nats-server.conf's users); a
     #: user:password in ``nats_url`` works too. ``nats_creds``: a .creds file (JWT + nkey)
     nats_user: str = ""
-    nats_password: str = ""
-    nats_token: str = ""
+    #: secrets: shown as ``**********``; read with ``.get_secret_value()`` at the connect only
+    nats_password: SecretStr = SecretStr("")
+    nats_token: SecretStr = SecretStr("")
     nats_creds: str = ""
     # -- telemetry -------------------------------------------------------------------------
     #: serve /metrics and /healthz on this port (0: any free port); None: not served
@@ -108,6 +124,43 @@ class ReachSettings(BaseSettings):
     trace_exporter: str = "none"
     otlp_endpoint: str = ""
     trace_sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    # -- where the rest came from ----------------------------------------------------------
+    #: a settings file (.toml; .yaml with PyYAML) whose keys are these names, e.g.
+    #: ``nats_url = "nats://nats:4222"``: REACH_CONFIG, or ``reach --config``
+    config: str = ""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The settings file sits below the environment and ``.env``, above the defaults."""
+        named_by = (init_settings, env_settings, dotenv_settings)
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            _SettingsFile(settings_cls, named_by),
+            file_secret_settings,
+        )
+
+    @classmethod
+    def load(cls, **values: Any) -> Self:
+        """Settings as a program's entry point builds them: a bad value or settings file is
+        one ``ConfigurationError`` line naming the setting, not pydantic's report."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ConfigurationError(_explain(exc)) from None
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """A password in ``nats_url`` is not shown either (the secrets are SecretStr)."""
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if name == "nats_url" else value
 
     @field_validator("routing")
     @classmethod
@@ -142,6 +195,19 @@ class ReachSettings(BaseSettings):
         return validate_prefix(value)
 
     @model_validator(mode="after")
+    def _lease_outlives_heartbeats(self) -> Self:
+        """A lease renewed by heartbeats must outlive two of them: one heartbeat late or
+        lost would otherwise let it expire, and the agent flaps between UP and DOWN."""
+        if self.lease_ttl < 2 * self.heartbeat_interval:
+            raise ValueError(
+                f"lease_ttl ({self.lease_ttl:g}s) must be at least 2 x heartbeat_interval "
+                f"({self.heartbeat_interval:g}s), or an agent flaps between UP and DOWN when "
+                "a heartbeat is late; raise lease_ttl or lower heartbeat_interval (defaults: "
+                "15s and 5s)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _task_limits(self) -> Self:
         """Task settings that contradict each other would lose records or attempts: a record
         gone before its task can end or before its idempotency key does, and JetStream
@@ -162,3 +228,94 @@ class ReachSettings(BaseSettings):
                 f"({self.task_max_attempts}): JetStream would stop before the last attempt"
             )
         return self
+
+
+class _SettingsFile(PydanticBaseSettingsSource):
+    """The settings file, read here rather than by pydantic-settings' TOML and YAML sources,
+    which skip a missing file silently and let an unknown key pass (``extra="ignore"``,
+    needed for the environment): a typo in a file must not be ignored."""
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], named_by: tuple[PydanticBaseSettingsSource, ...]
+    ) -> None:
+        super().__init__(settings_cls)
+        self._named_by = named_by
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole file
+
+    def __call__(self) -> dict[str, Any]:
+        path = ""
+        for source in self._named_by:  # the first that names one, even as "" (no file)
+            named = source()
+            if "config" in named:
+                path = str(named["config"] or "")
+                break
+        if not path:
+            return {}
+        values = _read_settings_file(Path(path))
+        known = set(self.settings_cls.model_fields) - {"config"}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key).lower(), known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "see the REACH_* settings"
+                raise ConfigurationError(
+                    f"settings file {path}: unknown setting {key!r}; {hint} (keys are the "
+                    "setting names without REACH_, lowercase: nats_url, timeout_ms, ...)"
+                )
+        return values
+
+
+def _read_settings_file(path: Path) -> dict[str, Any]:
+    """The mapping in a .toml or .yaml file; ConfigurationError (one line) if there is none."""
+    where = f"settings file {path}"
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigurationError(f"{where}: use a .toml or .yaml file (REACH_CONFIG, --config)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigurationError(
+            f"{where}: no such file; fix the path in REACH_CONFIG (or --config)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigurationError(f"{where}: cannot be read ({why})") from None
+    data: Any
+    if suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"{where}: not valid TOML ({exc})") from None
+    else:
+        data = _load_yaml(text, where)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{where}: must hold a mapping of setting names to values")
+    return data
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    try:
+        yaml = importlib.import_module("yaml")  # optional, and without type stubs here
+    except ImportError:
+        raise ConfigurationError(
+            f"{where}: YAML needs PyYAML (pip install pyyaml), or use a .toml file"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        why = " ".join(str(exc).split())  # its report spans lines
+        raise ConfigurationError(f"{where}: not valid YAML ({why})") from None
+
+
+def _explain(exc: ValidationError) -> str:
+    """A ``ValidationError`` of settings in one line, without the values given (a password
+    among them would be printed)."""
+    problems = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        what = str(e["msg"]).removeprefix("Value error, ")
+        problems.append(f"{where}: {what}" if where else what)
+    return "invalid settings: " + "; ".join(problems)

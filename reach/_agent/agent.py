@@ -88,11 +88,22 @@ class Agent(Declarations, Exposure, Serving):
         self.version = version
         self.description = description
         self.metadata = dict(metadata or {})
-        self.max_concurrency = max_concurrency or self.settings.max_concurrency
+        # None means "as the settings say"; 0 is a value, refused rather than replaced
+        self.max_concurrency = (
+            self.settings.max_concurrency if max_concurrency is None else max_concurrency
+        )
         self.max_queue = self.settings.max_queue if max_queue is None else max_queue
         self.drain_timeout = self.settings.drain_timeout if drain_timeout is None else drain_timeout
-        if self.max_concurrency < 1 or self.max_queue < 0:
-            raise ConfigurationError("max_concurrency must be >= 1 and max_queue >= 0")
+        if self.max_concurrency < 1:
+            raise ConfigurationError(
+                f"max_concurrency={self.max_concurrency}: an agent needs at least one worker;"
+                " pass 1 or more, or leave it out for REACH_MAX_CONCURRENCY (default 8)"
+            )
+        if self.max_queue < 0:
+            raise ConfigurationError(
+                f"max_queue={self.max_queue}: pass 0 (refuse work when every worker is busy)"
+                " or more, or leave it out for REACH_MAX_QUEUE (default 64)"
+            )
         # A success reply names its agent in its own reply-to subject (the instance's direct
         # subject): free to parse. Headers on every reply cost ~20% of throughput (measured),
         # so Reach-Agent/Reach-Duration-Ms on success replies are opt-in.
@@ -255,7 +266,7 @@ class Agent(Declarations, Exposure, Serving):
                 check_refused(nc, f"agent {self.agent_id} start")  # SUBs and PUBs so far
                 self._presence.start(self._work)
             except BaseException as exc:
-                await self._close(deregister=False)
+                await self._close(deregister=False, started=False)
                 check_refused(nc, f"agent {self.agent_id} start", exc)  # the cause, if it was
                 raise
         log.info("agent %s serving %s", self.agent_id, self._serving_what())
@@ -365,7 +376,9 @@ class Agent(Declarations, Exposure, Serving):
         finally:
             await self._close(deregister=graceful)
 
-    async def _close(self, *, deregister: bool) -> None:
+    async def _close(self, *, deregister: bool, started: bool = True) -> None:
+        """Close everything; ``started`` False after a failed start (whose error says why:
+        no "stopped" line beside it)."""
         if self._life.state is State.STOPPED:
             return  # a failed start closed it already
         self._intake.accepting = False
@@ -392,7 +405,7 @@ class Agent(Declarations, Exposure, Serving):
                     log.debug("agent %s: close: %s", self.agent_id, exc)
             self._life.stopped()
             self._drain_requested.set()
-            log.info("agent %s stopped", self.agent_id)
+            log.log(logging.INFO if started else logging.DEBUG, "agent %s stopped", self.agent_id)
 
     async def __aenter__(self) -> Self:
         await self.start()

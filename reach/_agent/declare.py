@@ -32,7 +32,7 @@ class Declarations:
             raise ConfigurationError(f"{name!r} is already served by this agent")
 
     def capability(
-        self, name: str, *, version: str = "1.0", description: str = ""
+        self, name: str, *, version: str = "1.0.0", description: str = ""
     ) -> Callable[[Handler], Handler]:
         """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``."""
         self._check_open(name, "capabilities")
@@ -50,7 +50,7 @@ class Declarations:
         self,
         name: str,
         *,
-        version: str = "1.0",
+        version: str = "1.0.0",
         description: str = "",
         timeout: float | None = None,
         max_attempts: int | None = None,

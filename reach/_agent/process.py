@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .._runtime import on_stop_signals, run_async
 from .._telemetry import configure_logging, configure_tracing
+from ..errors import ReachError
 
 if TYPE_CHECKING:
     from .._telemetry.core import Telemetry
@@ -69,7 +70,9 @@ class Serving:
     def run(self) -> None:
         """Blocking entry point for a process that is one agent (uses uvloop when present).
         Logs go to stderr as ``REACH_LOG_FORMAT`` says, unless logging is set up already;
-        spans are exported as ``REACH_TRACE_EXPORTER`` says, unless a tracer is set."""
+        spans are exported as ``REACH_TRACE_EXPORTER`` says, unless a tracer is set. A
+        ``ReachError`` (NATS out of reach, credentials refused) ends the process with one
+        ``error: <code>: <message>`` line on stderr and status 1."""
         if not logging.getLogger().handlers:
             configure_logging(self.settings.log_format, self.settings.log_level)
         provider = None
@@ -79,6 +82,10 @@ class Serving:
                 self.telemetry.tracer = provider.get_tracer("reach")
         try:
             run_async(self.serve_forever())
+        except ReachError as exc:
+            # A program's entry point: one line that says what to do and a non-zero status,
+            # not a traceback (a start that cannot connect or is refused ends here).
+            raise SystemExit(f"error: {exc.code}: {exc.message}") from None
         finally:
             if provider is not None:
                 provider.shutdown()  # export what is buffered

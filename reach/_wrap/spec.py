@@ -79,7 +79,7 @@ class Endpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     method: str = "POST"
     #: seconds to wait for the endpoint; a caller's earlier deadline shortens it
     timeout: float = 5.0
-    version: str = "1.0"
+    version: str = "1.0.0"
     description: str = ""
     #: sent with every request (an API key of the wrapped service, say); Reach's own names
     #: (``Reach-*``, ``Idempotency-Key``, trace context) and HTTP's framing are refused

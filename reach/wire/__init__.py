@@ -135,7 +135,8 @@ class CapabilityInfo(_Wire, tag="reach.capability", frozen=True, kw_only=True):
     """One capability an agent serves."""
 
     name: str
-    version: str = "1.0"
+    #: semver; routing compares the major only, so "1.0" from older agents is the same 1.x
+    version: str = "1.0.0"
     description: str = ""
 
 

@@ -4,7 +4,7 @@ import asyncio
 import logging
 import signal
 
-from reach import ReachSettings, Registry
+from reach import ReachError, ReachSettings, Registry
 from reach.telemetry import configure_logging
 
 
@@ -22,4 +22,7 @@ if __name__ == "__main__":
     settings = ReachSettings()
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)  # REACH_LOG_FORMAT=json
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except ReachError as exc:  # NATS out of reach, refused: one line, not a traceback
+        raise SystemExit(f"error: {exc.code}: {exc.message}") from None
