@@ -46,8 +46,10 @@ async def _wait_for_registry(settings: ReachSettings, timeout: float = 15.0) -> 
     _say("# registry did not answer yet; agents will register when it does")
 
 
-def _start_registry(url: str, replicas: int) -> subprocess.Popen[bytes]:
+def _start_registry(url: str, replicas: int, settings_file: str = "") -> subprocess.Popen[bytes]:
     env = {**os.environ, "REACH_REPLICAS": str(replicas)}
+    if settings_file:  # `reach --config FILE up`: the registry reads the same file
+        env["REACH_CONFIG"] = settings_file
     return subprocess.Popen(
         [sys.executable, "-m", "reach.cli", "registry", "--url", url],
         stdin=subprocess.DEVNULL,
@@ -115,7 +117,7 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
     try:
         url = servers.start().url
         if not args.no_registry:
-            registry = _start_registry(url, replicas)
+            registry = _start_registry(url, replicas, settings.config)
             reach = settings.model_copy(update={"nats_url": url, "replicas": replicas})
             run_async(_wait_for_registry(reach))
         print(url, flush=True)
