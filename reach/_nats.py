@@ -427,3 +427,26 @@ def jetstream_unready(exc: BaseException) -> bool:
         ),
     )
 
+
+async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
+    """Drain (or close) a connection we own, whatever state it is in. Draining needs a
+    live connection; a reconnecting one is closed instead. nats-py's close can end in a
+    ``CancelledError`` of its own (it waits on a socket whose close it cancelled, when the
+    connection was lost): that is not our task being cancelled, so it is not passed on."""
+    if nc.is_closed:
+        return
+    try:
+        if drain and nc.is_connected:
+            try:
+                await nc.drain()
+                return
+            except TRANSIENT as exc:
+                log.debug("drain failed, closing instead: %s", exc)
+        await nc.close()
+    except TRANSIENT as exc:
+        log.debug("close after a lost connection: %s", exc)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.debug("nats-py's close was cancelled inside nats-py; the connection is closed")
