@@ -1,25 +1,69 @@
-"""What the ``reach`` commands share: reading JSON arguments, printing values and tables."""
+"""What the ``reach`` commands share: reading JSON arguments, printing values and tables.
+
+A payload argument is JSON text, ``-`` (read standard input) or ``@FILE`` (read the file):
+neither is valid JSON, so the three never overlap, and a payload too big for a command line
+("Argument list too long") comes from a pipe or a file.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from .errors import ConfigurationError
 
-__all__ = ["json_or_text", "parse_json", "plain", "print_value", "status", "table", "tint"]
+__all__ = [
+    "PAYLOAD_HELP",
+    "json_or_text",
+    "parse_json",
+    "plain",
+    "print_value",
+    "read_payload",
+    "status",
+    "table",
+    "tint",
+]
+
+PAYLOAD_HELP = "JSON payload; - reads it from stdin, @FILE from a file (default null)"
 
 _COLOURS = {"UP": "32", "DEGRADED": "33", "PAUSED": "36", "UNKNOWN": "35", "DOWN": "31"}
 
 
-def parse_json(text: str) -> Any:
+def parse_json(text: str | bytes, where: str = "payload") -> Any:
     try:
         return json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(f"{where} is not UTF-8 text: {exc.reason}") from None
     except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"payload is not valid JSON: {exc}") from None
+        raise ConfigurationError(f"{where} is not valid JSON: {exc}") from None
+
+
+def read_payload(arg: str) -> Any:
+    """A payload argument's value: JSON text, ``-`` for standard input, ``@FILE`` for a
+    file. A file that cannot be read, or text that is not JSON, is ConfigurationError."""
+    if arg == "-":
+        return parse_json(sys.stdin.buffer.read(), "the payload on stdin")
+    if arg.startswith("@"):
+        name = arg[1:]
+        if not name:
+            raise ConfigurationError("@ needs a file name: @payload.json (or - for stdin)")
+        try:
+            data = Path(name).read_bytes()
+        except FileNotFoundError:
+            raise ConfigurationError(
+                f"payload file {name!r} not found: give an existing file after @"
+            ) from None
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot read payload file {name!r}: {exc.strerror or exc}"
+            ) from None
+        return parse_json(data, f"payload file {name!r}")
+    return parse_json(arg)
 
 
 def json_or_text(data: bytes | None) -> Any:

@@ -93,11 +93,13 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
         return await _supervise(args, settings, gateway)
 
     edge: Any = None
+    grace = math.ceil(gateway.shutdown_grace)  # uvicorn's is whole seconds
 
     class Server(uvicorn.Server):
         """Stops on SIGINT/SIGTERM through the event loop, and does not raise the signal
         again after a graceful stop (uvicorn's default), so the command exits 0; ends the
-        status page's event streams first (uvicorn waits for open responses)."""
+        status page's event streams first (uvicorn waits for open responses). A second
+        Ctrl-C while it drains ends the process at once (status 130)."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if edge is not None:
@@ -106,7 +108,9 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            with on_stop_signals(lambda sig: self.handle_exit(sig, None)):
+            # A worker's supervisor says it for every worker: the worker says nothing.
+            draining = None if worker else f"finishing in-flight requests for up to {grace}s"
+            with on_stop_signals(lambda sig: self.handle_exit(sig, None), draining=draining):
                 yield
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -130,7 +134,7 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
                 http=JoinedWritesProtocol,
                 log_config=None,  # our handlers (configure_logging) print uvicorn's records
                 access_log=args.access_log,
-                timeout_graceful_shutdown=math.ceil(gateway.shutdown_grace),
+                timeout_graceful_shutdown=grace,
                 server_header=False,
                 proxy_headers=False,  # client addresses are not used; one layer less per request
             )

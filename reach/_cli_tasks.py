@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ._cli_common import json_or_text, parse_json, print_value, table
+from ._cli_common import PAYLOAD_HELP, json_or_text, print_value, read_payload, table
 from ._client import Client
 from ._tasks import DeadLetter, TaskRecord, unserved
 from .errors import ReachError
@@ -79,7 +79,7 @@ def _local(t: datetime.datetime | None) -> str:
 
 
 async def _submit(args: argparse.Namespace, settings: ReachSettings) -> int:
-    payload = parse_json(args.payload)
+    payload = read_payload(args.payload)
     async with Client(settings=settings, name=_NAME) as client:
         ref = await client.submit(
             args.capability,
@@ -109,7 +109,7 @@ async def _submit(args: argparse.Namespace, settings: ReachSettings) -> int:
 async def _tasks(args: argparse.Namespace, settings: ReachSettings) -> int:
     target: list[str] = args.target
     if target == ["init"]:
-        return await _init(settings)
+        return await _init(settings, args.json)
     if len(target) > 2 or (len(target) == 2 and target[0] != "cancel") or target == ["cancel"]:
         usage = "use 'reach tasks [ID]' or 'reach tasks cancel ID'"
         print(f"error: bad_request: {usage}", file=sys.stderr)
@@ -138,11 +138,16 @@ async def _tasks(args: argparse.Namespace, settings: ReachSettings) -> int:
     return 0
 
 
-async def _init(settings: ReachSettings) -> int:
+async def _init(settings: ReachSettings, as_json: bool) -> int:
     """Make the task streams and buckets now (at deploy time, as a user allowed to): agents
     and clients then find them and need no right to create streams."""
     async with Client(settings=settings, name=_NAME) as client:
         store = await client._tasks.ready(client.nc)
+    if as_json:
+        streams = [store.stream, store.dlq_stream, store.events_stream]
+        buckets = [store.bucket, store.idem_bucket]
+        _dump({"streams": streams, "buckets": buckets, "replicas": settings.stream_replicas})
+        return 0
     print(
         f"task streams {store.stream}, {store.dlq_stream}, {store.events_stream} and buckets"
         f" {store.bucket}, {store.idem_bucket} ready ({settings.stream_replicas} replica(s))"
@@ -224,6 +229,21 @@ def _show_record(r: TaskRecord) -> None:
 
 
 # -- dlq -----------------------------------------------------------------------------------
+
+
+def _dlq_seq(text: str) -> int:
+    """A dead letter's sequence number (argparse type): given anything else, a task id
+    say, the error says what is wanted and where to find it."""
+    try:
+        seq = int(text)
+    except ValueError:
+        seq = 0
+    if seq > 0:
+        return seq
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a dead letter's SEQ (a positive number; a task id is not one):"
+        " 'reach dlq list' shows each dead letter's SEQ beside its TASK"
+    )
 
 
 async def _dlq_list(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -316,8 +336,10 @@ def add_task_commands(
     """Add ``submit``, ``tasks`` and ``dlq`` to the ``reach`` parser's subcommands."""
     p = with_url(sub.add_parser("submit", help="submit a durable task; print its id"))
     p.add_argument("capability")
-    p.add_argument("payload", nargs="?", default="null", help="JSON payload")
-    p.add_argument("--priority", default="normal", choices=[x.value for x in Priority])
+    p.add_argument("payload", nargs="?", default="null", help=PAYLOAD_HELP)
+    p.add_argument(
+        "--priority", default="normal", type=str.lower, choices=[x.value for x in Priority]
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds per attempt")
     p.add_argument("--max-attempts", type=int, default=None)
     p.add_argument("--idempotency-key", default=None)
@@ -339,7 +361,9 @@ def add_task_commands(
         )
     )
     p.add_argument("target", nargs="*", metavar="ID | cancel ID | init")
-    p.add_argument("--state", default=None, choices=[s.lower() for s in TaskState])
+    p.add_argument(  # any case: --state running, --state RUNNING
+        "--state", default=None, type=str.lower, choices=[s.lower() for s in TaskState]
+    )
     p.add_argument("--capability", default=None)
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
@@ -353,10 +377,12 @@ def add_task_commands(
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_dlq_list, is_async=True)
     p = with_url(dlq.add_parser("show", help="one dead letter: why, attempts, headers, data"))
-    p.add_argument("seq", type=int)
+    p.add_argument("seq", type=_dlq_seq, metavar="SEQ", help="its SEQ in 'reach dlq list'")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_dlq_show, is_async=True)
     p = with_url(dlq.add_parser("replay", help="run dead letters again as new tasks"))
-    p.add_argument("seq", type=int, nargs="?", default=None)
+    p.add_argument(
+        "seq", type=_dlq_seq, nargs="?", default=None, metavar="SEQ", help="from 'reach dlq list'"
+    )
     p.add_argument("--capability", default=None, help="replay every dead letter of C")
     p.set_defaults(run=_dlq_replay, is_async=True)

@@ -1,23 +1,32 @@
 """``reach up``: the wheel's nats-server (or ``--cluster N`` of them, one JetStream cluster on
 loopback) and a registry, in the foreground until Ctrl-C or SIGTERM; everything it started
-is stopped by PID."""
+is stopped by PID, and a second Ctrl-C while they stop kills them at once.
+
+One ``reach up`` per data dir and port: a lock file in the data dir and a look at the client
+ports refuse a second one before its nats-server starts (a nats-server whose port is taken
+has opened its JetStream store, and written to its log, by the time it finds out).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import nats.errors
 
 from ._client import Client
 from ._cluster import NatsCluster
-from ._runtime import run_async
+from ._runtime import Stopping, run_async
 from ._server import SHIPPED_CONFIG, NatsServer, config_with_store
 from .errors import ConfigurationError
 from .settings import ReachSettings
@@ -25,6 +34,8 @@ from .settings import ReachSettings
 __all__ = ["up"]
 
 _MAX_REPLICAS = 5  # JetStream's ceiling, and ReachSettings.replicas'
+_STOP_WAIT = 10.0  # seconds the registry, then each nats-server, has to stop before SIGKILL
+LOCK_FILE = "reach-up.lock"
 
 
 def _say(text: str) -> None:
@@ -62,7 +73,7 @@ def _stop_registry(registry: subprocess.Popen[bytes] | None) -> None:
         return
     registry.terminate()  # by PID
     try:
-        registry.wait(10)
+        registry.wait(_STOP_WAIT)
     except subprocess.TimeoutExpired:
         registry.kill()
         registry.wait()
@@ -81,13 +92,75 @@ def _config(args: argparse.Namespace) -> Path:
     return local if local.is_file() else SHIPPED_CONFIG
 
 
+def _lock(data_dir: Path) -> TextIO | None:
+    """Hold ``data_dir``'s lock file (this process's PID in it) until the process ends;
+    ConfigurationError when another ``reach up`` holds it. None where there is no flock."""
+    if sys.platform == "win32":
+        return None
+    import fcntl
+
+    held = (data_dir / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.seek(0)
+        pid = held.read().strip() or "?"
+        held.close()
+        raise ConfigurationError(
+            f"{data_dir} is in use by another 'reach up' (pid {pid}): stop it, or give this"
+            " one a --data-dir of its own"
+        ) from None
+    held.truncate(0)
+    held.write(f"{os.getpid()}\n")
+    held.flush()
+    return held
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something listens on ``host:port`` (a bind as nats-server's would fail)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server's
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _check_ports(nodes: list[NatsServer]) -> None:
+    """ConfigurationError naming the first fixed client port that is taken."""
+    for node in nodes:
+        if node.port > 0 and _port_taken(node.host, node.port):
+            raise ConfigurationError(
+                f"port {node.port} on {node.host} is taken (another nats-server or 'reach up'"
+                " runs?): stop it, or pass --port N (--port -1 picks a free port)"
+            )
+
+
 def up(args: argparse.Namespace, settings: ReachSettings) -> int:
     """Run the server(s) and a registry until Ctrl-C or SIGTERM; 1 if a server died."""
     stop = False
+    nodes: list[NatsServer] = []
+    registry: subprocess.Popen[bytes] | None = None
 
-    def on_signal(signum: int, frame: object) -> None:
+    def stopped(sig: signal.Signals) -> None:
         nonlocal stop
         stop = True
+
+    def kill_all() -> None:  # Ctrl-C again: nothing it started outlives it
+        for proc in [registry, *(node.proc for node in nodes)]:
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+
+    what = "the registry and the nats-server(s) stop"
+    stopping = Stopping(
+        stopped, draining=f"{what}, each given up to {_STOP_WAIT:g}s", abandon=kill_all
+    )
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping(signal.Signals(signum))
 
     config = _config(args)
     signal.signal(signal.SIGTERM, on_signal)
@@ -113,7 +186,8 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
             extra_args=("-m", str(args.monitor_port)) if args.monitor_port is not None else (),
         )
         nodes, replicas = [servers], settings.replicas
-    registry: subprocess.Popen[bytes] | None = None
+    lock = _lock(data_dir)
+    _check_ports(nodes)
     try:
         url = servers.start().url
         if not args.no_registry:
@@ -143,5 +217,7 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
     finally:
         _stop_registry(registry)
         servers.close()
+        if lock is not None:
+            lock.close()
     _say("# stopped")
     return 0

@@ -128,6 +128,7 @@ class Supervisor:
         self.grace = grace  # seconds a worker has to stop after SIGTERM, before SIGKILL
         self.ready_timeout = ready_timeout
         self._ready = 0
+        self._procs: set[asyncio.subprocess.Process] = set()  # workers started, not reaped
 
     async def run(self, on_ready: Callable[[], None]) -> int:
         """Serve until SIGINT or SIGTERM (0), or until a worker fails to start (its code);
@@ -137,7 +138,8 @@ class Supervisor:
         read_end, write_end = os.pipe()  # the lifeline: its end of file is ours
         failed: WorkerFailed | None = None
         try:
-            with on_stop_signals(lambda _sig: _settle(stop)):
+            draining = f"workers finish in-flight requests for up to {self.grace:g}s"
+            with on_stop_signals(lambda _sig: _settle(stop), draining=draining, abandon=self.kill):
                 async with asyncio.TaskGroup() as group:
                     slots = [
                         group.create_task(self._slot(i, read_end, on_ready), name=f"worker-{i}")
@@ -160,6 +162,13 @@ class Supervisor:
             return failed.exit_status
         return 0
 
+    def kill(self) -> None:
+        """SIGKILL every worker (Ctrl-C again: the supervisor ends at once, and they too)."""
+        for proc in self._procs:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+
     async def _slot(self, index: int, lifeline: int, on_ready: Callable[[], None]) -> None:
         """One worker for the supervisor's life: started, and started again when it exits."""
         loop = asyncio.get_running_loop()
@@ -174,6 +183,7 @@ class Supervisor:
                 continue
             proc, ready = spawned
             began = loop.time()
+            self._procs.add(proc)
             try:
                 serving = await self._await_ready(ready)
                 if not serving:
@@ -190,6 +200,9 @@ class Supervisor:
             except BaseException:
                 await self._stop(proc)
                 raise
+            finally:
+                if proc.returncode is not None:
+                    self._procs.discard(proc)
             if loop.time() - began >= STEADY:
                 delay = BACKOFF
             log.error(

@@ -18,8 +18,9 @@ import msgspec
 import nats.errors
 from opentelemetry import trace
 
-from ._cli_common import parse_json as _parse_json
+from ._cli_common import PAYLOAD_HELP
 from ._cli_common import print_value as _print_value
+from ._cli_common import read_payload as _read_payload
 from ._cli_common import status as _status
 from ._cli_common import table as _table
 from ._cli_examples import add_examples_commands
@@ -54,7 +55,7 @@ def _settings(args: argparse.Namespace) -> ReachSettings:
 
 
 async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
-    payload = _parse_json(args.payload)
+    payload = _read_payload(args.payload)
     async with Client(settings=settings, name="reach-cli") as client:
         reply = await client.call(
             args.capability,
@@ -70,7 +71,7 @@ async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 
 async def _publish(args: argparse.Namespace, settings: ReachSettings) -> int:
-    payload = _parse_json(args.payload)
+    payload = _read_payload(args.payload)
     async with Client(settings=settings, name="reach-cli") as client:
         await client.publish(args.topic, payload)
         await client.flush()
@@ -253,16 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_url(sub.add_parser("call", help="call a capability and print the JSON answer"))
     p.add_argument("capability")
-    p.add_argument("payload", nargs="?", default="null", help="JSON payload")
+    p.add_argument("payload", nargs="?", default="null", help=PAYLOAD_HELP)
     p.add_argument("--agent", help="direct call to this agent id (never substituted)")
     p.add_argument("--timeout", type=float, default=None, help="seconds")
-    p.add_argument("--priority", default="normal", choices=[x.value for x in Priority])
+    p.add_argument(
+        "--priority", default="normal", type=str.lower, choices=[x.value for x in Priority]
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="say who answered")
     p.set_defaults(run=_call, is_async=True)
 
     p = with_url(sub.add_parser("publish", help="broadcast a JSON payload on a topic"))
     p.add_argument("topic")
-    p.add_argument("payload", nargs="?", default="null")
+    p.add_argument("payload", nargs="?", default="null", help=PAYLOAD_HELP)
     p.set_defaults(run=_publish, is_async=True)
 
     p = with_url(sub.add_parser("listen", help="print every broadcast on a topic as JSON lines"))

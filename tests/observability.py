@@ -10,16 +10,16 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from reach._telemetry import CATALOGUE, LAG_BUCKETS, LATENCY_BUCKETS, Emitter, Histogram
 from reach.wire import Status
+
+from .tools import need
 
 ROOT = Path(__file__).parents[1]
 PROMETHEUS_DIR = ROOT / "services" / "prometheus"
@@ -145,14 +145,9 @@ def matched_values(expr: str, label: str) -> list[str]:
 
 
 def tool(name: str) -> str:
-    """Path of a Prometheus tool; the test FAILS without it (CI installs it in .ci/run)."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(
-            f"{name!r} is not on PATH: install Debian's `prometheus` package "
-            "(apt-get install prometheus), as .ci/run does"
-        )
-    return path
+    """Path of a Prometheus tool (promtool, prometheus): skipped without it, failed where
+    ``REACH_REQUIRE_TOOLS=1`` (CI, whose .ci/run installs it)."""
+    return need(name, "apt-get install prometheus")
 
 
 def emit_catalogue(out: Emitter) -> None:

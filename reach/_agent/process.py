@@ -30,6 +30,7 @@ class Serving:
     _serving: bool
     _exit: BaseException | None
     _drain_requested: asyncio.Event
+    drain_timeout: float
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -54,16 +55,18 @@ class Serving:
 
     async def serve_forever(self) -> None:
         """Start, serve until SIGTERM/SIGINT, ``$ctl drain`` or cancellation, then drain and
-        stop."""
+        stop. A second Ctrl-C while it drains ends the process at once (status 130)."""
         self._serving, self._exit = True, None
-        try:
-            with on_stop_signals(lambda _: self.request_drain()):
+        draining = f"draining in-flight work for up to {self.drain_timeout:g}s"
+        # The drain is inside the block: a second Ctrl-C during it is heard.
+        with on_stop_signals(lambda _: self.request_drain(), draining=draining):
+            try:
                 await self.start()
                 await self._drain_requested.wait()
                 log.info("agent %s: draining", self.agent_id)
-        finally:
-            await self.stop()
-            self._serving = False
+            finally:
+                await self.stop()
+                self._serving = False
         if self._exit is not None:
             raise self._exit
 

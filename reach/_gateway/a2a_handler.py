@@ -219,7 +219,7 @@ class ReachRequestHandler(NotOffered):
                 "capability": plan.capability,
                 "agent_id": reply.agent_id,
                 "request_id": reply.request_id,
-                "latency_ms": reply.latency_ms,
+                "latency_ms": round(reply.latency_ms, 3),
             }
         }
         return Message(

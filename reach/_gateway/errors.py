@@ -129,7 +129,11 @@ def error_body(exc: ReachError) -> dict[str, Any]:
             out["application_code"] = True
         if exc.attempts:
             out["attempts"] = [
-                {"agent_id": a.agent_id, "outcome": a.outcome, "duration_ms": a.duration_ms}
+                {
+                    "agent_id": a.agent_id,
+                    "outcome": a.outcome,
+                    "duration_ms": round(a.duration_ms, 3),  # not 338.9999999999418
+                }
                 for a in exc.attempts
             ]
     if isinstance(exc, TaskNotFound):

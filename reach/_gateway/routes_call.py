@@ -124,7 +124,8 @@ def answer_body(
         "agent_id": agent_id,
         "request_id": request_id,
         "latency_ms": round(latency, 3),
-        "duration_ms": duration,
+        # as the agent's header said it, rounded the same (another SDK's may be long)
+        "duration_ms": round(duration, 3) if isinstance(duration, float) else duration,
     }
     if encoding:
         body["encoding"] = encoding

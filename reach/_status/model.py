@@ -148,7 +148,7 @@ class _Acc:
             errors=self.errors,
             requests_per_s=self.requests_rate,
             errors_per_s=self.errors_rate,
-            latency_ms=self.ns / self.ok / 1e6 if self.ok > 0 else None,
+            latency_ms=round(self.ns / self.ok / 1e6, 3) if self.ok > 0 else None,
         )
 
 

@@ -158,13 +158,16 @@ class HttpWrapper:
             await self._close_pool()
 
     async def serve_forever(self) -> None:
-        """Serve until SIGTERM/SIGINT, ``reach drain <agent_id>`` or cancellation."""
-        await self.start()
-        try:
-            with on_stop_signals(lambda _: self.agent.request_drain()):
+        """Serve until SIGTERM/SIGINT, ``reach drain <agent_id>`` or cancellation; a second
+        Ctrl-C while it drains ends the process at once (status 130)."""
+        draining = f"draining in-flight requests for up to {self.agent.drain_timeout:g}s"
+        # The drain is inside the block: a second Ctrl-C during it is heard.
+        with on_stop_signals(lambda _: self.agent.request_drain(), draining=draining):
+            await self.start()
+            try:
                 await self.agent.wait_drain_requested()
-        finally:
-            await self.stop()
+            finally:
+                await self.stop()
 
     async def __aenter__(self) -> Self:
         await self.start()

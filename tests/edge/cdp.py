@@ -4,7 +4,8 @@ one websocket (``websockets``, which uvicorn[standard] brings) carries commands 
 for every page, each page being a flattened session of its own.
 
 Debian's package is ``chromium`` (``.ci/run`` installs it); without it the tests that need
-it fail, saying so: a missing browser must not pass for a working page.
+it are skipped, saying so, and fail where ``REACH_REQUIRE_TOOLS=1`` (CI): there a missing
+browser must not pass for a working page.
 """
 
 import asyncio
@@ -21,19 +22,16 @@ from websockets.asyncio.client import connect
 
 from reach.testing import eventually
 
+from ..tools import need
+
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
 
 def chromium_binary():
+    """The browser: ``REACH_CHROMIUM``, else the first of ``CANDIDATES`` on PATH (the test
+    is skipped without one, or fails where ``REACH_REQUIRE_TOOLS=1``)."""
     named = os.environ.get("REACH_CHROMIUM")
-    found = next(filter(None, map(shutil.which, [named] if named else CANDIDATES)), None)
-    if not found:
-        raise RuntimeError(
-            "Chromium is needed for the status page's browser test and was not found "
-            "(looked for " + ", ".join(CANDIDATES) + ", or REACH_CHROMIUM); install it: "
-            "apt-get install chromium (.ci/run does)"
-        )
-    return found
+    return need([named] if named else CANDIDATES, "apt-get install chromium")
 
 
 class CdpError(RuntimeError):

@@ -188,22 +188,30 @@ async def test_a_durable_task_runs_to_completion_and_get_task_reads_it(fleet, ht
 
 async def test_a_durable_task_streams_its_states_from_the_record(fleet, http):
     client = await a2a(fleet, http, "helper", streaming=True)
-    events = await collect(
-        client.send_message(send([new_text_part("x y z w")], capability="text.count"))
-    )
-    assert events[0].HasField("task")  # first the task, then its changes
-    task_id = events[0].task.id
-    seen = states(events)
+    # The task waits until the stream has begun: on a busy machine it could otherwise end
+    # before the stream reads it, and the stream would be the finished task alone.
+    fleet.hold.counting.clear()
+    request = send([new_text_part("x y z w")], capability="text.count")
+    async with aclosing(client.send_message(request)) as stream:
+        async with asyncio.timeout(60):
+            first = await anext(stream)
+        fleet.hold.counting.set()
+        rest = await collect(stream)
+    assert first.HasField("task")  # first the task, then its changes
+    assert first.task.status.state in (T.TASK_STATE_SUBMITTED, T.TASK_STATE_WORKING)
+    assert not first.task.artifacts
+    task_id = first.task.id
+    seen = states([first, *rest])
     assert seen[-1] == T.TASK_STATE_COMPLETED
     order = [T.TASK_STATE_SUBMITTED, T.TASK_STATE_WORKING, T.TASK_STATE_COMPLETED]
     assert seen == sorted(seen, key=order.index)
-    updates = [e.status_update for e in events if e.HasField("status_update")]
+    updates = [e.status_update for e in rest if e.HasField("status_update")]
+    assert updates
     assert {u.task_id for u in updates} == {task_id}
-    # the result: an artifact update before the final status (or, for a task that ended
-    # before the stream began, the artifact of the task itself)
-    artifacts = [e.artifact_update.artifact for e in events if e.HasField("artifact_update")]
-    artifacts += [a for e in events if e.HasField("task") for a in e.task.artifacts]
+    # the result: an artifact update before the final status
+    artifacts = [e.artifact_update.artifact for e in rest if e.HasField("artifact_update")]
     assert [get_data_parts(a.parts) for a in artifacts] == [[{"words": 4}]]
+    assert rest[-1].HasField("status_update")
 
     # a finished task has nothing more to stream
     with pytest.raises(UnsupportedOperationError):

@@ -6,9 +6,10 @@ the README's picture, to ``REACH_SCREENSHOT`` (``bench/results/status-page.png``
 import os
 from pathlib import Path
 
+import pytest
 from fastapi import Depends, Header, HTTPException
 
-from .cdp import Chromium
+from .cdp import Chromium, chromium_binary
 from .fleet import ECHO, TASK, fleet
 from .server import serve
 
@@ -16,6 +17,11 @@ DASH = "\u2013"  # the page's "no value"
 
 AGENTS = """Object.fromEntries([...document.querySelectorAll('#agents tr[data-agent]')]
   .map(r => [r.dataset.agent, r.querySelector('.badge').dataset.status]))"""
+
+
+@pytest.fixture(autouse=True)
+def _browser():
+    chromium_binary()  # skipped (or failed, REACH_REQUIRE_TOOLS=1) before a fleet starts
 
 
 def cell(capability, column):

@@ -5,6 +5,7 @@ a reader that stalls, and shutdown."""
 import asyncio
 import contextlib
 import json
+import socket
 
 import httpx
 from fastapi import FastAPI
@@ -149,28 +150,46 @@ async def test_streams_beyond_the_cap_are_refused(reach_settings):
         assert (await http.get("/v1/status")).status_code == 200  # the JSON is not capped
 
 
+SMALL_BUFFER = 4096  # bytes: the kernel's buffers hold a frame or so, on any machine
+
+
 async def test_a_reader_that_stalls_costs_a_bounded_queue_then_is_let_go(reach_settings):
     async with (
         fleet(reach_settings, queue_size=8, interval=60) as f,
-        serve(f.app(), on_exit=f.feed.shutdown) as url,
+        serve(f.app(), on_exit=f.feed.shutdown, sndbuf=SMALL_BUFFER) as url,
     ):
         host, port = url.removeprefix("http://").split(":")
-        _, writer = await asyncio.open_connection(host, int(port))
+        # Both ends' buffers are set small (the receive buffer before connecting: it sets
+        # the window), so how much the kernel holds is not the machine's default sizes.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        except BaseException:
+            sock.close()
+            raise
+        _, writer = await asyncio.open_connection(sock=sock)
+        hub = f.feed.hub
         try:
             writer.write(b"GET /v1/status/events HTTP/1.1\r\nHost: x\r\n\r\n")
             await writer.drain()
-            await eventually(lambda: f.feed.hub.subscribers == 1)
+            await eventually(lambda: hub.subscribers == 1)
             big = b"event: pad\ndata: " + b"x" * 65536 + b"\n\n"
 
             def stalled():  # the socket's buffers fill, then the queue, then frames drop
-                f.feed.hub.publish(big)
-                return f.feed.hub.dropped > 0
+                hub.publish(big)
+                return hub.dropped > 0
 
             await eventually(stalled, timeout=60)
-            assert f.feed.hub.backlog == 8
+            # What a stalled reader costs: its queue, full, never more however much is
+            # published; each frame past it drops the oldest one (counted).
+            assert hub.backlog == hub.queue_size == 8
+            dropped = hub.dropped
             for _ in range(100):
-                f.feed.hub.publish(big)
-            assert f.feed.hub.backlog == 8  # never more, however much is published
+                hub.publish(big)
+            assert hub.backlog == 8
+            assert hub.dropped == dropped + 100
         finally:
             writer.transport.abort()  # the reader goes away without reading
             with contextlib.suppress(ConnectionError):

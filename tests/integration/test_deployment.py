@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from ..tools import need
 
 ROOT = Path(__file__).parents[2]
 CONF = ROOT / "services" / "nats" / "nats-server.conf"
@@ -33,8 +34,7 @@ SECRETS = (
 
 
 def compose(*args: str, secrets: bool = True) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("docker-compose")
-    assert binary, "docker-compose is not installed (apt-get install docker-compose)"
+    binary = need("docker-compose", "apt-get install docker-compose")
     env = {k: v for k, v in os.environ.items() if k not in SECRETS}
     if secrets:
         env |= {name: f"test-{name.lower()}" for name in SECRETS}

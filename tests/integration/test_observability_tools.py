@@ -1,7 +1,7 @@
 """The shipped monitoring files and Reach's exposition, run through Debian's promtool.
 
-promtool must be installed (CI installs the `prometheus` package in .ci/run): without it
-these tests fail, they do not skip.
+Without promtool these tests are skipped, saying how to install it; CI installs the
+`prometheus` package in .ci/run and sets REACH_REQUIRE_TOOLS=1, which makes them fail instead.
 """
 
 import subprocess

@@ -1,8 +1,8 @@
 """A real Prometheus (Debian's binary) on loopback scrapes Reach's /metrics, loads the shipped
 alert rules, and answers every dashboard query through its HTTP API.
 
-Prometheus must be installed (CI installs the `prometheus` package in .ci/run): without it
-this test fails, it does not skip.
+Without Prometheus this test is skipped, saying how to install it; CI installs the
+`prometheus` package in .ci/run and sets REACH_REQUIRE_TOOLS=1, which makes it fail instead.
 """
 
 import asyncio

@@ -4,7 +4,6 @@ with ids, and /metrics and /healthz served by agents and registries."""
 
 import asyncio
 import logging
-import shutil
 
 import msgspec
 import pytest
@@ -19,6 +18,7 @@ from reach import Agent, Client, Registry, Telemetry
 from reach.telemetry import IdsFilter, JsonFormatter
 from reach.testing import eventually
 
+from ..tools import need
 from .registry_wire import fast_settings
 
 
@@ -342,8 +342,6 @@ async def http_get(url: str, path: str) -> tuple[int, str]:
 
 
 async def test_agents_and_registries_serve_metrics_and_health(settings):
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is missing: apt-get install prometheus (.ci/run does)"
     async with (
         Registry(settings=settings, metrics_port=0) as registry,
         echo_agent(settings, Telemetry(), metrics_port=0) as agent,
@@ -367,6 +365,8 @@ async def test_agents_and_registries_serve_metrics_and_health(settings):
         assert 'reach_registry_agents{capability="tel.echo",status="UP"} 1.0' in rtext
         assert (await http_get(registry.metrics_url, "/healthz"))[0] == 200
         assert (await http_get(registry.metrics_url, "/nope"))[0] == 404
+        # the rest needs promtool: the checks above ran without it
+        promtool = need("promtool", "apt-get install prometheus")
         for exposition in (text, rtext, ref_client):
             proc = await asyncio.create_subprocess_exec(
                 promtool,
