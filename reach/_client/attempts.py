@@ -301,7 +301,11 @@ class Requester:
                 outcome = exc.outcome
                 # recorded against the instance that answered (a hedge's, when it did)
                 attempts.append(
-                    Attempt(exc.agent_id or target or "", outcome, (loop.time() - started) * 1000)
+                    Attempt(
+                        exc.agent_id or target or "",
+                        outcome,
+                        round((loop.time() - started) * 1000, 3),  # whole µs: a readable number
+                    )
                 )
                 if target is not None:
                     tried.append(target)
