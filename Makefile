@@ -5,7 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck docs pytest bench schemas clean chaos chaos-short soak
+REQUEST_PATH_TESTS := tests/integration/test_requests.py tests/integration/test_slow_handlers.py \
+	tests/integration/test_deadlines_under_churn.py tests/integration/test_client_hardening.py \
+	tests/integration/test_spoofed_replies.py tests/integration/test_request_headers_size.py \
+	tests/integration/test_resilience.py tests/integration/test_auth.py tests/integration/test_agent_faults.py
+
+.PHONY: test-no-shortcuts demo test lint typecheck docs pytest bench schemas clean chaos chaos-short soak
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.11 is required") if sys.version_info < (3, 11) else None'
@@ -32,6 +37,10 @@ pytest: $(STAMP)
 # The documentation site, built strict: a broken link, anchor or API reference fails.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# The request path with reach's nats-py shortcuts off (CI runs it after make test).
+test-no-shortcuts: $(STAMP)
+	REACH_NATS_SHORTCUTS=false $(VENV)/bin/pytest -q $(REQUEST_PATH_TESTS)
 
 test: lint typecheck docs pytest
 

@@ -26,6 +26,10 @@ drops the spans); the client side of each uses the same telemetry setting.
 - `reach telemetry off`: no metrics, no spans. Goal: `reach` >= 0.95x of it.
 - `reach traced`: metrics and a span per attempt and per handler run, at 1.0 sampling.
 
+Shortcuts variant, same fleet: `reach shortcuts off` is `reach` with `nats_shortcuts=False`
+on both sides (capability `bench.echo.plain`): nats-py's public API only. Each private
+shortcut must earn 10% or more here (`reach / reach shortcuts off`), or go.
+
 Rounds interleave every variant (rotating their order), sequentially and with N in flight;
 ratios reach/raw are computed within each round and the median over rounds is reported.
 
@@ -53,6 +57,7 @@ RAW = "bench.raw"
 CAP = "bench.echo"
 CAP_OFF = "bench.echo.off"
 CAP_TRACED = "bench.echo.traced"
+CAP_PLAIN = "bench.echo.plain"
 SIZE = 256
 
 
@@ -134,7 +139,17 @@ def run_instance(url: str, index: int, served: Any, ready: Any, stop: Any) -> No
         async def echo_traced(value: dict[str, Any]) -> dict[str, Any]:
             return value
 
-        async with agent, off, traced:
+        plain = reach.Agent(
+            "bench-plain",
+            f"bench-plain-{index}",
+            settings=defaults(url).model_copy(update={"nats_shortcuts": False}),
+        )
+
+        @plain.capability(CAP_PLAIN)
+        async def echo_plain(value: dict[str, Any]) -> dict[str, Any]:
+            return value
+
+        async with agent, off, traced, plain:
             ready.set()
             await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await nc.close()
@@ -211,14 +226,23 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         name="bench-traced",
         telemetry=reach.Telemetry(tracer_provider=tracer_provider()),
     )
+    plain_client = reach.Client(
+        settings=settings.model_copy(update={"nats_shortcuts": False}), name="bench-plain"
+    )
     async with (
         reach.Client(settings=settings, name="bench") as client,
         off_client,
         traced_client,
+        plain_client,
     ):
 
         async def both_known() -> bool:
-            for c, cap in ((client, CAP), (off_client, CAP_OFF), (traced_client, CAP_TRACED)):
+            for c, cap in (
+                (client, CAP),
+                (off_client, CAP_OFF),
+                (traced_client, CAP_TRACED),
+                (plain_client, CAP_PLAIN),
+            ):
                 records = await c.agents(cap)
                 if len(records) != 2 or not all(
                     r.status == reach.Status.UP and r.heartbeat for r in records
@@ -248,6 +272,9 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         async def reach_traced() -> None:
             await traced_client.request(CAP_TRACED, body, timeout=5)
 
+        async def reach_plain() -> None:
+            await plain_client.request(CAP_PLAIN, body, timeout=5)
+
         async def raw_request() -> None:
             msg = await nc.request(RAW, body, timeout=5)
             msgspec.json.decode(msg.data)
@@ -260,6 +287,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "reach": reach_call,
             "reach telemetry off": reach_off,
             "reach traced": reach_traced,
+            "reach shortcuts off": reach_plain,
             "raw nc.request": raw_request,
             "raw mux": raw_mux,
         }
@@ -308,7 +336,11 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             mode: statistics.median(r["reach"][mode] / r[raw][mode] for r in per_round)
             for mode in ("seq", "conc")
         }
-    for a, b in (("reach", "reach telemetry off"), ("reach traced", "reach telemetry off")):
+    for a, b in (
+        ("reach", "reach telemetry off"),
+        ("reach traced", "reach telemetry off"),
+        ("reach", "reach shortcuts off"),
+    ):
         out["telemetry"][f"{a} / {b}"] = {
             mode: statistics.median(r[a][mode] / r[b][mode] for r in per_round)
             for mode in ("seq", "conc")

@@ -24,14 +24,29 @@ two task switches on each side, before any work, on top of the task that does th
 They reach into nats-py's internals: the connection's ``_process_msg``, ``_subs``,
 ``msg_class``, status, ``_pending``, ``_flush_queue``, flusher task, transport and stats;
 a subscription's ``_pending_queue``, ``_pending_size``, ``_received`` and ``_max_msgs``.
-Each checks what it relies on and falls back to nats-py's own path when it finds
-something else (``tests/integration/test_delivery.py`` and
-``tests/unit/test_read_headers.py`` hold them to the installed nats-py).
+So they are fenced three ways:
+
+- only on a connection made by ``connect_nats`` with ``nats_shortcuts`` on (the default;
+  ``REACH_NATS_SHORTCUTS=false`` turns them off), never on one a user hands us;
+- only on a nats-py version in ``TESTED_NATS_PY``: on any other they stay off, with one
+  warning per process;
+- only where the connection has every attribute they read (``shortcuts_allowed`` checks
+  them once per connection; ``publish`` and ``subscribe_direct`` re-check what a reconnect
+  replaces).
+
+Off, every function here takes nats-py's public path (``publish`` returns False,
+``subscribe_direct`` subscribes with a callback, ``write_through`` does nothing); CI runs
+the request-path tests a second time so. The replaced reader is per connection: on a
+connection reach made, its other subscriptions (JetStream's, a user's on ``client.nc``)
+still go nats-py's way, through one coroutine call more per message.
+(``tests/integration/test_delivery.py`` and ``tests/unit/test_read_headers.py`` hold
+them to the installed nats-py.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,16 +58,66 @@ from nats.aio.subscription import Subscription
 from .wire import Header
 
 __all__ = [
+    "TESTED_NATS_PY",
     "Deliver",
     "DirectQueue",
     "publish",
     "publish_by_nats",
     "read_headers",
+    "shortcuts_allowed",
     "subscribe_direct",
     "write_through",
 ]
 
 log = logging.getLogger("reach.nats")
+
+#: nats-py versions the shortcuts were tested with (the suite runs on each, on and off)
+TESTED_NATS_PY = frozenset({"2.16.0"})
+#: what ``publish``, ``write_through`` and the reader read of a connection
+_CONNECTION_ATTRS = (
+    "_status",
+    "_max_payload",
+    "_pending",
+    "_pending_data_size",
+    "_max_pending_size",
+    "_flush_queue",
+    "_flusher_task",
+    "_transport",
+    "_process_msg",
+    "_subs",
+    "msg_class",
+    "stats",
+)
+_warned: list[str] = []  # the untested version, once warned about
+
+
+def _nats_py_version() -> str:
+    try:
+        return importlib.metadata.version("nats-py")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def shortcuts_allowed(nc: NatsConnection, version: str | None = None) -> bool:
+    """Whether the shortcuts may run on ``nc``: a tested nats-py (else one warning per
+    process) whose connection has every attribute they read."""
+    version = _nats_py_version() if version is None else version
+    if version not in TESTED_NATS_PY:
+        if version not in _warned:
+            _warned.append(version)
+            log.warning(
+                "nats-py %s is not among the versions reach's request-path shortcuts were"
+                " tested with (%s): they are off (about 20%% fewer requests/s)",
+                version,
+                ", ".join(sorted(TESTED_NATS_PY)),
+            )
+        return False
+    return all(hasattr(nc, a) for a in _CONNECTION_ATTRS)
+
+
+def _on(nc: NatsConnection) -> bool:
+    return getattr(nc, "reach_shortcuts", False) is True
+
 
 Deliver = Callable[[Msg], None]
 
@@ -106,15 +171,13 @@ async def subscribe_direct(
 ) -> Subscription:
     """``nc.subscribe`` with ``deliver`` called in nats-py's reading task for each message
     (nats-py's own subscription task calling it, if its internals are not as expected)."""
+    if not _on(nc):
+        return await _subscribe_by_nats(nc, subject, deliver, queue)
     sub = await nc.subscribe(subject, queue=queue)  # no callback: nats-py starts no task
     pending: Any = getattr(sub, "_pending_queue", None)
     if not isinstance(pending, asyncio.Queue) or not hasattr(sub, "_pending_size"):
         await sub.unsubscribe()
-
-        async def callback(msg: Msg) -> None:
-            deliver(msg)
-
-        return await nc.subscribe(subject, queue=queue, cb=callback)
+        return await _subscribe_by_nats(nc, subject, deliver, queue)
     direct = DirectQueue(sub, deliver)
     sub._pending_queue = direct  # type: ignore[assignment]
     while not pending.empty():  # nothing can have come yet; should it have, it goes first
@@ -122,6 +185,20 @@ async def subscribe_direct(
     if _readable(nc, sub) and not getattr(nc._process_msg, "reads_direct", False):
         nc._process_msg = _read_messages(nc)  # type: ignore[method-assign,assignment]
     return sub
+
+
+async def _subscribe_by_nats(
+    nc: NatsConnection, subject: str, deliver: Deliver, queue: str
+) -> Subscription:
+    """nats-py's own subscription task calls ``deliver`` (the public path)."""
+
+    async def callback(msg: Msg) -> None:
+        try:
+            deliver(msg)
+        except Exception:
+            log.exception("delivery on %s failed", msg.subject)
+
+    return await nc.subscribe(subject, queue=queue, cb=callback)
 
 
 def _readable(nc: NatsConnection, sub: Subscription) -> bool:
@@ -200,6 +277,8 @@ def write_through(nc: NatsConnection) -> None:
     nats-py's flusher, woken for it already, then finds nothing to write. On any doubt
     (reconnecting, a socket behind or closing, a write that fails) it writes nothing and
     leaves it all to the flusher, which knows how to fail."""
+    if not _on(nc):
+        return
     queue = getattr(nc, "_flush_queue", None)
     if queue is None or queue.qsize() != 1 or not nc._pending_data_size or not nc.is_connected:
         return  # (reconnecting: nats-py keeps what is pending for the new connection)
@@ -228,7 +307,8 @@ def publish(
     own ``publish``, which checks, waits or raises (closed, draining, reconnecting, a full
     buffer, a subject or header it would refuse)."""
     if (
-        nc._status != _CONNECTED
+        not _on(nc)
+        or nc._status != _CONNECTED
         or len(payload) > nc._max_payload
         or not subject
         or _unsafe(subject)

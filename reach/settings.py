@@ -111,6 +111,10 @@ class ReachSettings(BaseSettings):
     nats_password: SecretStr = SecretStr("")
     nats_token: SecretStr = SecretStr("")
     nats_creds: str = ""
+    #: the request path's shortcuts through nats-py's internals (about +25% req/s); off:
+    #: nats-py's public API only. They also turn themselves off on a nats-py version they
+    #: were not tested with (``reach._delivery.TESTED_NATS_PY``), with one warning.
+    nats_shortcuts: bool = True
     # -- telemetry -------------------------------------------------------------------------
     #: serve /metrics and /healthz on this port (0: any free port); None: not served
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

@@ -13,15 +13,27 @@ import pytest
 import reach
 from reach import Agent, ReachSettings
 from reach._agent.lifecycle import State
-from reach._delivery import DirectQueue, publish, subscribe_direct, write_through
+from reach._delivery import (
+    DirectQueue,
+    publish,
+    shortcuts_allowed,
+    subscribe_direct,
+    write_through,
+)
 from reach._nats import leave
 from reach.testing import eventually
+
+
+def fast(conn: nats.NATS) -> nats.NATS:
+    """A plain connection with the shortcuts on, as ``connect_nats`` makes them."""
+    conn.reach_shortcuts = shortcuts_allowed(conn)  # type: ignore[attr-defined]
+    return conn
 
 
 @pytest.fixture
 async def nc(reach_settings: ReachSettings) -> AsyncIterator[nats.NATS]:
     """A plain nats-py connection to the test's server."""
-    conn = await nats.connect(reach_settings.nats_url)
+    conn = fast(await nats.connect(reach_settings.nats_url))
     yield conn
     await conn.close()
 
@@ -115,7 +127,7 @@ async def test_a_delivery_that_raises_is_counted_and_reading_goes_on(
     assert isinstance(sub._pending_queue, DirectQueue)
     assert sub._pending_queue.failures == 2
     # the connection still reads: a request over it is answered
-    responder = await nats.connect(reach_settings.nats_url)
+    responder = fast(await nats.connect(reach_settings.nats_url))
 
     async def echo(msg: nats.aio.msg.Msg) -> None:
         await msg.respond(msg.data)
@@ -146,9 +158,9 @@ async def test_nothing_stays_pending_and_draining_waits_for_nothing(nc: nats.NAT
 
 
 async def test_write_through_empties_nats_py_buffer_at_once(reach_settings: ReachSettings):
-    nc = await nats.connect(reach_settings.nats_url)
+    nc = fast(await nats.connect(reach_settings.nats_url))
     got: list[bytes] = []
-    other = await nats.connect(reach_settings.nats_url)
+    other = fast(await nats.connect(reach_settings.nats_url))
     try:
 
         async def on_msg(msg: nats.aio.msg.Msg) -> None:
@@ -180,7 +192,7 @@ async def test_publish_frames_as_nats_py_does(
     """The same message, sent by nats-py's publish and by ours, written at once (alone) or
     by nats-py's flusher, arrives the same: subject, reply, payload and headers (values
     cleaned of line breaks as nats-py does)."""
-    listener = await nats.connect(reach_settings.nats_url)
+    listener = fast(await nats.connect(reach_settings.nats_url))
     got: list[nats.aio.msg.Msg] = []
 
     async def on_msg(msg: nats.aio.msg.Msg) -> None:
@@ -215,7 +227,7 @@ async def test_publish_keeps_order_and_leaves_to_nats_py_what_it_would_refuse(
 ):
     """A message never overtakes what nats-py holds; what nats-py would check, refuse or
     wait for goes through nats-py's own publish (False: nothing written nor held)."""
-    listener = await nats.connect(reach_settings.nats_url)
+    listener = fast(await nats.connect(reach_settings.nats_url))
     got: list[bytes] = []
 
     async def on_msg(msg: nats.aio.msg.Msg) -> None:
@@ -260,7 +272,7 @@ def test_write_through_leaves_a_closed_socket_to_the_flusher(
     nats-py's flusher keeps what it was woken for (it notices, and reconnects)."""
 
     async def scenario() -> None:
-        nc = await nats.connect(reach_settings.nats_url, allow_reconnect=False)
+        nc = fast(await nats.connect(reach_settings.nats_url, allow_reconnect=False))
         try:
             await nc.publish("direct.e", b"lost")  # held for the flusher's next turn
             held = nc._pending_data_size
@@ -271,7 +283,7 @@ def test_write_through_leaves_a_closed_socket_to_the_flusher(
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()
-        idle = await nats.connect(reach_settings.nats_url, allow_reconnect=False)
+        idle = fast(await nats.connect(reach_settings.nats_url, allow_reconnect=False))
         try:
             idle._transport._io_writer.transport.abort()
             # nor is a message written to it: it is held for the flusher, as nats-py would
@@ -338,7 +350,7 @@ async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
     async def op(req: dict) -> dict:
         return req
 
-    listener = await nats.connect(reach_settings.nats_url)
+    listener = fast(await nats.connect(reach_settings.nats_url))
     got: list[str] = []
 
     async def on_reply(msg: nats.aio.msg.Msg) -> None:
