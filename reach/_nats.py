@@ -24,6 +24,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsConnection
 from nats.aio.subscription import Subscription
 
+from ._delivery import shortcuts_allowed
 from ._permissions import Permissions, auth_refused
 from ._urls import check_servers, redact
 from .errors import ConfigurationError, ConnectionFailed, Unauthorized
@@ -123,7 +124,7 @@ async def connect_nats(
     except ValueError as exc:
         raise ConnectionFailed(str(exc), url=redact(url)) from None
     perms = Permissions(name)
-    nc = ReachConnection(perms)
+    nc = ReachConnection(perms, shortcuts=settings.nats_shortcuts)
     link = _Link(name, redact(url), perms, nc)
 
     async def on_error(exc: Exception) -> None:
@@ -280,11 +281,15 @@ _LINK_ERRORS: tuple[type[BaseException], ...] = (
 
 
 class ReachConnection(NatsConnection):
-    """A nats-py connection that carries what the server refused on it."""
+    """A nats-py connection that carries what the server refused on it, and whether the
+    request path may take its shortcuts through nats-py's internals (``_delivery``)."""
 
-    def __init__(self, permissions: Permissions) -> None:
+    def __init__(self, permissions: Permissions, *, shortcuts: bool = False) -> None:
         super().__init__()
         self.permissions = permissions
+        #: read by ``_delivery`` on every publish and subscription; only connections made
+        #: by ``connect_nats`` ever have it on (never a connection a user hands us)
+        self.reach_shortcuts = shortcuts and shortcuts_allowed(self)
 
 
 def permissions_of(nc: NatsConnection) -> Permissions | None:
