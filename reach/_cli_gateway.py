@@ -73,7 +73,6 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
         import uvicorn
 
         from ._gateway import EdgeDeps, GatewaySettings, build_edge
-        from ._gateway.serving import JoinedWritesProtocol
     except ImportError as exc:
         raise ConfigurationError(
             f"the gateway needs the 'edge' extra: pip install 'agent-reach-nats[edge]' ({exc})"
@@ -131,7 +130,7 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
                 host=gateway.host,
                 port=gateway.port,
                 lifespan="on",
-                http=JoinedWritesProtocol,
+                http="httptools",  # uvicorn's own protocol, as configured in public
                 log_config=None,  # our handlers (configure_logging) print uvicorn's records
                 access_log=args.access_log,
                 timeout_graceful_shutdown=grace,
