@@ -22,9 +22,10 @@ the page: the same port everywhere on the page (also where a block gives it to a
 ``port=8080``), so a sample's gateway or HTTP service is where its client looks.
 ``127.0.0.1:4222`` stays (it is the default NATS URL).
 
-Shell blocks (bash, console) are checked, not run: every ``reach ...`` line must parse with
-the ``reach`` command's own parser (usage lines with ``[...]`` or ``|`` only name an existing
-command), and every ``python -m MODULE`` names a module that exists.
+Shell blocks (bash, console) are checked, not run: every ``reach ...`` line, and every
+``reach ...`` after a pipe or ``&&``, must parse with the ``reach`` command's own parser
+(usage lines with ``[...]`` or ``|`` only name an existing command), and every
+``python -m MODULE`` names a module that exists.
 """
 
 from __future__ import annotations
@@ -144,13 +145,21 @@ def page_id(page: Path) -> str:
 # -- shell samples ---------------------------------------------------------------------------
 
 
+#: ``... | reach ...`` or ``... && reach ...``: a command fed by a pipe, or chained after
+#: another (the part before it holds no quote or comment that could hide the operator)
+CHAINED = re.compile(r"""^[^'"#]*?(?:\||&&|;)\s*(reach .*)$""")
+
+
 def reach_lines(code: str) -> list[str]:
-    """The ``reach ...`` commands of a shell block (prompts, ``&`` and comments removed)."""
+    """The ``reach ...`` commands of a shell block (prompts, ``&`` and comments removed),
+    also those after a pipe or ``&&`` (``cat big.json | reach submit report.build -``)."""
     out = []
     for raw in code.splitlines():
         line = raw.strip().removeprefix("$ ")
         if line.startswith("reach "):
             out.append(line)
+        elif chained := CHAINED.match(line):
+            out.append(chained[1])
     return out
 
 
