@@ -3,6 +3,7 @@
     proxy = await Proxy(server.url).start()   # then connect to proxy.url
     proxy.pause()    # nothing is forwarded either way; every socket stays open
     proxy.resume()   # what was held back flows on
+    proxy.cut()      # every connection through it is reset (each side sees it lost)
 
 A paused proxy is a network partition, not a crash: neither side sees a reset or an EOF,
 so the server still counts the agent's subscriptions as live (no "no responders" for it),
@@ -28,8 +29,9 @@ class Proxy:
         self.target_host = parts.hostname or "127.0.0.1"
         self.target_port = int(parts.port or 4222)
         self.port = 0
-        #: connections accepted so far
+        #: connections accepted so far, and times ``cut`` reset them
         self.connections = 0
+        self.cuts = 0
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._server: asyncio.Server | None = None
@@ -55,6 +57,12 @@ class Proxy:
 
     def resume(self) -> None:
         self._flowing.set()
+
+    def cut(self) -> None:
+        """Reset every connection through the proxy now; new ones are taken as before."""
+        self.cuts += 1
+        for w in list(self._writers):
+            w.transport.abort()
 
     async def _accept(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
         self.connections += 1

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -191,6 +192,10 @@ def _say(text: str) -> None:
 
 
 def _run(args: argparse.Namespace, settings: ReachSettings) -> int:
+    if settings.config:
+        # the module builds its agent's settings itself (from REACH_*): `reach --config F
+        # run` must reach it, and the child that --reload starts, as REACH_CONFIG does
+        os.environ["REACH_CONFIG"] = str(Path(settings.config).resolve())
     try:
         if args.reload:
             return _reload(args.target, settings)

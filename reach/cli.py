@@ -56,14 +56,28 @@ def _settings(args: argparse.Namespace) -> ReachSettings:
 
 async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     payload = _read_payload(args.payload)
-    async with Client(settings=settings, name="reach-cli") as client:
-        reply = await client.call(
-            args.capability,
-            payload,
-            timeout=args.timeout,
-            priority=args.priority,
-            agent_id=args.agent,
-        )
+    wait = args.timeout if args.timeout is not None else settings.timeout_ms / 1000
+    # A backstop: connecting, the call's own deadline and closing each have their bound;
+    # should one ever fail, the command still ends, saying so, instead of waiting forever.
+    bound = settings.connect_timeout + wait + 10.0
+    try:
+        async with asyncio.timeout(bound) as limit:
+            async with Client(settings=settings, name="reach-cli") as client:
+                reply = await client.call(
+                    args.capability,
+                    payload,
+                    timeout=args.timeout,
+                    priority=args.priority,
+                    agent_id=args.agent,
+                )
+    except TimeoutError:
+        if not limit.expired():
+            raise
+        raise RequestTimeout(
+            f"reach call of {args.capability!r} did not end within {bound:g}s although every"
+            " step has its own bound (a bug: please report it with the log)",
+            capability=args.capability,
+        ) from None
     _print_value(reply.data)
     if args.verbose:
         print(f"# served by {reply.agent_id or '?'} in {reply.latency_ms:.1f} ms", file=sys.stderr)

@@ -12,7 +12,7 @@ refusal, an open circuit, a lost connection) fail over at once."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from typing import Any
 
 from opentelemetry.trace import Tracer
@@ -20,6 +20,7 @@ from opentelemetry.trace import Tracer
 from .._codec import encode_payload, now_ms
 from .._routing import (
     FAILOVER,
+    LOST,
     NOT_COUNTED,
     Choice,
     Policy,
@@ -33,6 +34,7 @@ from ..errors import (
     CircuitOpen,
     ConfigurationError,
     RemoteError,
+    RequestTimeout,
     ResourceExhausted,
 )
 from ..settings import ReachSettings
@@ -47,6 +49,8 @@ MAX_REQUEST_ID = 256
 
 __all__ = ["Requester"]
 
+#: policies the queue group cannot stand in for (it knows no scores, no sessions)
+_NEEDS_TABLE = frozenset({Policy.SCORED, Policy.AFFINITY, "scored", "affinity"})
 _PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
 
 
@@ -122,6 +126,14 @@ class Requester:
             table = self.table
             if table is None:
                 table = await self._first_table(wait)
+                wanted = self.routing if routing is None else routing
+                if table is None and (version or required_tags or wanted in _NEEDS_TABLE):
+                    raise RequestTimeout(
+                        f"{capability!r}: the routing table did not load within {wait / 2:g}s"
+                        " (is JetStream answering?); a call with a version, tags, or scored or"
+                        " affinity routing needs it, the queue group would ignore them",
+                        capability=capability,
+                    )
         capability = router.resolve(capability)
         self.check_capability(capability)
         prio = _PRIORITIES.get(priority)
@@ -201,12 +213,14 @@ class Requester:
                 cells.finished(policy.value, outcome, loop.time() - now)
 
     async def _first_table(self, wait: float) -> TableView | None:
-        """The routing table, started on first use within the caller's deadline; None (the
-        queue group) if it is not ready by then: its start goes on for later calls."""
+        """The routing table, started on first use within half the caller's deadline;
+        None if it is not ready by then (its start goes on for later calls)."""
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(wait / 2) as limit:
                 return await self._start_table()
         except TimeoutError:
+            if not limit.expired():
+                raise  # the start's own failure, not our limit
             return None
 
     async def _attempts(
@@ -234,6 +248,10 @@ class Requester:
         cells = call.cells
         attempts: list[Attempt] = []
         tried: list[str] = []
+        #: instances whose attempt timed out: the work may still run there, so never again
+        #: on this call; and whether an attempt through the queue group did (anyone may)
+        running: set[str] = set()
+        queue_ran = False
         router.budget.record_request(loop.time())
         last: RemoteError | None = None
         target: str | None = None
@@ -241,13 +259,6 @@ class Requester:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            if n > 1:
-                if not router.budget.try_retry(loop.time()):
-                    if cells is not None:
-                        cells.budget_exhausted += 1
-                    break
-                if cells is not None:
-                    cells.retries += 1
             previous = target
             probe = False
             if policy is Policy.DIRECT:
@@ -255,34 +266,40 @@ class Requester:
             elif table is None:
                 target = None  # no registry bucket (yet): the queue group decides
             else:
-                choice = router.choose(
-                    policy,
-                    table,
-                    capability,
-                    call.version,
-                    call.tags,
-                    prio,
-                    tried,
-                    affinity_key,
-                    loop.time(),
-                )
+                try:
+                    choice = router.choose(
+                        policy,
+                        table,
+                        capability,
+                        call.version,
+                        call.tags,
+                        prio,
+                        tried,
+                        affinity_key,
+                        loop.time(),
+                        avoid=running,
+                    )
+                except RemoteError:
+                    if n == 1:
+                        raise
+                    break  # nobody left who fits: the error says what was tried
                 target, probe = choice.agent_id, choice.probe
-            if (
-                last is not None
-                and last.outcome == "timeout"
-                and (target is None or target in tried)
-            ):
-                # the only other way is the queue group or an instance that timed out: it
-                # may be the same one, still running the work
+            if (running or queue_ran) and (target is None or target in running):
+                # the only way left is where the work may still be running
                 if probe and target is not None:
                     router.release_probe(target)
-                router.request_done(capability, False, loop.time())
-                if len(attempts) > 1:
-                    raise exhausted(capability, attempts, last, wait)
-                last.attempts = attempts
-                raise last
-            if n > 1 and cells is not None and target != previous:
-                cells.failovers += 1
+                break
+            if n > 1:
+                if not router.budget.try_retry(loop.time()):
+                    if probe and target is not None:
+                        router.release_probe(target)
+                    if cells is not None:
+                        cells.budget_exhausted += 1
+                    break
+                if cells is not None:
+                    cells.retries += 1
+                    if target != previous:
+                        cells.failovers += 1
             headers = base if n == 1 else {**base, Header.ATTEMPT: str(n)}
             budget = remaining
             if idempotent and n < limit and target is not None and table is not None:
@@ -291,12 +308,18 @@ class Requester:
                 )
                 if 0 < keep <= remaining / 2:
                     budget = remaining - keep
+            cut = budget < remaining
+            sent_to = len(tried)
             started = loop.time()
             try:
                 if hedge and policy is not Policy.DIRECT and target is not None:
-                    reply = await self.hedged(call, target, headers, budget, tried, probe)
+                    reply = await self.hedged(
+                        call, target, headers, budget, tried, probe, running, cut, idempotent
+                    )
                 else:
-                    reply = await self.attempt(call, target, headers, budget, probe)
+                    reply = await self.attempt(
+                        call, target, headers, budget, probe, cut=cut, idempotent=idempotent
+                    )
             except RemoteError as exc:
                 outcome = exc.outcome
                 # recorded against the instance that answered (a hedge's, when it did)
@@ -310,9 +333,15 @@ class Requester:
                 if target is not None:
                     tried.append(target)
                 last = exc
+                if outcome == "timeout":
+                    if target is None:
+                        queue_ran = True
+                    running.update(tried[sent_to:])  # the target, and a hedge's other
                 final = outcome not in FAILOVER or policy is Policy.DIRECT
                 if outcome == "timeout" and (not idempotent or target is None):
                     final = True  # the work may still be running: never run it twice unasked
+                if outcome == LOST and not idempotent:
+                    final = True  # it may have run, and its answer was lost
                 if final:
                     if outcome in FAILOVER and outcome not in NOT_COUNTED:
                         router.request_done(capability, False, loop.time())
@@ -329,8 +358,8 @@ class Requester:
                     break
                 if outcome not in NOT_COUNTED and outcome != "timeout" and n < limit:
                     # Busy: back off (full jitter) before the next instance, within the
-                    # deadline. A vanished instance, a lost answer or a timed-out one (the
-                    # deadline's share is spent already) goes on at once.
+                    # deadline. A vanished instance, a lost answer or a timed-out one (its
+                    # share of the deadline is spent already) goes on at once.
                     pause = backoff_delay(n, router.rng, base=self.retry_base, cap=self.retry_cap)
                     pause = min(pause, max(0.0, deadline - loop.time() - 0.001))
                     if pause > 0:
@@ -340,6 +369,9 @@ class Requester:
             return reply
         if any(a.outcome not in NOT_COUNTED for a in attempts):
             router.request_done(capability, False, loop.time())
+        if last is not None and len(attempts) == 1:
+            last.attempts = attempts  # one attempt, nothing more to try: its own words
+            raise last
         raise exhausted(capability, attempts, last, wait)
 
     async def attempt(
@@ -349,8 +381,13 @@ class Requester:
         headers: dict[str, str],
         budget: float,
         probe: bool = False,
+        *,
+        cut: bool = False,
+        idempotent: bool = False,
     ) -> Reply:
-        """One send, reported to the router with what really happened to it."""
+        """One send, reported to the router with what really happened to it. ``cut``: its
+        budget is less than the caller's deadline, so its timeout is not the instance's
+        fault (the router learns nothing from it)."""
         router = self.router
         loop = asyncio.get_running_loop()
         router.started(target)
@@ -363,10 +400,12 @@ class Requester:
         )
         try:
             if self.tracer is None:
-                reply = await self.inbox.send(call, subject, headers, budget, target)
+                reply = await self.inbox.send(
+                    call, subject, headers, budget, target, lossy=idempotent
+                )
             else:
                 reply = await traced_attempt(
-                    self.tracer, self.inbox, call, subject, headers, budget, target
+                    self.tracer, self.inbox, call, subject, headers, budget, target, idempotent
                 )
             outcome = "ok"
             return reply
@@ -386,7 +425,7 @@ class Requester:
             router.finished(
                 target,
                 call.capability,
-                outcome,
+                "cancelled" if cut and outcome == "timeout" else outcome,
                 (now - started) * 1000,
                 now,
                 call.affinity_key if outcome == "ok" else None,
@@ -401,16 +440,22 @@ class Requester:
         budget: float,
         tried: list[str],
         probe: bool = False,
+        running: Collection[str] = (),
+        cut: bool = False,
+        idempotent: bool = False,
     ) -> Reply:
         """Send to ``target``; if no answer by the p95, also to a second instance (added to
-        ``tried``: a retry goes elsewhere). The first answer wins; the other attempt is
-        cancelled and awaited before this returns, and both are when this is cancelled
-        itself."""
+        ``tried``: a retry goes elsewhere), never one in ``running``. The first answer wins;
+        the other attempt is cancelled and awaited before this returns, and both are when
+        this is cancelled itself."""
         delay = self.router.hedge_delay(call.capability)
         if delay is None or delay >= budget:
-            return await self.attempt(call, target, headers, budget, probe)
+            return await self.attempt(
+                call, target, headers, budget, probe, cut=cut, idempotent=idempotent
+            )
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self.attempt(call, target, headers, budget, probe))]
+        first = self.attempt(call, target, headers, budget, probe, cut=cut, idempotent=idempotent)
+        tasks = [self._owned(loop, first, target if probe else None)]
         try:
             done, _ = await asyncio.wait(tasks, timeout=delay)
             if not done:
@@ -422,9 +467,10 @@ class Requester:
                         call.version,
                         call.tags,
                         call.priority,
-                        [target],
+                        [*tried, target],
                         None,
                         loop.time(),
+                        avoid=running,
                     )
                 except RemoteError:
                     choice = Choice(None)  # nobody else to ask: wait for the first
@@ -433,8 +479,10 @@ class Requester:
                     tried.append(other)
                     if call.cells is not None:
                         call.cells.hedges += 1
-                    second = self.attempt(call, other, headers, budget - delay, choice.probe)
-                    tasks.append(loop.create_task(second))
+                    second = self.attempt(
+                        call, other, headers, budget - delay, choice.probe, idempotent=idempotent
+                    )
+                    tasks.append(self._owned(loop, second, other if choice.probe else None))
             pending = set(tasks)
             error: BaseException | None = None
             while pending:
@@ -448,3 +496,28 @@ class Requester:
             raise error
         finally:
             await reap(tasks)
+
+    def _owned(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        attempt: Coroutine[Any, Any, Reply],
+        probe: str | None,
+    ) -> asyncio.Task[Reply]:
+        """A hedge's attempt as a task. Cancelled before it starts, its own ``finally``
+        never runs: then the coroutine is closed here and a probe slot it took given back."""
+        started = False
+
+        async def run() -> Reply:
+            nonlocal started
+            started = True
+            return await attempt
+
+        def settled(_: asyncio.Task[Reply]) -> None:
+            if not started:
+                attempt.close()
+                if probe is not None:
+                    self.router.release_probe(probe)
+
+        task = loop.create_task(run())
+        task.add_done_callback(settled)
+        return task

@@ -152,7 +152,10 @@ class Client(DurableTasks, ConfigWrites):
         await self._inbox.open(nc)
 
     async def on_reconnect(self) -> None:
-        """Rebuild the watches (nats-py's own can stay silent for ~15 s after a reconnect)."""
+        """Rebuild the watches (nats-py's own can stay silent for ~15 s after a reconnect),
+        and fail over at once the attempts whose work may run twice (their answer may be
+        lost)."""
+        self._inbox.reconnected()
         self._watches.rebuild_soon()
 
     async def _start_table(self) -> RoutingTable:

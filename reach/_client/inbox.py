@@ -108,6 +108,8 @@ class Inbox:
         self.expect: dict[str, str] = {}
         #: replies dropped because they named another instance than the one asked
         self.ignored = 0
+        #: tokens of attempts whose work may run twice: ended at once by a reconnect
+        self.lossy: set[str] = set()
 
     async def open(self, nc: NatsConnection) -> None:
         # Requests still waiting on a previous connection (closed under the client) can
@@ -132,17 +134,37 @@ class Inbox:
         rearm(self.pending, violation)
 
     def gone(self, agent_id: str) -> None:
-        """The registry declared ``agent_id`` DOWN (silent past its lease, and no answer to
-        a probe): attempts waiting on it end now, as ``agent_unavailable``, so they fail
-        over within the deadline instead of waiting it out. Rare: a scan is fine."""
+        """The registry declared ``agent_id`` DOWN because nobody listens on its subjects
+        (its connection is gone, so its work is not running): attempts waiting on it end
+        now, as ``agent_unavailable``, and fail over within the deadline instead of
+        waiting it out. Rare: a scan is fine."""
         if not self.expect:
             return
         infix = f"{self._agent_subjects}{agent_id}."
         for token, subject in list(self.expect.items()):
-            if subject.startswith(infix):
-                fut = self.pending.get(token)
-                if fut is not None and not fut.done():
-                    fut.set_exception(_Gone())
+            fut = self.pending.get(token)
+            if subject.startswith(infix) and fut is not None and not fut.done():
+                fut.set_exception(
+                    AgentUnavailable(
+                        f"agent {agent_id!r} went DOWN while this request waited (its"
+                        " connection is gone: nobody answered the registry's probe)",
+                        agent_id=agent_id,
+                    )
+                )
+
+    def reconnected(self) -> None:
+        """The connection was lost and is back: an answer sent meanwhile is lost for good.
+        Attempts whose work may run twice (``lossy``) end now, as ``connection_lost``, and
+        fail over at once; the others wait on, as their answer may still come."""
+        for token in list(self.lossy):
+            fut = self.pending.get(token)
+            if fut is not None and not fut.done():
+                lost = RequestTimeout(
+                    "the connection to NATS was lost and restored while this request waited;"
+                    " its answer may be lost"
+                )
+                lost.outcome = LOST
+                fut.set_exception(lost)
 
     def _on_reply(self, msg: Msg) -> None:
         """In nats-py's reading task (``subscribe_direct``): settle the future, no more."""
@@ -237,6 +259,7 @@ class Inbox:
         agent_id: str | None,
         *,
         measure: bool = False,
+        lossy: bool = False,
     ) -> Reply:
         """``measure``: the headers may be large (a trace's baggage), so the size check
         counts them whatever the payload's size; the client's own headers are bounded."""
@@ -257,6 +280,8 @@ class Inbox:
         self.pending[token] = fut
         if agent_id is not None:
             self.expect[token] = subject
+        if lossy:
+            self.lossy.add(token)
         now = loop.time()
         due = now + wait
         deadlines = self._deadlines
@@ -279,6 +304,9 @@ class Inbox:
             if not publish(nc, subject, call.data, reply_to, headers, alone=alone):
                 await publish_by_nats(nc, subject, call.data, reply_to, headers, alone=alone)
             msg = await fut
+        except RemoteError as exc:  # set by gone() or reconnected(): this call's now
+            exc.capability, exc.request_id = capability, rid
+            raise
         except TimeoutError:
             if not nc.is_connected:
                 # the server is out of reach: the instance is not at fault (no breaker)
@@ -303,14 +331,6 @@ class Inbox:
                 agent_id=agent_id or "",
                 request_id=rid,
             ) from None
-        except _Gone:
-            raise AgentUnavailable(
-                f"{capability!r}: agent {agent_id!r} went DOWN while this request waited"
-                " (silent past its lease, and no answer to the registry's probe)",
-                capability=capability,
-                agent_id=agent_id or "",
-                request_id=rid,
-            ) from None
         except CONNECTION_LOST as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
         except TOO_LARGE:
@@ -321,6 +341,8 @@ class Inbox:
             del self.pending[token]
             if agent_id is not None:
                 del self.expect[token]
+            if lossy:
+                self.lossy.discard(token)
         latency_ms = (time.perf_counter() - started) * 1000
         hdrs = msg.headers
         if hdrs and not msg.data and hdrs.get("Status") == "503":
@@ -377,10 +399,6 @@ class Inbox:
                     agent_id=agent_id or "",
                     request_id=rid,
                 ) from None
-
-
-class _Gone(Exception):
-    """Set on an attempt's future when its instance went DOWN (``Inbox.gone``)."""
 
 
 def _no_responders(capability: str, agent_id: str | None, rid: str) -> RemoteError:

@@ -24,6 +24,7 @@ async def traced_attempt(
     headers: dict[str, str],
     budget: float,
     target: str | None,
+    lossy: bool = False,
 ) -> Reply:
     with tracer.start_as_current_span(
         f"send {call.capability}",
@@ -43,7 +44,9 @@ async def traced_attempt(
         carrier = dict(headers)  # the shared headers stay free of this attempt's span
         propagate.inject(carrier)
         try:
-            reply = await inbox.send(call, subject, carrier, budget, target, measure=True)
+            reply = await inbox.send(
+                call, subject, carrier, budget, target, measure=True, lossy=lossy
+            )
         except asyncio.CancelledError:
             span.set_attribute(ATTR.OUTCOME, "cancelled")  # a hedge loser, a caller gone
             raise

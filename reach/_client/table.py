@@ -17,7 +17,7 @@ import msgspec
 
 from .._kv import KvEntry
 from .._routing import eligible, in_range
-from ..wire import AgentRecord, Priority, Status
+from ..wire import PROBE_NO_RESPONDERS, AgentRecord, Priority, Status
 
 __all__ = ["LISTEN_LIMIT", "RoutingTable"]
 
@@ -52,8 +52,9 @@ class RoutingTable:
         self._by_cap: dict[str, set[str]] = {}
         self._on_leave = on_leave
         self._on_renew = on_renew
-        #: the registry declared an instance DOWN: its lease ran out and it did not answer
-        #: a probe (a graceful stop removes the record instead, and answers what it holds)
+        #: the registry declared an instance DOWN because nobody listens on its subjects
+        #: (its connection is gone). Not for a probe that timed out: an agent whose loop
+        #: is blocked may still be running the work. A graceful stop removes the record.
         self._on_down = on_down
         self._listen_limit = listen_limit
         self._listeners: list[asyncio.Queue[AgentRecord | str]] = []
@@ -188,7 +189,12 @@ class RoutingTable:
             self._notify(key)
         else:
             self._on_renew(key)
-            if record.status is Status.DOWN and (old is None or old.status is not Status.DOWN):
+            if (
+                record.status is Status.DOWN
+                and (old is None or old.status is not Status.DOWN)
+                and record.transitions
+                and record.transitions[-1].reason == PROBE_NO_RESPONDERS
+            ):
                 self._on_down(key)
             self._notify(record)
 

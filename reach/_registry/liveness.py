@@ -21,7 +21,7 @@ import msgspec
 from .. import _kv
 from .._codec import now_ms
 from .._nats import TRANSIENT, is_no_responders
-from ..wire import AgentRecord, Heartbeat, Status, Transition
+from ..wire import PROBE_NO_RESPONDERS, AgentRecord, Heartbeat, Status, Transition
 from .checks import sanitize_heartbeat
 from .leases import ALIVE, WRITE_FAILED, Leases
 from .state import Core
@@ -159,7 +159,7 @@ class Liveness:
         except _NO_ANSWER as exc:
             if is_no_responders(exc):
                 core.cells.probed("no_responders")
-                return None, "probe failed: no responders"
+                return None, PROBE_NO_RESPONDERS
             core.cells.probed("timeout")
             return None, "probe failed: timeout"
 

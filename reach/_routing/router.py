@@ -9,7 +9,7 @@ the table says it left, so its maps hold only instances that exist.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
 from ..wire import Priority
@@ -33,7 +33,7 @@ from .resilience import (
 
 _MAX_AFFINITY = 100_000  # remembered sessions per client
 _MAX_ABSENT = 10_000  # instances remembered as not listening
-_MIN_RESERVE = 0.25  # seconds kept for a retry elsewhere, at least: a busy machine's round trip
+_MIN_RESERVE = 0.5  # seconds kept for a retry elsewhere, at least: a busy machine's round trip
 
 
 class Router:
@@ -121,9 +121,11 @@ class Router:
         now: float,
         *,
         send: bool = True,
+        avoid: Collection[str] = (),
     ) -> Choice:
         """The next target. The queue group when the table knows no instance of the
-        capability at all; ``CapabilityNotFound`` when instances exist but none fits.
+        capability at all, or every one that fits is in ``avoid`` (the caller decides what
+        that means); ``CapabilityNotFound`` when instances exist but none fits.
         ``send=False``: only asking (a route query); a breaker's probe slot is not taken."""
         if policy is Policy.QUEUE or table is None:
             return Choice(None)
@@ -135,6 +137,10 @@ class Router:
             raise CapabilityNotFound(
                 explain_miss(offering, capability, version, tags, priority), capability=capability
             )
+        if avoid:
+            ids = [i for i in ids if i not in avoid]
+            if not ids:
+                return Choice(None)
         if self.absent:
             present = [i for i in ids if i not in self.absent]
             if not present:

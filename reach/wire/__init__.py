@@ -15,6 +15,7 @@ import msgspec
 
 __all__ = [
     "ERROR_CODES",
+    "PROBE_NO_RESPONDERS",
     "PROTOCOL_VERSION",
     "AgentEvent",
     "AgentInfo",
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION: Final = "1"
+#: the reason of a DOWN transition when nobody listens on the agent's subjects (its
+#: connection is gone): callers may fail its pending requests over at once
+PROBE_NO_RESPONDERS: Final = "probe failed: no responders"
 
 
 class Header:

@@ -231,3 +231,28 @@ def test_reload_without_watchfiles_says_what_to_install(tmp_path):
     assert run.stderr.count("\n") == 1, run.stderr
     assert "pip install watchfiles" in run.stderr
     assert "agent-reach-nats[edge]" in run.stderr
+
+
+async def test_reach_config_reaches_the_agent_the_module_builds(reach_settings, tmp_path):
+    """`reach --config F run`: the agent's own ReachSettings() reads F (its prefix here)."""
+    write_agent(tmp_path, "from the file")
+    config = tmp_path / "reach.toml"
+    config.write_text(
+        f'nats_url = "{reach_settings.nats_url}"\n'
+        f'subject_prefix = "{reach_settings.subject_prefix}"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "reach.cli", "--config", str(config), "run", "hello_agent:agent"),
+        cwd=tmp_path,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with Client(settings=reach_settings) as client:
+            await eventually(lambda: answer(client), timeout=60)
+            assert (await answer(client))["reply"] == "from the file"
+    finally:
+        await stop(proc, signal.SIGTERM)

@@ -25,7 +25,14 @@ from reach._routing import (
     two_choices,
 )
 from reach.errors import AgentUnavailable, CapabilityNotFound, CircuitOpen
-from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
+from reach.wire import (
+    PROBE_NO_RESPONDERS,
+    AgentInfo,
+    AgentRecord,
+    CapabilityInfo,
+    Heartbeat,
+    Transition,
+)
 
 
 def rec(agent_id, status=Status.UP, *, latency=10.0, load=0.0, queue=0, conc=8, tags=()):
@@ -81,13 +88,13 @@ def test_reserve_is_kept_only_for_a_live_instance_known_to_be_faster():
     table = table_of(rec("slow"), rec("fast"), rec("unknown"))
     args = (table, "work.do", None, (), Priority.NORMAL)
     assert router.reserve(*args, "slow", (), 0.0) == 0.0  # nothing is known yet
-    for agent_id, ms in (("slow", 900.0), ("fast", 100.0)):
+    for agent_id, ms in (("slow", 900.0), ("fast", 200.0)):
         router.started(agent_id)
         router.finished(agent_id, "work.do", "ok", ms, 0.0)
-    assert router.reserve(*args, "slow", (), 0.0) == pytest.approx(0.3)  # 3 x 100 ms
+    assert router.reserve(*args, "slow", (), 0.0) == pytest.approx(0.6)  # 3 x 200 ms
     router.started("fast")
     router.finished("fast", "work.do", "ok", 1.0, 10.0)  # decays towards 1 ms
-    assert router.reserve(*args, "slow", (), 10.0) == pytest.approx(0.25)  # the floor
+    assert router.reserve(*args, "slow", (), 10.0) == pytest.approx(0.5)  # the floor
     assert router.reserve(*args, "fast", (), 0.0) == 0.0  # nobody faster than it
     assert router.reserve(*args, "unknown", (), 0.0) == 0.0  # its own latency unknown
     assert router.reserve(*args, "slow", ("fast",), 0.0) == 0.0  # tried already
@@ -642,3 +649,29 @@ def test_an_instance_that_stays_gone_never_makes_the_router_refuse():
                 router.finished(None, "work.do", "ok", 1.0, now)  # the queue group answered
     assert "gone" in outcomes  # tried again now and then
     assert None in outcomes  # and the queue group meanwhile: never refused
+
+
+def test_choose_never_picks_an_instance_to_avoid():
+    router = Router(rng=random.Random(3))
+    table = table_of(rec("a"), rec("b"), rec("c"))
+    args = (Policy.BALANCED, table, "work.do", None, (), Priority.NORMAL)
+    for _ in range(50):
+        choice = router.choose(*args, ["a"], None, 0.0, avoid={"b"})
+        assert choice.agent_id == "c"
+    # every instance that fits is to be avoided: the queue group, for the caller to refuse
+    assert router.choose(*args, [], None, 0.0, avoid={"a", "b", "c"}).agent_id is None
+
+
+def test_the_table_reports_down_only_when_nobody_listens_on_the_instance():
+    down: list[str] = []
+    table = RoutingTable(on_down=down.append)
+    put(table, rec("lost"), 1)
+    put(table, rec("blocked"), 1)
+    for agent_id, reason in (("lost", PROBE_NO_RESPONDERS), ("blocked", "probe failed: timeout")):
+        record = msgspec.structs.replace(
+            rec(agent_id, Status.DOWN),
+            transitions=[Transition(old=Status.UNKNOWN, new=Status.DOWN, reason=reason, at_ms=1)],
+        )
+        put(table, record, 2)
+        put(table, record, 3)  # written again: not a new DOWN
+    assert down == ["lost"]  # a probe that timed out may hide a handler still running
