@@ -125,6 +125,7 @@ class Agent(Declarations, Exposure, Serving):
             self.settings.task_concurrency or self.max_concurrency,
         )
         self._tasks.on_exit = self._handler_exit
+        self._tasks.on_stuck = lambda n: self._workers.tasks_stuck(n)
         self._exit: BaseException | None = None  # a handler's SystemExit, for serve_forever
         self._serving = False
         self._nc: NatsConnection | None = None

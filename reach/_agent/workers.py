@@ -87,6 +87,7 @@ class Workers(Answers):
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
         self._armed = asyncio.Event()
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
+        self._stuck_tasks = 0  # the task runner's abandoned handlers, still running
 
     def start(self, nc: NatsConnection, owner: TaskOwner) -> None:
         self._nc = nc
@@ -138,8 +139,21 @@ class Workers(Answers):
                 f"queue overload: {len(self.queue)} of {self.max_queue} waiting;"
                 f" UP again at {self.recover_at}"
             ),
-            Reason.STUCK: f"{self.stats.stuck} handlers stuck past their deadline",
+            Reason.STUCK: _stuck_words(self.stats.stuck, self._stuck_tasks),
         }
+
+    def tasks_stuck(self, n: int) -> None:
+        """The task runner has ``n`` handlers that ignored their cancellation and run on.
+        Each holds its task slot (a task slot is never replaced), so any of them costs the
+        agent capacity, as request handlers past the cap do: DEGRADED while either holds."""
+        self._stuck_tasks = n
+        self._judge_stuck()
+
+    def _judge_stuck(self) -> None:
+        if self._unreplaced or self._stuck_tasks:
+            self._life.degrade(Reason.STUCK)
+        else:
+            self._life.recover(Reason.STUCK)
 
     def _done(self) -> None:
         self.outstanding -= 1
@@ -182,8 +196,7 @@ class Workers(Answers):
                 if not self._unreplaced:
                     return  # a replacement worker took this one's place
                 self._unreplaced -= 1  # none did (too many stuck): serve again
-                if not self._unreplaced:
-                    self._life.recover(Reason.STUCK)
+                self._judge_stuck()
 
     async def _run(self, job: Job, task: asyncio.Task[Any]) -> None:
         cap, msg = job.cap, job.msg
@@ -337,7 +350,7 @@ class Workers(Answers):
         if stats.stuck > self.max_concurrency:
             # Replacing without limit would pile up stuck tasks: serve with fewer workers.
             self._unreplaced += 1
-            self._life.degrade(Reason.STUCK)
+            self._judge_stuck()
             log.critical(
                 "agent %s: handler for %s (request id %s) ignores cancellation past its"
                 " deadline; %d handlers are stuck, over max_concurrency: its worker is NOT"
@@ -360,3 +373,11 @@ class Workers(Answers):
             if owner is not None and not owner.closed:
                 owner.keep(self._worker, "worker")
         await self._timed_out(job)
+
+
+def _stuck_words(requests: int, tasks: int) -> str:
+    """The STUCK reason with its numbers, for people."""
+    parts = [f"{requests} request handler(s)"] if requests or not tasks else []
+    if tasks:
+        parts.append(f"{tasks} task handler(s) (each holds its task slot)")
+    return "handlers stuck past their deadline: " + ", ".join(parts)

@@ -66,8 +66,9 @@ class Claims:
         return True
 
     async def release(self, d: Delivery) -> None:
-        """Give our claim up (compare-and-set: a newer holder's claim stays)."""
-        if d.claim_rev:
+        """Give our claim up (compare-and-set: a newer holder's claim stays); not while
+        the handler runs on (``d.abandoned``): the runner releases it when it has returned."""
+        if d.claim_rev and not d.abandoned:
             rev, d.claim_rev = d.claim_rev, 0
             try:
                 await self.store.idem_delete(self.claim_key(d), rev)

@@ -4,6 +4,10 @@ Order matters for "nothing is lost": the record is written before the message is
 naked or terminated; a dead letter is published before ``term()``. A worker whose attempt
 is no longer the newest (it was stopped, its claim expired, another attempt started) writes
 nothing and does not ack: the newer attempt owns the message now.
+
+Putting a message back (``hand_back``: a retry, a busy claim, a task for another instance,
+a drain) must not spend the task's deliveries, which JetStream counts toward
+``max_deliver`` whatever the reason: on the last one the task goes back as a new message.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 from typing import Any
 
 import msgspec
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from .._codec import encode_payload, now_ms
@@ -22,7 +27,7 @@ from ..wire import ErrorBody
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .callbacks import deliver_callback
 from .claims import Claims
-from .dlq import dead_letter
+from .dlq import TASK_ID, dead_letter
 from .model import Delivery, TaskStats
 from .states import (
     IllegalTransition,
@@ -39,6 +44,8 @@ __all__ = ["Executor"]
 
 log = logging.getLogger("reach.tasks")
 _RECORD_OVERHEAD = 8192  # bytes of a record besides its payload and result (history...)
+#: on a task put back as a new message: the stream sequence of the message it replaces
+REQUEUED_FROM = "Reach-Requeued-From"
 S = TaskState
 _encode = msgspec.json.Encoder().encode
 
@@ -89,7 +96,7 @@ class Executor(Claims):
                 return False
             seq = d.msg.metadata.sequence.stream
             if rec.seq and rec.seq != seq:
-                if await self.store.message_exists(rec.seq):
+                if rec.seq != requeued_from(d.msg) and await self.store.message_exists(rec.seq):
                     # a second message of a task whose own message is still in the
                     # stream (that one comes back if its agent dies): drop this one
                     self.stats.duplicates += 1
@@ -397,7 +404,53 @@ class Executor(Claims):
             await d.msg.ack()
 
     async def _put_back(self, d: Delivery, delay: float) -> None:
+        await self.hand_back(d.msg, delay)
+
+    async def hand_back(self, msg: Msg, delay: float = 0.0) -> None:
+        """Put a message back for another delivery, after ``delay`` seconds: a nak while
+        the message has deliveries left after this one. On its last (``max_deliver``) the
+        task goes back as a new message instead, whose count starts over, and then the old
+        one is acked: waiting for the right instance, a claim or the end of a drain never
+        dead-letters a task (a new message cannot wait out ``delay``: the next taker backs
+        off again)."""
+        self.stats.handed_back += 1
+        last = msg.metadata.num_delivered >= self.settings.task_max_deliver
         try:
-            await d.msg.nak(delay=delay if delay > 0 else None)
+            if not last:
+                await msg.nak(delay=delay if delay > 0 else None)
+            else:
+                await self._requeue(msg)
         except TRANSIENT as exc:
-            log.debug("task %s: nak: %s", d.task_id, exc)
+            seq = msg.metadata.sequence.stream
+            if last:  # JetStream delivers it no more: max deliveries dead-letters it
+                log.error("task message %s on its last delivery not put back: %s", seq, exc)
+            else:
+                log.debug("task message %s: nak: %s (it comes back after ack_wait)", seq, exc)
+
+    async def _requeue(self, msg: Msg) -> None:
+        """Publish the task again as it is (``Nats-Msg-Id`` ``<task_id>.q<old sequence>``:
+        a second try is one message; ``Reach-Requeued-From``: a record naming the old
+        message does not make ``begin`` drop the new one as a duplicate while the old one is
+        still there), then ack the old one, confirmed: one left unacked would reach
+        max deliveries and fail the task. The new one is first, so a crash between the two
+        leaves two messages of one task (``begin`` drops the second), never none."""
+        seq = msg.metadata.sequence.stream
+        headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+        headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or 'task'}.q{seq}"
+        headers[REQUEUED_FROM] = str(seq)
+        await self.store.publish(msg.subject, msg.data, headers)
+        self.stats.requeued += 1
+        try:
+            await msg.ack_sync()
+        except TRANSIENT as exc:  # the ack may be lost: make sure the old one is gone
+            log.debug("requeued message %s: ack: %s", seq, exc)
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.store.js.delete_msg(self.store.stream, seq)
+
+
+def requeued_from(msg: Msg) -> int:
+    """The stream sequence of the message ``msg`` replaces (``hand_back``); 0: none."""
+    try:
+        return int((msg.headers or {}).get(REQUEUED_FROM, 0))
+    except ValueError:
+        return 0

@@ -3,7 +3,8 @@
 Every ack_wait/3 each running task's ack timer is reset (``in_progress``) and its claim
 renewed; a task whose record moved on (a newer attempt) is stopped as fenced, one whose
 record asks for a cancel is cancelled. The cancel message stops it at once; the record
-catches an agent that missed the message.
+catches an agent that missed the message. A handler that ignored its cancellation
+(``abandoned``) has its message settled already: only its claim is renewed, until it returns.
 """
 
 from __future__ import annotations
@@ -47,10 +48,20 @@ class Leases:
             assert ex is not None
             held = [m for p in list(self._pullers.values()) for m in list(p.buffer)]
             live = list(self.running.values())
-            await asyncio.gather(*(_in_progress(m) for m in [*held, *(d.msg for d in live)]))
+            mine = [d.msg for d in live if not d.abandoned]  # its message is settled
+            await asyncio.gather(*(_in_progress(m) for m in [*held, *mine]))
             await asyncio.gather(*(self._check(ex, d) for d in live))
 
     async def _check(self, ex: Executor, d: Delivery) -> None:
+        if d.abandoned:
+            if d.claim_rev and not await ex.renew(d):
+                log.error(
+                    "task %s: the claim of its handler that will not stop was lost;"
+                    " another run of its key may start beside it",
+                    d.task_id,
+                )
+                d.claim_rev = 0
+            return
         if d.runner is None or d.runner.done():
             return  # settling: only its ack timer matters now
         try:

@@ -49,6 +49,16 @@ class TaskStats:
     invalid: int = 0
     #: tasks handed back at a drain
     drained: int = 0
+    #: messages put back for another delivery: a retry, a busy claim, a task for another
+    #: instance (tags, version), a drain or a pause
+    handed_back: int = 0
+    #: of those, put back as a new message because it was the message's last delivery
+    #: (JetStream counts every delivery toward max_deliver): waiting spends no deliveries
+    requeued: int = 0
+    #: handlers that ignored their cancellation (at a timeout, cancel, fence or drain)
+    abandoned: int = 0
+    #: of those, still running now: each holds its slot and its claim until it returns
+    stuck: int = 0
     callbacks_delivered: int = 0
     callbacks_failed: int = 0
     running: int = 0
@@ -71,6 +81,9 @@ class Delivery:
     outcome: str = ""  # how the attempt ended (for metrics and its span)
     traced: bool = False  # in a span: its context goes on with the callback
     unconfirmed: bool = False  # its RUNNING write went unanswered: the record may hold it
+    #: its handler ignored its cancellation: the attempt is recorded as ended, but the
+    #: claim is kept (renewed, not released) until the handler has returned
+    abandoned: bool = False
 
     @property
     def task_id(self) -> str:

@@ -168,6 +168,9 @@ class TaskRecovery:
             pass  # dead-lettered as it is
         rec = await self._fail(task_id, sub, seq) if task_id else None
         if rec is None or rec.state is S.FAILED:
+            # no attempt: deliveries spent by agents that died holding it before they
+            # began it (an agent that puts a task back spends none)
+            never = "" if rec is not None and rec.attempts else "; it never ran"
             await dead_letter(
                 store,
                 capability=capability,
@@ -175,7 +178,7 @@ class TaskRecovery:
                 data=data,
                 headers=headers,
                 reason="max_deliveries",
-                error=f"delivered {deliveries} times without being acknowledged",
+                error=f"delivered {deliveries} times without being acknowledged{never}",
                 attempts=rec.attempts if rec else (),
                 seq=seq,
             )

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -40,7 +40,7 @@ from .jsapi import JsApi
 from .leases import Leases
 from .model import Delivery, TaskDecl, TaskStats
 from .pull import Puller
-from .states import PriorityOrder
+from .states import PriorityOrder, retry_delay
 from .store import TaskStore
 
 if TYPE_CHECKING:
@@ -51,7 +51,8 @@ __all__ = ["TaskRunner"]
 log = logging.getLogger("reach.tasks")
 
 _LINGER = 5.0  # seconds an idle pull request waits on the server
-_GRACE = 1.0  # seconds a cancelled handler gets to end before it is left behind
+_GRACE = 1.0  # seconds a cancelled handler gets to end before it is abandoned
+_NOT_HERE_MAX = 30.0  # seconds at most before a task for another instance is looked at again
 #: a task still running after this long gets its RUNNING record; a quicker one is recorded
 #: in one write (PENDING, RUNNING, SUCCEEDED in its history)
 _RECORD_RUNNING_AFTER = 0.05
@@ -93,6 +94,9 @@ class TaskRunner(Leases):
         self._dispatcher: asyncio.Task[Any] | None = None
         #: a handler raised SystemExit: True when the agent stops in order for it
         self.on_exit: Callable[[BaseException], bool] = lambda exc: False
+        #: told how many handlers that ignored their cancellation still run (each holds a
+        #: slot), whenever that number changes
+        self.on_stuck: Callable[[int], None] = lambda n: None
         self.tracer: Tracer | None = None  # a CONSUMER span per attempt; None: off
         #: attempts by (capability, outcome), for metrics
         self.outcomes: dict[tuple[str, str], int] = {}
@@ -151,7 +155,7 @@ class TaskRunner(Leases):
         for puller in self._pullers.values():
             await puller.close()  # the server skips pull requests nobody listens to
             for msg in puller.take(len(puller.buffer)):
-                await _nak(msg)
+                await self._hand_back(msg)
         if not self.running:
             return True
         try:
@@ -243,7 +247,7 @@ class TaskRunner(Leases):
         assert self._owner is not None
         assert self._exec is not None
         if not self.fetching:
-            self._owner.spawn(_nak(msg), "tasks: hand back")
+            self._owner.spawn(self._exec.hand_back(msg), "tasks: hand back")
             return
         try:
             sub = _submit_decoder.decode(msg.data)
@@ -255,13 +259,15 @@ class TaskRunner(Leases):
             reason = f"capability {sub.capability!r} arrived on the {cap!r} consumer"
             self._owner.spawn(self._exec.invalid(msg, cap, reason, sub), "tasks: invalid")
             return
-        if sub.task_id in self.running or not self._fits(sub, decl):
-            # not for this instance: back off with each delivery, so a task waiting for
-            # the one instance that fits spends few of its deliveries meanwhile
-            delay = min(30.0, 2.0 ** min(msg.metadata.num_delivered, 5))
-            self._owner.spawn(_nak(msg, delay), "tasks: not here")
-            return
         s = self.settings
+        if sub.task_id in self.running or not self._fits(sub, decl):
+            # not for this instance: back off with each delivery (as a retry does), so the
+            # instances that cannot run it look at it less and less often; putting it
+            # back spends none of its deliveries (``hand_back``)
+            n = msg.metadata.num_delivered
+            delay = min(_NOT_HERE_MAX, retry_delay(n, s.task_retry_base, s.task_retry_cap))
+            self._owner.spawn(self._exec.hand_back(msg, delay), "tasks: not here")
+            return
         sub = msgspec.structs.replace(
             sub,
             timeout=sub.timeout or decl.timeout or s.task_timeout,
@@ -283,7 +289,7 @@ class TaskRunner(Leases):
         for puller in self._pullers.values():
             await puller.close()
             for msg in puller.take(len(puller.buffer)):
-                await _nak(msg)
+                await self._hand_back(msg)
 
     async def resume(self) -> None:
         if self._owner is None or self.fetching or not self._pullers:
@@ -294,6 +300,10 @@ class TaskRunner(Leases):
             await puller.open()
         self.fetching = True
         self._dispatcher = self._owner.keep(self._dispatch, "tasks: dispatch")
+
+    async def _hand_back(self, msg: Msg) -> None:
+        assert self._exec is not None
+        await self._exec.hand_back(msg)
 
     def _fits(self, sub: TaskSubmit, decl: TaskDecl) -> bool:
         """Tags and major version, as request routing checks them."""
@@ -344,21 +354,83 @@ class TaskRunner(Leases):
                 d.stop_reason = "fenced"
                 inner.cancel()
                 await asyncio.wait({inner}, timeout=_GRACE)
-                await ex.fenced(d)
+                self._abandon(d, inner)
+                await self._ended(ex, d, ex.fenced(d))
                 return
             done, _ = await asyncio.wait({inner}, timeout=max(0.0, timeout - quick))
             if not done:
                 d.stop_reason = d.stop_reason or "timeout"
                 inner.cancel()
                 done, _ = await asyncio.wait({inner}, timeout=_GRACE)
-            await self._settle(ex, d, inner, bool(done))
+                self._abandon(d, inner)
+            await self._ended(ex, d, self._settle(ex, d, inner, bool(done)))
             return
         finally:
+            if d.abandoned:  # cancelled (the agent stops) while it waited: the claim lapses
+                self._unstick(d)
             self.running.pop(d.task_id, None)
             self.stats.running = len(self.running)
             if not self.running:
                 self._idle.set()
             self._wake.set()
+
+    def _abandon(self, d: Delivery, inner: asyncio.Task[Any]) -> None:
+        """A handler still running after its cancellation and the grace: its attempt is
+        recorded as ended (the caller settles it), but the handler is never left to run
+        beside another: it keeps its slot (it stays in ``running``) and its claim
+        (``abandoned``: renewed by the lease loop, not released) until it has returned. So a
+        stuck handler caps the runner as it caps the request workers, and a retry of its
+        task waits for it. Counted, logged and reported (the agent is DEGRADED)."""
+        if inner.done():
+            return
+        d.abandoned = True
+        self.stats.abandoned += 1
+        self.stats.stuck += 1
+        log.error(
+            "agent %s: task %s (%s, attempt %d) ignores its cancellation (%s); its %s taken"
+            " until it returns (%d task handler(s) stuck)",
+            self.agent_id,
+            d.task_id,
+            d.sub.capability,
+            d.n,
+            d.stop_reason,
+            "slot and claim stay" if d.claim_rev else "slot stays",
+            self.stats.stuck,
+        )
+        self.on_stuck(self.stats.stuck)
+
+    async def _ended(self, ex: Executor, d: Delivery, record: Coroutine[Any, Any, None]) -> None:
+        """Record how the attempt ended, then wait for its handler if it was abandoned
+        (also when the record could not be written: the handler holds what it holds)."""
+        try:
+            await record
+        except Exception:
+            await self._outlive(ex, d)
+            raise
+        await self._outlive(ex, d)
+
+    async def _outlive(self, ex: Executor, d: Delivery) -> None:
+        """Wait for an abandoned handler to return, then free its claim (the caller frees
+        its slot). A stop of the agent cancels this wait: the claim then lapses after
+        ack_wait, as any claim of a stopped agent does."""
+        if not d.abandoned or d.runner is None:
+            return
+        since = time.monotonic()
+        await asyncio.wait({d.runner})
+        self._unstick(d)
+        log.warning(
+            "agent %s: task %s: the handler that ignored its cancellation returned %.1fs"
+            " later; what it returned is dropped",
+            self.agent_id,
+            d.task_id,
+            time.monotonic() - since,
+        )
+        await ex.release(d)
+
+    def _unstick(self, d: Delivery) -> None:
+        d.abandoned = False
+        self.stats.stuck -= 1
+        self.on_stuck(self.stats.stuck)
 
     async def _settle(
         self, ex: Executor, d: Delivery, inner: asyncio.Task[Any], done: bool
@@ -386,11 +458,3 @@ class TaskRunner(Leases):
                 d.outcome = "fenced"  # its write was refused: a newer attempt owns the task
             key = (d.sub.capability, d.outcome)
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
-
-
-async def _nak(msg: Msg, delay: float | None = None) -> None:
-    """Put a message back: for redelivery at once, or after ``delay`` seconds."""
-    try:
-        await msg.nak(delay=delay)
-    except TRANSIENT as exc:
-        log.debug("nak: %s", exc)

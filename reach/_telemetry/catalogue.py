@@ -118,6 +118,12 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "counter", "Tasks this agent moved to the dead-letter stream.", ("agent",)
     ),
     "reach_agent_tasks_running": Spec("gauge", "Durable tasks running now.", ("agent",)),
+    "reach_agent_handlers_stuck": Spec(
+        "gauge",
+        "Handlers that ignored their cancellation and still run, by kind (request, task);"
+        " a task handler holds its slot and claim until it returns.",
+        ("agent", "kind"),
+    ),
     # -- registry
     "reach_registry_agents": Spec(
         "gauge", "Agent instances by capability and status.", ("capability", "status")

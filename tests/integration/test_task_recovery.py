@@ -3,6 +3,7 @@
 import asyncio
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import pytest
 
@@ -11,6 +12,7 @@ from reach._codec import now_ms
 from reach._tasks.dlq import dead_letter
 from reach._tasks.store import TaskStore
 from reach.testing import eventually
+from reach.wire import Priority
 from reach.wire.tasks import TaskAttempt, TaskRecord, TaskStep
 
 CAP = "report.build"
@@ -71,35 +73,57 @@ def lost_record(task_id: str, seq: int = 10_000_000) -> TaskRecord:
     )
 
 
-async def test_a_task_no_agent_takes_reaches_max_deliveries_and_goes_to_the_dlq(settings):
-    """The only agent lacks the tag the task requires: it hands the message back each time,
-    JetStream stops after task_max_deliver deliveries, and a registry moves the message
-    to the DLQ and fails the task, so neither waits for ever."""
-    agent = doubling_agent(settings, tags=["cpu"])
-    async with Registry(settings=settings) as registry, agent, Client(settings=settings) as client:
-        ref = await client.submit(CAP, {"n": 1}, required_tags=["gpu"])
+async def die_holding(client: Client, settings, tasks: int = 1) -> None:
+    """What agents that die holding a task before they begin it do to ``tasks`` waiting
+    tasks: every delivery spent, none run (naks here, to be quick). An agent that cannot
+    run a task spends none (``test_task_hand_back.py``): this is the one way left. Then one
+    more pull, at which JetStream finds max deliveries reached and announces it."""
+    js = client.nc.jetstream()
+    name = await TaskStore(js, client.subjects, settings).ensure_consumer(CAP, Priority.NORMAL)
+    psub = await js.pull_subscribe_bind(name, task_stream(settings))
+    try:
+        spent = 0
+        while spent < tasks * settings.task_max_deliver:
+            for msg in await psub.fetch(tasks, timeout=10):
+                await msg.nak()
+                spent += 1
+        with pytest.raises(nats.errors.TimeoutError):
+            await psub.fetch(1, timeout=1)
+    finally:
+        await psub.unsubscribe()
+
+
+async def test_a_task_whose_deliveries_run_out_unrun_goes_to_the_dlq_saying_it_never_ran(
+    settings,
+):
+    """JetStream stops after task_max_deliver deliveries, and a registry moves the message
+    to the DLQ and fails the task, so neither waits for ever; the letter says it never ran.
+    (A task no agent can run, for want of a tag, is not this: it waits, spending none.)"""
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
+        ref = await client.submit(CAP, {"n": 1})
+        await die_holding(client, settings)
         rec = await ref.wait(timeout=60)
         assert rec.state is TaskState.FAILED
+        assert rec.attempts == []
         assert rec.error is not None
         assert rec.error.message == "max deliveries reached"
 
         await eventually(lambda: registry.stats.max_deliveries == 1, timeout=30)
         [dl] = await client.dead_letters()
         assert (dl.task_id, dl.reason, dl.kind) == (ref.task_id, "max_deliveries", "task")
+        assert dl.error.endswith("; it never ran")
         with pytest.raises(nats.js.errors.NotFoundError):
             await client.nc.jetstream().get_msg(task_stream(settings), seq=rec.seq)
-        assert agent.task_stats.started == 0
 
 
 async def test_two_registries_move_each_task_to_the_dlq_once(settings):
-    agent = doubling_agent(settings, tags=["cpu"])
     async with (
         Registry(settings=settings) as r1,
         Registry(settings=settings) as r2,
-        agent,
         Client(settings=settings) as client,
     ):
-        refs = [await client.submit(CAP, {"n": i}, required_tags=["gpu"]) for i in range(4)]
+        refs = [await client.submit(CAP, {"n": i}) for i in range(4)]
+        await die_holding(client, settings, len(refs))
         for ref in refs:
             assert (await ref.wait(timeout=60)).state is TaskState.FAILED
 
@@ -249,8 +273,7 @@ async def test_recovery_is_off_with_tasks_false_and_sweeps_off_with_interval_zer
 async def test_max_deliveries_reached_while_no_registry_runs_is_handled_by_a_later_one(settings):
     """The advisory is kept in a stream of our own: a registry started after the message
     reached max deliveries still fails the task and moves it to the DLQ."""
-    agent = doubling_agent(settings, tags=["cpu"])
-    async with agent, Client(settings=settings) as client:
+    async with Client(settings=settings) as client:
         advised = asyncio.Event()
 
         async def on_advisory(msg) -> None:
@@ -259,7 +282,8 @@ async def test_max_deliveries_reached_while_no_registry_runs_is_handled_by_a_lat
         subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{task_stream(settings)}.>"
         await client.nc.subscribe(subject, cb=on_advisory)
         await client.nc.flush()
-        ref = await client.submit(CAP, {"n": 1}, required_tags=["gpu"])
+        ref = await client.submit(CAP, {"n": 1})
+        await die_holding(client, settings)
         await asyncio.wait_for(advised.wait(), 30)
         assert (await ref.status()).state is TaskState.PENDING
 
@@ -278,13 +302,13 @@ async def test_max_deliveries_reached_while_no_registry_runs_is_handled_by_a_lat
 async def test_a_dead_letter_that_could_not_be_stored_is_stored_on_a_later_try(settings):
     """The DLQ stream is missing when the task reaches max deliveries: the advisory is
     handled again (not dropped) until the dead letter is stored and the message removed."""
-    agent = doubling_agent(settings, tags=["cpu"])
-    async with Registry(settings=settings) as registry, agent, Client(settings=settings) as client:
+    async with Registry(settings=settings) as registry, Client(settings=settings) as client:
         js = client.nc.jetstream()
         await client.list_tasks()  # the task streams exist
         config = (await js.stream_info(dlq_stream(settings))).config
         await js.delete_stream(dlq_stream(settings))
-        ref = await client.submit(CAP, {"n": 1}, required_tags=["gpu"])
+        ref = await client.submit(CAP, {"n": 1})
+        await die_holding(client, settings)
         assert (await ref.wait(timeout=30)).state is TaskState.FAILED
         await eventually(lambda: registry.stats.recovery_errors >= 1, timeout=30)
         assert registry.stats.max_deliveries == 0
