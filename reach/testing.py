@@ -1,7 +1,10 @@
-"""Test helpers for agents: a real nats-server per session, and pytest fixtures.
+"""Test helpers for agents: a real nats-server on a random loopback port, and waiting for
+a condition. None of it needs pytest.
 
-Installed as a pytest plugin (entry point ``reach``), so in any project that depends on
-``agent-reach-nats`` a test can take ``reach_settings`` and run agents against a real server::
+The pytest fixtures are a plugin of their own (``reach._pytest_plugin``, entry point
+``reach``), so in any project that depends on ``agent-reach-nats`` and has pytest, a test
+can take ``reach_settings`` (or ``reach_nats_server``, ``reach_client``) and run agents
+against a real server::
 
     async def test_translate(reach_settings):
         agent = Agent("translator", settings=reach_settings)
@@ -26,16 +29,11 @@ async); its ``urls`` go into ``ReachSettings(nats_url=..., replicas=3)``, and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
 from nats.nuid import NUID
 
-from ._client import Client
 from ._cluster import NatsCluster
 from ._server import NatsServer, config_with_store, nats_server_binary
 from ._wait import eventually
-from .settings import ReachSettings
 
 __all__ = [
     "NatsCluster",
@@ -43,8 +41,6 @@ __all__ = [
     "config_with_store",
     "eventually",
     "nats_server_binary",
-    "reach_client",
-    "reach_settings",
     "unique_prefix",
 ]
 
@@ -52,25 +48,3 @@ __all__ = [
 def unique_prefix() -> str:
     """A subject prefix no other test uses, so tests never see each other's traffic."""
     return "t" + NUID().next().decode().lower()
-
-
-@pytest.fixture(scope="session")
-def nats_server() -> Iterator[NatsServer]:
-    """One nats-server (JetStream on, temp store, random loopback port) per test session."""
-    server = NatsServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def reach_settings(nats_server: NatsServer) -> ReachSettings:
-    """Settings pointing at the session server, with a subject prefix unique to this test."""
-    return ReachSettings(nats_url=nats_server.url, subject_prefix=unique_prefix())
-
-
-@pytest.fixture
-async def reach_client(reach_settings: ReachSettings) -> AsyncIterator[Client]:
-    async with Client(settings=reach_settings, name="test-client") as client:
-        yield client

@@ -34,3 +34,27 @@ def test_import_reach_loads_none_of_the_edge_extra():
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
+
+
+def test_the_demo_and_the_test_helpers_need_no_pytest():
+    """A pip install has no pytest: ``reach demo`` and ``reach.testing`` must not need it
+    (only the fixtures' plugin, which pytest itself loads, does)."""
+    probe = (
+        "import sys; sys.modules['pytest'] = None\n"  # as if pytest were not installed
+        "import reach.testing, reach.examples.demo\n"
+        "print('ok')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
