@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
-from ..errors import RemoteError
+from ..errors import RemoteError, Unauthorized
 from ..wire import ErrorBody
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .callbacks import deliver_callback
@@ -46,6 +46,13 @@ log = logging.getLogger("reach.tasks")
 _RECORD_OVERHEAD = 8192  # bytes of a record besides its payload and result (history...)
 #: on a task put back as a new message: the stream sequence of the message it replaces
 REQUEUED_FROM = "Reach-Requeued-From"
+#: what putting a message back may raise (a refused publish: permissions without the
+#: agent's task subjects): logged, as the message then comes back or reaches max deliveries
+_NOT_PUT_BACK: tuple[type[BaseException], ...] = (
+    *TRANSIENT,
+    Unauthorized,
+    nats.js.errors.APIError,
+)
 S = TaskState
 _encode = msgspec.json.Encoder().encode
 
@@ -420,10 +427,15 @@ class Executor(Claims):
                 await msg.nak(delay=delay if delay > 0 else None)
             else:
                 await self._requeue(msg)
-        except TRANSIENT as exc:
+        except _NOT_PUT_BACK as exc:
             seq = msg.metadata.sequence.stream
             if last:  # JetStream delivers it no more: max deliveries dead-letters it
-                log.error("task message %s on its last delivery not put back: %s", seq, exc)
+                log.error(
+                    "task message %s on its last delivery not put back as a new message"
+                    " (the agent must be allowed to publish on its task subjects): %s",
+                    seq,
+                    exc,
+                )
             else:
                 log.debug("task message %s: nak: %s (it comes back after ack_wait)", seq, exc)
 

@@ -460,6 +460,26 @@ async def test_an_agent_cannot_make_a_consumer_of_other_tasks(secured: NatsServe
             await client.flush()
 
 
+async def test_an_agent_puts_its_own_task_back_as_a_new_message(secured: NatsServer, admin: Client):
+    """A task the agent cannot run (it lacks the tag) goes back as a new message on its
+    last delivery, so waiting spends no deliveries: a publish on its own task subject,
+    which the shipped permissions allow, with no refusal."""
+    await tasks_init(secured)
+    before = len(violations(secured))
+    quick = {"task_max_deliver": 2, "task_max_attempts": 1, "task_retry_base": 0.05}
+    track = logistics(as_user(secured, "logistics-1", **quick))
+    async with Client(settings=as_user(secured, "client"), name="shopper") as client:
+        ref = await client.submit("logistics.reroute", {"order_id": "G-1"}, required_tags=["gpu"])
+        try:
+            async with track:
+                await eventually(lambda: track.task_stats.requeued >= 2, timeout=30)
+            assert (await ref.status()).state.value == "PENDING"
+            assert violations(secured)[before:] == []
+        finally:  # no agent here has the tag: it would wait for ever
+            subject = f"reach.task.{ref.task_id}.>"
+            await admin.nc.jetstream().purge_stream("REACH_TASKS", subject=subject)
+
+
 async def test_registry_agents_and_client_work_with_their_own_users(secured: NatsServer):
     """Requests (queue group, routed, direct), a broadcast, a durable task with its watch:
     all through the shipped permissions (task streams made at deploy time, as admin), with
