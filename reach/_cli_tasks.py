@@ -344,7 +344,12 @@ def add_task_commands(
     p.add_argument("--max-attempts", type=int, default=None)
     p.add_argument("--idempotency-key", default=None)
     p.add_argument("--wait", action="store_true", help="wait for the end; print the result")
-    p.add_argument("--wait-timeout", type=float, default=None, help="seconds (--wait)")
+    p.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=60.0,
+        help="seconds --wait waits for the result (default 60); the task itself goes on",
+    )
     p.add_argument(
         "--require-agent",
         action="store_true",

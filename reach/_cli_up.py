@@ -178,12 +178,15 @@ def up(args: argparse.Namespace, settings: ReachSettings) -> int:
         )
         nodes, replicas = servers.nodes, min(args.cluster, _MAX_REPLICAS)
     else:
+        # --port -1 (a free port) frees the monitoring port too: a fixed 8222 would collide
+        # with the reach up it is meant to run beside
+        monitor = -1 if args.monitor_port is None and args.port == -1 else args.monitor_port
         servers = NatsServer(
             store_dir=data_dir / "jetstream",
             port=args.port,
             config_file=config_with_store(config, data_dir),
             log_file=data_dir / "nats-server.log",
-            extra_args=("-m", str(args.monitor_port)) if args.monitor_port is not None else (),
+            extra_args=("-m", str(monitor)) if monitor is not None else (),
         )
         nodes, replicas = [servers], settings.replicas
     lock = _lock(data_dir)

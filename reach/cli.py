@@ -362,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`reach agents --json | head`): nothing more to say to it
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit's own flush cannot fail again
+        return 141  # 128 + SIGPIPE, as a shell tool would
     return code
 
 
