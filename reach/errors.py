@@ -6,6 +6,7 @@
     ├── ConnectionFailed           connection_failed: the NATS server cannot be reached
     ├── NotStarted                 an agent or client used before start / after close
     ├── TaskNotFound               no task has this id (never had, or its record expired)
+    ├── CorruptRecord              corrupt_record: a stored task record that does not decode
     ├── DeadLetterNotFound         no dead letter at this DLQ sequence
     └── RemoteError                an answer (or lack of one) from the other side, by wire code
         ├── BadRequest             bad_request: the payload or headers were invalid
@@ -55,6 +56,7 @@ __all__ = [
     "CircuitOpen",
     "ConfigurationError",
     "ConnectionFailed",
+    "CorruptRecord",
     "DeadLetterNotFound",
     "HandlerFailed",
     "InvalidReply",
@@ -121,6 +123,28 @@ class TaskNotFound(ReachError, LookupError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         super().__init__(f"no task {task_id!r} (unknown id, or its record expired)")
+
+
+class CorruptRecord(ReachError):
+    """A task's stored record does not decode: junk (a bug, a write by hand, a disk fault),
+    or a state or field that a newer version of Reach wrote. The task is not lost: the next
+    agent or registry that handles it replaces the record with a FAILED one (error code
+    ``undecodable``) and stores its message as a dead letter with reason ``undecodable``,
+    from which it can be replayed. ``detail`` says what did not decode; ``revision`` is
+    the record's, for a compare-and-set that replaces exactly what was read."""
+
+    code = "corrupt_record"
+
+    def __init__(self, task_id: str, detail: str, *, revision: int = 0) -> None:
+        self.task_id = task_id
+        self.detail = detail
+        self.revision = revision
+        super().__init__(
+            f"the record of task {task_id} does not decode ({detail}): junk, or written by"
+            " a newer version of Reach; the next agent or registry to handle the task"
+            " replaces it with a FAILED record and moves the task to the dead-letter stream"
+            " (reason undecodable), from where 'reach dlq replay' runs it again"
+        )
 
 
 class DeadLetterNotFound(ReachError, LookupError):

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from .._subjects import validate_capability, validate_topic
 from .._tasks import TaskDecl, TaskRunner
+from .._tasks.states import check_timeout
 from ..errors import ConfigurationError
 from ..wire import CapabilityInfo
 from .handlers import Handler, inspect_handler
@@ -59,10 +60,13 @@ class Declarations:
         JetStream until an instance runs it to the end. The handler is the same as for a
         capability; its ``ctx`` is a ``TaskContext`` (``task_id``, ``attempt``,
         ``progress()``). ``timeout`` (seconds per attempt) and ``max_attempts`` apply to
-        submits that name none (then ``REACH_TASK_TIMEOUT``/``REACH_TASK_MAX_ATTEMPTS``)."""
+        submits that name none (then ``REACH_TASK_TIMEOUT``/``REACH_TASK_MAX_ATTEMPTS``);
+        a timeout longer than ``REACH_TASK_RETENTION`` is refused."""
         self._check_open(name, "tasks")
         if timeout is not None and not timeout > 0:
             raise ConfigurationError("timeout must be > 0 seconds")
+        if timeout is not None:
+            check_timeout(timeout, self._tasks.settings.task_retention, f"task {name!r}")
         if max_attempts is not None and not 1 <= max_attempts <= 100:
             raise ConfigurationError("max_attempts must be between 1 and 100")
 

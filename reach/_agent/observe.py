@@ -99,6 +99,7 @@ def agent_source(agent: Agent) -> Callable[[Emitter], None]:
             out.counter("reach_agent_task_attempts", (name, cap, outcome), n)
         out.counter("reach_agent_task_redeliveries", (name,), t.redelivered)
         out.counter("reach_agent_tasks_dead_lettered", (name,), t.dead_lettered)
+        out.counter("reach_agent_task_records_undecodable", (name,), t.undecodable)
         out.gauge("reach_agent_tasks_running", (name,), t.running)
         out.gauge("reach_agent_handlers_stuck", (name, "request"), s.stuck)
         out.gauge("reach_agent_handlers_stuck", (name, "task"), t.stuck)

@@ -25,6 +25,7 @@ from ..errors import (
     CircuitOpen,
     ConfigurationError,
     ConnectionFailed,
+    CorruptRecord,
     DeadLetterNotFound,
     NotStarted,
     ReachError,
@@ -59,6 +60,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "agent_unavailable": 503,
     "circuit_open": 503,
     "timeout": 504,
+    # a stored task record that does not decode: the server's fault, not the caller's
+    "corrupt_record": 500,
 }
 _RETRY_AFTER = frozenset({429, 503})
 _json = msgspec.json.Encoder()
@@ -114,6 +117,8 @@ def http_status(exc: ReachError) -> int:
             if isinstance(exc, cls):
                 return status
         return STATUS_BY_CODE.get(exc.code, 502)  # failed and application codes
+    if isinstance(exc, CorruptRecord):
+        return STATUS_BY_CODE[exc.code]  # a stored record is broken: not the caller's fault
     return 404 if isinstance(exc, TaskNotFound | DeadLetterNotFound) else 500
 
 
@@ -136,7 +141,7 @@ def error_body(exc: ReachError) -> dict[str, Any]:
                 }
                 for a in exc.attempts
             ]
-    if isinstance(exc, TaskNotFound):
+    if isinstance(exc, TaskNotFound | CorruptRecord):
         out["task_id"] = exc.task_id
     return out
 

@@ -68,6 +68,8 @@ def registry_source(registry: Registry) -> Callable[[Emitter], None]:
         out.counter("reach_registry_task_sweeps", (), s.sweeps)
         out.counter("reach_registry_tasks_recovered", ("republished",), s.tasks_recovered)
         out.counter("reach_registry_tasks_recovered", ("dead_lettered",), s.max_deliveries)
+        out.counter("reach_registry_tasks_recovered", ("undecodable",), s.undecodable_records)
+        out.counter("reach_registry_tasks_recovered", ("cancel_finished",), s.cancels_finished)
         rs = registry.recovery_stats
         if rs.states is not None:
             for state in TaskState:  # a state no record is in reads 0, not "no data"

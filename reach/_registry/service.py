@@ -124,6 +124,8 @@ class Registry:
         stats.sweeps, stats.sweeps_skipped = rs.sweeps, rs.sweeps_skipped
         stats.tasks_recovered = rs.tasks_recovered
         stats.max_deliveries, stats.recovery_errors = rs.max_deliveries, rs.errors
+        stats.advisories_missed, stats.undecodable_records = rs.advisories_missed, rs.undecodable
+        stats.cancels_finished = rs.cancels_finished
         return stats
 
     def records(self) -> dict[str, AgentRecord]:

@@ -66,6 +66,9 @@ class RegistryStats:
     sweeps_skipped: int = 0  # another replica held the sweep lock for that interval
     tasks_recovered: int = 0  # tasks whose message was gone, published again
     max_deliveries: int = 0  # messages that reached max deliveries, moved to the DLQ
+    advisories_missed: int = 0  # of those, found by a sweep: their advisory was lost
+    undecodable_records: int = 0  # task records that did not decode, replaced by FAILED
+    cancels_finished: int = 0  # cancels a sweep finished (message removed, or ended)
     recovery_errors: int = 0  # advisories or records that failed (logged, tried again)
 
 

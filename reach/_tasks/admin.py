@@ -30,7 +30,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from .._codec import now_ms
 from .._kv.leases import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
-from ..errors import ConfigurationError, DeadLetterNotFound, NotReplayable
+from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_KIND, DLQ_REASON, TASK_ID
 from .store import AGENT_HEADER, STATE_HEADER, TaskStore, idem_key, pending_record
@@ -239,7 +239,11 @@ async def list_records(
     for m in metas:
         if len(found) >= limit:
             break
-        st = await store.get(m.task_id)
+        try:
+            st = await store.get(m.task_id)
+        except CorruptRecord as exc:  # a list is not stopped by one bad record
+            log.warning("list of tasks: %s", exc.message)
+            continue
         if st is None:
             continue  # expired since the scan
         rec = st.record
@@ -277,8 +281,11 @@ async def pending_tasks(
             sub = _submit_decoder.decode(msg.data or b"")
         except msgspec.DecodeError:
             continue
-        if await store.get(sub.task_id) is None:
-            out.append(pending_record(sub, seq))
+        try:
+            if await store.get(sub.task_id) is None:
+                out.append(pending_record(sub, seq))
+        except CorruptRecord:
+            continue  # it has a record, if a broken one: not PENDING
     return out
 
 

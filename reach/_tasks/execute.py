@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 
 from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection
-from ..errors import RemoteError, Unauthorized
+from ..errors import CorruptRecord, RemoteError, Unauthorized
 from ..wire import ErrorBody
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .callbacks import deliver_callback
@@ -38,7 +38,7 @@ from .states import (
     error_body,
     retry_delay,
 )
-from .store import Conflict, Stored, TaskStore, pending_record
+from .store import UNDECODABLE, Conflict, Stored, TaskStore, pending_record, undecodable_record
 
 __all__ = ["Executor"]
 
@@ -87,7 +87,10 @@ class Executor(Claims):
         attempt) ours fails and the attempt is fenced.
         """
         at = now_ms()
-        stored = await self.store.get(d.task_id)
+        try:
+            stored = await self.store.get(d.task_id)
+        except CorruptRecord as exc:
+            return await self.replace_undecodable(d, exc)
         for _ in range(8):
             rec, rev = (
                 (stored.record, stored.revision)
@@ -150,7 +153,10 @@ class Executor(Claims):
             try:
                 d.stored = Stored(new, await self.store.write(new, rev))
             except Conflict:
-                stored = await self.store.get(d.task_id)
+                try:
+                    stored = await self.store.get(d.task_id)
+                except CorruptRecord as exc:
+                    return await self.replace_undecodable(d, exc)
                 d.n = 0
                 continue
             if new.final:
@@ -176,7 +182,7 @@ class Executor(Claims):
         try:
             d.stored = Stored(st.record, await self.store.write(st.record, 0))
         except Conflict:
-            d.stored = await self.store.get(d.task_id)
+            d.stored = await self._reread(d)
             if count:  # not when the lease loop retries: the attempt's end may have won
                 self.stats.fenced += 1
             return False
@@ -185,13 +191,64 @@ class Executor(Claims):
             log.warning("task %s: RUNNING not recorded (%s); recorded at its end", d.task_id, exc)
         return True
 
+    async def replace_undecodable(self, d: Delivery, exc: CorruptRecord) -> bool:
+        """The task's record does not decode (junk, or a state a newer version wrote):
+        replace it with a FAILED record made from the message (compare-and-set on the
+        revision read), then dead-letter the message with reason ``undecodable`` and clear
+        it, as for any failed task (a redelivery after a crash finds it FAILED and finishes
+        that). A record written meanwhile stands: the message is put back to be looked at
+        again. False: nothing to run."""
+        new = undecodable_record(exc, d.sub, d.msg.metadata.sequence.stream, now_ms())
+        if new.callback:
+            new = msgspec.structs.replace(new, callback_state="pending")
+        try:
+            d.stored = Stored(new, await self.store.write(new, exc.revision))
+        except Conflict:
+            await self.release(d)
+            await self._put_back(d, 0)
+            return False
+        self.stats.undecodable += 1
+        log.error("agent %s: %s", self.agent_id, exc.message)
+        await self.finished(d, new, reason=UNDECODABLE)
+        return False
+
+    async def _reread(self, d: Delivery) -> Stored | None:
+        """The record as it is now, for an attempt whose write was refused. One that does
+        not decode reads as none, which fences the attempt: the message is not acked, and
+        its next delivery replaces the record (``replace_undecodable``)."""
+        try:
+            return await self.store.get(d.task_id)
+        except CorruptRecord as exc:
+            log.error("agent %s: attempt %s stopped: %s", self.agent_id, d.n, exc.message)
+            return None
+
+    async def keep_record(self, d: Delivery) -> None:
+        """Write our RUNNING record again once half the retention has passed since its
+        last write: a record's TTL runs from its last write, and a run may outlast it (a
+        timeout near the retention, a submitter with a longer retention than ours, a
+        handler slow to stop). Without it the record would expire mid-run, the run be
+        fenced, and the task start over at attempt 1. Costs no write in a run shorter than
+        half the retention (12 h by default)."""
+        st = d.stored
+        if st is None or not st.revision or not can_write(st.record, d.n, self.agent_id):
+            return
+        if now_ms() - st.record.updated_ms < self.settings.task_retention * 500:
+            return
+        new = msgspec.structs.replace(st.record, updated_ms=now_ms())
+        try:
+            d.stored = Stored(new, await self.store.write(new, st.revision))
+        except Conflict:
+            pass  # written meanwhile (the attempt's end, progress): the next check looks
+        except TRANSIENT as exc:
+            log.debug("task %s: record not renewed (%s); tried again later", d.task_id, exc)
+
     # -- writes while and after running ------------------------------------------------
 
     async def fenced(self, d: Delivery) -> None:
         """Our attempt lost the record. If the task has ended (a cancel, another agent
         finished it), clear its message; if a newer attempt runs it, leave the message to
         that attempt."""
-        st = d.stored if d.stored and d.stored.revision else await self.store.get(d.task_id)
+        st = d.stored if d.stored and d.stored.revision else await self._reread(d)
         if st is not None and st.record.final:
             rec = await self._note_cancelled_run(d, st)
             await self.after_final(d, rec)
@@ -246,7 +303,7 @@ class Executor(Claims):
                 d.stored = Stored(new, await self.store.write(new, st.revision))
                 return new
             except Conflict:
-                d.stored = await self.store.get(d.task_id)
+                d.stored = await self._reread(d)
         if finishing:
             await self.fenced(d)
         return None

@@ -15,6 +15,7 @@ import logging
 from nats.aio.msg import Msg
 
 from .._nats import TRANSIENT
+from ..errors import CorruptRecord
 from ..settings import ReachSettings
 from ..wire import Priority
 from .execute import Executor
@@ -79,10 +80,14 @@ class Leases:
         except TRANSIENT as exc:
             log.debug("task %s: lease check: %s", d.task_id, exc)
             return
+        except CorruptRecord:
+            st = None  # fenced: the message's next delivery replaces the record
         if st is None or not can_write(st.record, d.n, ex.agent_id):
             self._stop(d, "fenced")
         elif st.record.cancel_requested:
             self._stop(d, "cancelled")
+        else:
+            await ex.keep_record(d)  # a run longer than half the retention
 
     async def _settle_unconfirmed(self, ex: Executor, d: Delivery) -> Stored | None:
         """The record of an attempt whose RUNNING write went unanswered: ours if it landed

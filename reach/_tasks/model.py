@@ -47,6 +47,9 @@ class TaskStats:
     fenced: int = 0
     #: messages that did not decode (sent to the DLQ)
     invalid: int = 0
+    #: task records that did not decode (junk, or a newer version's): replaced by a FAILED
+    #: record, the message sent to the DLQ with reason ``undecodable``
+    undecodable: int = 0
     #: tasks handed back at a drain
     drained: int = 0
     #: messages put back for another delivery: a retry, a busy claim, a task for another

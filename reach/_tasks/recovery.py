@@ -15,6 +15,10 @@ The registries share one durable pull consumer on it, so one of them takes each 
 3. the message is deleted from the task stream;
 4. only then is the advisory acked.
 
+A record that does not decode is replaced by a FAILED one (error ``undecodable``), and
+the letter's reason is ``undecodable``. An advisory can be lost (the events stream between
+leaders when the server publishes it): the sweep then finds the message (``given_up``).
+
 Any failure naks it with a backoff, and it is handled again from the start: each step is
 idempotent (a compare-and-set; the letter's ``Nats-Msg-Id`` is the one the agent would use
 for the same attempts, so the two never store two letters). FAILED comes before the letter,
@@ -38,12 +42,13 @@ from .._codec import now_ms
 from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
 from .._subjects import Subjects
+from ..errors import CorruptRecord
 from ..settings import ReachSettings
 from ..wire import ErrorBody
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
 from .dlq import TASK_ID, dead_letter
 from .states import advance, end_attempt, retry_delay
-from .store import Conflict, Stored, TaskStore, pending_record
+from .store import UNDECODABLE, Conflict, Stored, TaskStore, pending_record, undecodable_record
 from .sweep import RETRIED, RecoveryStats, Sweeper, submit_of
 
 __all__ = ["RecoveryStats", "TaskRecovery", "submit_of"]
@@ -81,7 +86,15 @@ class TaskRecovery:
         self.stats = stats if stats is not None else RecoveryStats()
         self.store = TaskStore(nc.jetstream(), subjects, settings)
         self.stopping = asyncio.Event()
-        self.sweeper = Sweeper(self.store, settings, subjects, self.stats, self.stopping)
+        self.sweeper = Sweeper(
+            self.store,
+            settings,
+            subjects,
+            self.stats,
+            self.stopping,
+            nc=nc,
+            given_up=self.given_up,
+        )
 
     def start(self) -> None:
         """Take max-deliveries advisories, and sweep unless ``task_sweep_interval`` is 0."""
@@ -151,6 +164,12 @@ class TaskRecovery:
             self.stats.errors += 1
             log.warning("task recovery: an advisory that does not parse: %s", exc)
             return False
+        return await self.given_up(seq, deliveries)
+
+    async def given_up(self, seq: int, deliveries: int) -> bool:
+        """Handle message ``seq``, which JetStream gave up on after ``deliveries``: told by
+        its advisory, or found by a sweep when the advisory was lost. As
+        ``on_max_deliveries``."""
         store = self.store
         try:
             msg = await store.js.get_msg(store.stream, seq=seq)
@@ -166,19 +185,23 @@ class TaskRecovery:
             task_id, capability = sub.task_id, sub.capability
         except msgspec.DecodeError:
             pass  # dead-lettered as it is
-        rec = await self._fail(task_id, sub, seq) if task_id else None
+        rec = await self._fail(task_id, sub, seq, capability) if task_id else None
         if rec is None or rec.state is S.FAILED:
             # no attempt: deliveries spent by agents that died holding it before they
             # began it (an agent that puts a task back spends none)
             never = "" if rec is not None and rec.attempts else "; it never ran"
+            error = f"delivered {deliveries} times without being acknowledged{never}"
+            reason = "max_deliveries"
+            if rec is not None and rec.error is not None and rec.error.code == UNDECODABLE:
+                reason, error = UNDECODABLE, rec.error.message  # what the record says
             await dead_letter(
                 store,
                 capability=capability,
                 task_id=task_id,
                 data=data,
                 headers=headers,
-                reason="max_deliveries",
-                error=f"delivered {deliveries} times without being acknowledged{never}",
+                reason=reason,
+                error=error,
                 attempts=rec.attempts if rec else (),
                 seq=seq,
             )
@@ -197,11 +220,25 @@ class TaskRecovery:
             return ""
         return subject[len(head) :].partition(".")[2].rpartition(".")[0]
 
-    async def _fail(self, task_id: str, sub: TaskSubmit | None, seq: int) -> TaskRecord | None:
+    async def _fail(
+        self, task_id: str, sub: TaskSubmit | None, seq: int, capability: str
+    ) -> TaskRecord | None:
         """Mark the task FAILED unless it is final; the record as it ends, None if none.
-        A task no agent ever took has no record yet: it is made from its message."""
+        A task no agent ever took has no record yet: it is made from its message. A record
+        that does not decode is replaced (error and dead-letter reason ``undecodable``)."""
         for _ in range(_TRIES):
-            st = await self.store.get(task_id)
+            try:
+                st = await self.store.get(task_id)
+            except CorruptRecord as exc:
+                new = undecodable_record(exc, sub, seq, now_ms(), capability)
+                try:
+                    await self.store.write(new, exc.revision)
+                except Conflict:
+                    continue
+                self.stats.undecodable += 1
+                log.error("task recovery: %s", exc.message)
+                await self._notify(new)
+                return new
             if st is None and sub is not None:
                 st = Stored(pending_record(sub, seq), 0)
             if st is None:

@@ -47,6 +47,7 @@ __all__ = [
     "cancel_record",
     "poll_delays",
     "read_record",
+    "remove_messages",
     "task_error",
     "value_of",
 ]
@@ -140,6 +141,25 @@ async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
         except Conflict:
             continue
     raise ReachError(f"task {task_id}: could not cancel, its record kept changing")
+
+
+#: messages of one task deleted at most per call (its own, one republished by a sweep,
+#: one put back as a new message: a handful at the very most)
+_MAX_MESSAGES = 8
+
+
+async def remove_messages(store: TaskStore, task_id: str) -> int:
+    """Delete every message of ``task_id`` from the work queue (found by subject, newest
+    first); how many. A message an agent holds goes too: its ack is then a no-op, and its
+    record (final, or asking for a cancel) tells the agent what to do."""
+    removed = 0
+    for _ in range(_MAX_MESSAGES):
+        seq = await store.message_of(task_id)
+        if not seq:
+            break
+        if await store.delete_message(seq):
+            removed += 1
+    return removed
 
 
 class TaskRef:
@@ -246,7 +266,7 @@ class TaskRef:
                         continue  # the end of the initial values
                     if entry.operation is not None or not entry.value:
                         return  # deleted or expired
-                    rec = decode_record(entry.value)
+                    rec = decode_record(entry.value, self.task_id, entry.revision or 0)
                     yield rec
                     if rec.final:
                         return

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from ..errors import ReachError, RemoteError
+from ..errors import ConfigurationError, ReachError, RemoteError
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import FINAL, TaskAttempt, TaskRecord, TaskState, TaskStep
 
@@ -26,6 +26,7 @@ __all__ = [
     "PriorityOrder",
     "advance",
     "can_write",
+    "check_timeout",
     "retry_delay",
 ]
 
@@ -94,6 +95,18 @@ def end_attempt(
         else a
         for a in attempts
     ]
+
+
+def check_timeout(timeout: float, retention: float, where: str) -> None:
+    """Refuse a per-attempt timeout longer than a record is kept (``task_retention``,
+    counted from the record's last write): a run that long would outlive its record on an
+    agent with the same setting. ``ConfigurationError`` naming both and the fix."""
+    if timeout > retention:
+        raise ConfigurationError(
+            f"{where}: timeout {timeout:g}s is longer than task_retention {retention:g}s, how"
+            " long a task record is kept after its last write: lower the timeout, or raise"
+            " REACH_TASK_RETENTION to at least it"
+        )
 
 
 def retry_delay(

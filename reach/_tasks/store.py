@@ -29,12 +29,17 @@ from nats.js.api import (
 
 from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, check_replicas, ttl_header
 from .._subjects import Subjects
+from ..errors import CorruptRecord
 from ..settings import ReachSettings
-from ..wire import Priority
+from ..wire import ErrorBody, Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
 from .jsapi import JsApi
+from .states import advance
 
-__all__ = ["Conflict", "TaskStore", "consumer_name", "idem_key"]
+__all__ = ["UNDECODABLE", "Conflict", "TaskStore", "consumer_name", "idem_key"]
+
+#: the error code of a record replaced because it did not decode, and its dead letter's reason
+UNDECODABLE = "undecodable"
 
 STATE_HEADER = "Reach-Task-State"
 AGENT_HEADER = "Reach-Task-Agent"
@@ -86,8 +91,39 @@ def pending_record(sub: TaskSubmit, seq: int, at_ms: int = 0) -> TaskRecord:
     )
 
 
-def decode_record(data: bytes) -> TaskRecord:
-    return _record_decoder.decode(data)
+def undecodable_record(
+    exc: CorruptRecord, sub: TaskSubmit | None, seq: int, at_ms: int, capability: str = ""
+) -> TaskRecord:
+    """The FAILED record (error ``undecodable``) that replaces one that does not decode:
+    made from the task's message when there is one (payload and options, so the task can
+    be replayed from its dead letter), else from what is known, the id."""
+    if sub is not None and sub.task_id == exc.task_id:
+        base = pending_record(sub, seq, at_ms)
+    else:
+        base = TaskRecord(
+            task_id=exc.task_id,
+            capability=capability,
+            seq=seq,
+            submitted_ms=at_ms,
+            updated_ms=at_ms,
+            history=[TaskStep(state=TaskState.PENDING, at_ms=at_ms)],
+        )
+    error = ErrorBody(
+        code=UNDECODABLE,
+        message=f"its stored record did not decode ({exc.detail}); it was replaced, and"
+        " the task moved to the dead-letter stream"[:500],
+    )
+    return advance(base, [TaskState.FAILED], at_ms, UNDECODABLE, error=error)
+
+
+def decode_record(data: bytes, task_id: str = "", revision: int = 0) -> TaskRecord:
+    """A stored record decoded: the one place that says what does not decode. Junk, or a
+    state or field a newer version wrote, is ``CorruptRecord`` (typed, with the revision
+    to replace), never msgspec's error."""
+    try:
+        return _record_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CorruptRecord(task_id or "?", str(exc), revision=revision) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,17 +267,25 @@ class TaskStore:
     # -- records ---------------------------------------------------------------------
 
     async def get(self, task_id: str) -> Stored | None:
-        """The record and its revision; None when there is none (never was, or expired)."""
-        if not _TASK_ID.fullmatch(task_id):
-            return None  # not an id we could have made (and never a subject wildcard)
-        got = await self._direct_get(self._kv_stream, f"$KV.{self.bucket}.{task_id}")
+        """The record and its revision; None when there is none (never was, or expired).
+        ``CorruptRecord`` when what is stored does not decode."""
+        got = await self.get_raw(task_id)
         if got is None:
             return None
-        msg = got
+        data, revision = got
+        return Stored(decode_record(data, task_id, revision), revision)
+
+    async def get_raw(self, task_id: str) -> tuple[bytes, int] | None:
+        """The record's stored bytes and revision, undecoded; None when there is none."""
+        if not _TASK_ID.fullmatch(task_id):
+            return None  # not an id we could have made (and never a subject wildcard)
+        msg = await self._direct_get(self._kv_stream, f"$KV.{self.bucket}.{task_id}")
+        if msg is None:
+            return None
         headers = msg.headers or {}
         if not msg.data or KV_OP in headers or MARKER_REASON in headers:
             return None
-        return Stored(decode_record(bytes(msg.data)), int(msg.seq or 0))
+        return bytes(msg.data), int(msg.seq or 0)
 
     async def write(self, record: TaskRecord, last: int) -> int:
         """Write ``record`` iff the key's revision is still ``last`` (0: absent); its new
@@ -324,6 +368,22 @@ class TaskStore:
         await self._publish(f"$KV.{self.idem_bucket}.{key}", b"", headers)
 
     # -- stream messages -------------------------------------------------------------
+
+    async def message_of(self, task_id: str) -> int:
+        """The stream sequence of the newest message of ``task_id`` in the work queue
+        (found by its subject, whoever published it); 0 when there is none."""
+        if not _TASK_ID.fullmatch(task_id):
+            return 0
+        msg = await self._direct_get(self.stream, self.subjects.task_lookup(task_id))
+        return msg.seq if msg is not None else 0
+
+    async def delete_message(self, seq: int) -> bool:
+        """Delete message ``seq`` from the work queue; False when it was gone already."""
+        try:
+            await self.js.delete_msg(self.stream, seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
 
     async def message_exists(self, seq: int) -> bool:
         """Whether the task stream still holds message ``seq`` (not yet acked or removed)."""

@@ -36,13 +36,14 @@ from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
 from .._subjects import Subjects, validate_capability, validate_topic
 from .._telemetry import ATTR
-from ..errors import ConfigurationError, ConnectionFailed, NotStarted
+from ..errors import ConfigurationError, ConnectionFailed, CorruptRecord, NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord, CapabilityInfo, Header, Priority, Status
-from ..wire.tasks import TaskRecord, TaskSubmit
+from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
 from .boundary import patiently, task_errors
 from .jsapi import JsApi
-from .refs import Batch, TaskRef, cancel_record, read_record
+from .refs import Batch, TaskRef, cancel_record, read_record, remove_messages
+from .states import check_timeout
 from .store import Conflict, TaskStore, idem_key
 
 __all__ = ["Tasks", "publish_task", "unserved"]
@@ -56,6 +57,15 @@ _MAX_KEY = 256
 RECORD_OVERHEAD = 4096
 #: publishes of one submit_batch waiting for their acks at once, at most
 BATCH_WINDOW = 256
+
+
+async def _exists(store: TaskStore, task_id: str) -> bool:
+    """Whether the task has a record or a message (a record that does not decode counts:
+    the task is there, and its next handler replaces the record)."""
+    try:
+        return await store.lookup(task_id) is not None
+    except CorruptRecord:
+        return True
 
 
 def payload_limit(max_payload: int) -> int:
@@ -262,6 +272,8 @@ class Tasks:
             raise ConfigurationError(str(exc)) from None
         if timeout is not None and not timeout > 0:
             raise ConfigurationError("timeout must be > 0 seconds")
+        if timeout is not None:
+            check_timeout(timeout, self.settings.task_retention, f"submit to {capability}")
         if max_attempts is not None and not 1 <= max_attempts <= 100:
             raise ConfigurationError("max_attempts must be between 1 and 100")
         if max_attempts is not None and max_attempts >= self.settings.task_max_deliver:
@@ -384,7 +396,7 @@ class Tasks:
                     if got is None:
                         continue  # it expired just now: claim it again
                     winner = got[0].decode()
-                    if await store.lookup(winner) is not None:
+                    if await _exists(store, winner):
                         # ours when this is a submit tried again after its first claim
                         own = winner == sub.task_id
                         return TaskRef(self, winner, sub.capability, own=own)
@@ -430,11 +442,18 @@ class Tasks:
 
     async def cancel(self, task_id: str) -> TaskRecord:
         """Cancel: PENDING/RETRYING at once; RUNNING by asking its agent (the record keeps
-        the request, so an agent that missed the message sees it). Twice is harmless."""
+        the request, so an agent that missed the message sees it). Then the task's message
+        is deleted from the work queue: a CANCELLED task never starts a run, even after its
+        record has expired. Twice is harmless (and finishes a cancel cut short)."""
         store, nc = self.store, self._nc
         assert nc is not None
         with task_errors(f"cancel of task {task_id}"):
             rec = await cancel_record(store, task_id)
             # also for a task that looked PENDING: an agent may be starting it right now
             await nc.publish(self.subjects.task_cancel(), task_id.encode())
+            if rec.cancel_requested or rec.state is TaskState.CANCELLED:
+                # out of the work queue, so no later delivery can run it (not even one
+                # after its record expired); a cancel cut short here is finished by the
+                # recovery sweep
+                await remove_messages(store, task_id)
         return rec

@@ -118,6 +118,12 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "counter", "Tasks this agent moved to the dead-letter stream.", ("agent",)
     ),
     "reach_agent_tasks_running": Spec("gauge", "Durable tasks running now.", ("agent",)),
+    "reach_agent_task_records_undecodable": Spec(
+        "counter",
+        "Task records that did not decode (junk, or a newer version's), replaced by a FAILED"
+        " record, the task dead-lettered with reason undecodable.",
+        ("agent",),
+    ),
     "reach_agent_handlers_stuck": Spec(
         "gauge",
         "Handlers that ignored their cancellation and still run, by kind (request, task);"
@@ -151,7 +157,10 @@ CATALOGUE: Final[dict[str, Spec]] = {
     "reach_registry_queries": Spec("counter", "Route and list queries.", ("kind",)),
     "reach_registry_task_sweeps": Spec("counter", "Task recovery sweeps run.", ()),
     "reach_registry_tasks_recovered": Spec(
-        "counter", "Tasks the sweeps and advisories put back on course.", ("action",)
+        "counter",
+        "Tasks the sweeps and advisories put back on course, by action: republished,"
+        " dead_lettered (max deliveries), undecodable (a record replaced), cancel_finished.",
+        ("action",),
     ),
     "reach_tasks": Spec("gauge", "Task records by state (as of the last sweep).", ("state",)),
     # -- the HTTP gateway (route: the app's path template; code: the HTTP status code)

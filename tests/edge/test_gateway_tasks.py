@@ -97,6 +97,18 @@ async def test_unknown_and_invalid_task_ids(settings):
         assert (r.status_code, error_of(r)["code"]) == (400, "bad_request")
 
 
+async def test_a_task_record_that_does_not_decode_is_500_corrupt_record(settings):
+    """Not an anonymous 500: the code and the task say what is broken (the next agent or
+    registry to handle the task replaces the record)."""
+    async with Client(settings=settings) as client, asgi(client) as (http, _):
+        ref = await client.submit("demo.nobody", {"n": 1})
+        bucket = f"{settings.subject_prefix}_tasks"
+        await client.nc.jetstream().publish(f"$KV.{bucket}.{ref.task_id}", b"\x00junk")
+        r = await http.get(f"/v1/tasks/{ref.task_id}")
+        err = error_of(r)
+        assert (r.status_code, err["code"], err["task_id"]) == (500, "corrupt_record", ref.task_id)
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "where"),
     [

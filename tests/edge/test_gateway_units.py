@@ -169,3 +169,12 @@ def test_stream_slots_refuse_past_the_limit_and_free_on_exit():
             pass
         assert (info.value.status, info.value.retryable, slots.refused) == (503, True, 1)
     assert (slots.open, slots.full()) == (0, False)
+
+
+def test_a_corrupt_task_record_is_500_with_its_code_and_task_id():
+    """Not the base ReachError's anonymous 500: the code says what is wrong."""
+    err = reach.CorruptRecord("t1", "Invalid enum value 'ARCHIVED'", revision=7)
+    assert http_status(err) == 500
+    body = error_body(err)
+    assert (body["code"], body["task_id"], body["retryable"]) == ("corrupt_record", "t1", False)
+    assert STATUS_BY_CODE["corrupt_record"] == 500

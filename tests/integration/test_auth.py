@@ -32,7 +32,10 @@ from reach import (
     Unauthorized,
 )
 from reach._nats import connect_nats
+from reach._owner import TaskOwner
+from reach._subjects import Subjects
 from reach._tasks.jsapi import JsApi
+from reach._tasks.recovery import TaskRecovery
 from reach.testing import NatsServer, config_with_store, eventually
 from reach.wire import AgentInfo, CapabilityInfo, Deregistration, Registration
 from tests.integration.test_requests import listen_silently
@@ -526,3 +529,33 @@ async def _until_final(ref: TaskRef) -> AsyncIterator[TaskRecord]:
         yield rec
         if rec.final:
             return
+
+
+async def test_a_cancel_and_the_sweep_work_with_their_own_users(secured: NatsServer, admin: Client):
+    """A cancel takes the task's message out of the work queue (a client may delete task
+    messages), and a sweep lists the task consumers to find messages given up without an
+    advisory (the registry may): through the shipped permissions, with no refusal. (The
+    sweep is run directly: a registry's would wait out the lock an earlier test's left.)"""
+    await tasks_init(secured)
+    before = len(violations(secured))
+    settings = as_user(secured, "registry")
+    nc = await connect_nats(settings, secured.url, "registry-sweep")
+    owner = TaskOwner("sweep")
+    try:
+        async with Client(settings=as_user(secured, "client"), name="shopper") as client:
+            ref = await client.submit("logistics.reroute", {"order_id": "A-5"})
+            assert (await ref.cancel()).state.value == "CANCELLED"
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await admin.nc.jetstream().get_msg(
+                    "REACH_TASKS", subject=f"reach.task.{ref.task_id}.>", direct=True
+                )
+            await client.flush()
+            assert client.stats.permission_violations == 0
+        recovery = TaskRecovery(nc, settings, Subjects(settings.subject_prefix), owner)
+        await recovery.sweep()
+        assert (recovery.stats.sweeps, recovery.stats.errors) == (1, 0)
+        await nc.flush()
+    finally:
+        await owner.close()
+        await nc.close()
+    assert violations(secured)[before:] == []

@@ -174,3 +174,19 @@ async def test_dead_letters_from_the_command_line(settings):
         code, _, err = await reach_cli(settings, "dlq", "replay", str(first_seq))
         assert code == 1
         assert "not_found" in err
+
+
+async def test_a_task_record_that_does_not_decode_is_shown_as_corrupt_record(settings):
+    """`reach tasks ID` names what is wrong (not the base error), and `reach tasks` lists
+    the other tasks past it."""
+    async with Client(settings=settings) as client:
+        ref = await client.submit("report.nobody", {"n": 1})
+        bucket = f"{settings.subject_prefix}_tasks"
+        await client.nc.jetstream().publish(f"$KV.{bucket}.{ref.task_id}", b"\x00junk")
+        other = await client.submit("report.nobody", {"n": 2})
+        code, out, err = await reach_cli(settings, "tasks", ref.task_id)
+        assert code == 1, (out, err)
+        assert err.startswith(f"error: corrupt_record: the record of task {ref.task_id}"), err
+        code, out, err = await reach_cli(settings, "tasks", "--json")
+        assert code == 0, err
+        assert [r["task_id"] for r in json.loads(out)] == [other.task_id]

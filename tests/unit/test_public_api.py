@@ -33,6 +33,7 @@ def test_public_api_is_pinned():
             "ConnectionFailed",
             "Context",
             "Client",
+            "CorruptRecord",
             "DeadLetter",
             "DeadLetterNotFound",
             "ClientStats",
