@@ -111,7 +111,8 @@ async def test_metrics_carry_the_outcome_of_each_request(settings):
 
 
 async def test_retries_and_failovers_are_counted(settings):
-    """An instance that hangs: each timeout is retried on the other instance."""
+    """An instance that hangs, called with work that may run twice (idempotent): each
+    timeout, cut short to leave the faster instance time, is retried on it."""
     registry = CollectorRegistry()
     telemetry = Telemetry(registry)
     slow = Agent("tel", "tel-slow", settings=settings)
@@ -119,6 +120,9 @@ async def test_retries_and_failovers_are_counted(settings):
 
     @slow.capability("tel.work")
     async def hang(req: dict) -> dict:
+        if req.get("warm"):
+            await asyncio.sleep(0.05)  # the work: slower than tel-fast's
+            return {}
         await release.wait()
         return {}
 
@@ -136,17 +140,30 @@ async def test_retries_and_failovers_are_counted(settings):
             Client(settings=settings, telemetry=telemetry) as client,
         ):
             await eventually(lambda: _has(client, "tel.work", 2), timeout=15)
+            # the client learns both latencies (a reserve is kept only for a faster one)
+            await client.request("tel.work", {"warm": True}, agent_id="tel-fast")
             name = "reach_client_attempts_total"
 
             def timeouts() -> float:
                 return sample(registry, name, capability="tel.work", outcome="timeout")
 
-            sent = 0
-            while timeouts() < 2 and sent < 200:  # balanced picks either while both look alike
-                await client.request("tel.work", {}, timeout=1)
-                sent += 1
+            for _ in range(2):
+                # the session sticks to tel-slow, which then hangs: the attempt is cut
+                # short, times out and is retried on tel-fast (the session moves there)
+                await client.request(
+                    "tel.work", {"warm": True}, agent_id="tel-slow", affinity_key="s"
+                )
+                await client.request(
+                    "tel.work",
+                    {},
+                    timeout=2,
+                    routing="affinity",
+                    affinity_key="s",
+                    idempotent=True,
+                )
+            sent = 2
             assert timeouts() >= 2
-            assert sample(registry, name, capability="tel.work", outcome="ok") == sent
+            assert sample(registry, name, capability="tel.work", outcome="ok") == sent + 3
             retries = sample(registry, "reach_client_retries_total", capability="tel.work")
             assert retries == timeouts()  # each timeout was retried, none refused
             assert (
@@ -156,7 +173,7 @@ async def test_retries_and_failovers_are_counted(settings):
                 registry,
                 "reach_client_requests_total",
                 capability="tel.work",
-                policy="balanced",
+                policy="affinity",
                 outcome="ok",
             )
             assert ok == sent

@@ -2,13 +2,13 @@
 
 import pytest
 
-from reach._nats import server_list
+from reach._urls import check_servers
 from reach.testing import NatsCluster
 
 
 def test_a_nats_url_may_name_every_node_of_a_cluster():
-    assert server_list("nats://a:4222") == ["nats://a:4222"]
-    assert server_list("nats://a:1, nats://b:2,nats://c:3,") == [
+    assert check_servers("nats://a:4222") == ["nats://a:4222"]
+    assert check_servers("nats://a:1, nats://b:2,nats://c:3,") == [
         "nats://a:1",
         "nats://b:2",
         "nats://c:3",
