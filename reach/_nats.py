@@ -27,7 +27,7 @@ from nats.aio.subscription import Subscription
 from ._delivery import shortcuts_allowed
 from ._permissions import Permissions, auth_refused
 from ._urls import check_servers, redact
-from .errors import ConfigurationError, ConnectionFailed, Unauthorized
+from .errors import ConnectionFailed, PayloadTooLarge, Unauthorized
 from .settings import ReachSettings
 
 __all__ = [
@@ -71,11 +71,13 @@ def fits(nc: NatsConnection, data: bytes, headers: dict[str, str]) -> bool:
     return size <= nc.max_payload
 
 
-def too_large(nc: NatsConnection, size: int, what: str) -> ConfigurationError:
-    return ConfigurationError(
+def too_large(nc: NatsConnection, size: int, what: str) -> PayloadTooLarge:
+    return PayloadTooLarge(
         f"{what}: payload of {size} bytes is over the server's max_payload of"
         f" {nc.max_payload} bytes; pass a reference to the data (an object store key,"
-        " a URL) instead"
+        " a URL) instead",
+        size=size,
+        limit=nc.max_payload,
     )
 
 

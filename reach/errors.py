@@ -2,6 +2,7 @@
 
     ReachError
     ├── ConfigurationError         bad settings or arguments found before anything is sent
+    │   ├── PayloadTooLarge        payload_too_large: a payload NATS or a task record cannot hold
     │   └── NotReplayable          a dead letter that cannot run again (it stays in the DLQ)
     ├── ConnectionFailed           connection_failed: the NATS server cannot be reached
     ├── NotStarted                 an agent or client used before start / after close
@@ -62,6 +63,7 @@ __all__ = [
     "InvalidReply",
     "NotReplayable",
     "NotStarted",
+    "PayloadTooLarge",
     "ReachError",
     "RemoteError",
     "RequestTimeout",
@@ -107,6 +109,20 @@ class ConnectionFailed(ReachError, ConnectionError):
 
     def __init__(self, message: str, *, url: str = "") -> None:
         self.url = url
+        super().__init__(message)
+
+
+class PayloadTooLarge(ConfigurationError):
+    """A payload too large to send: over the server's ``max_payload`` (a request or a
+    publish), or over what a task record can hold (a submit). Nothing was sent. ``size``
+    is the payload's length in bytes, ``limit`` the most that fits. A client-side code, as
+    ``connection_failed`` is: no agent answers with it."""
+
+    code = "payload_too_large"
+
+    def __init__(self, message: str, *, size: int = 0, limit: int = 0) -> None:
+        self.size = size
+        self.limit = limit
         super().__init__(message)
 
 

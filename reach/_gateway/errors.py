@@ -28,6 +28,7 @@ from ..errors import (
     CorruptRecord,
     DeadLetterNotFound,
     NotStarted,
+    PayloadTooLarge,
     ReachError,
     RemoteError,
     RequestTimeout,
@@ -79,16 +80,8 @@ class EdgeError(ReachError):
         super().__init__(message)
 
 
-def _too_large(exc: ReachError) -> bool:
-    """A payload refused because its task record could not hold it (submit's check: a
-    ``ConfigurationError`` like any other bad argument, told apart by what it says)."""
-    return isinstance(exc, ConfigurationError) and "too large for a task" in exc.message
-
-
 def _code(exc: ReachError) -> str:
     """The code an HTTP caller branches on: Reach's, with the two lookups told apart."""
-    if _too_large(exc):
-        return "payload_too_large"
     if isinstance(exc, TaskNotFound):
         return "task_not_found"
     if isinstance(exc, DeadLetterNotFound):
@@ -100,8 +93,10 @@ def http_status(exc: ReachError) -> int:
     """The HTTP status for any Reach error."""
     if isinstance(exc, EdgeError):
         return exc.status
+    if isinstance(exc, PayloadTooLarge):
+        return 413  # by class: a request's payload over max_payload, or a task's record
     if isinstance(exc, ConfigurationError):
-        return 413 if _too_large(exc) else 400
+        return 400
     if isinstance(exc, ConnectionFailed | NotStarted):
         return 503  # NATS out of reach, or the gateway is shutting down
     if isinstance(exc, RemoteError):

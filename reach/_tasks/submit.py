@@ -36,7 +36,13 @@ from .._codec import encode_payload, now_ms
 from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
 from .._subjects import Subjects, validate_capability, validate_topic
 from .._telemetry import ATTR
-from ..errors import ConfigurationError, ConnectionFailed, CorruptRecord, NotStarted
+from ..errors import (
+    ConfigurationError,
+    ConnectionFailed,
+    CorruptRecord,
+    NotStarted,
+    PayloadTooLarge,
+)
 from ..settings import ReachSettings
 from ..wire import AgentRecord, CapabilityInfo, Header, Priority, Status
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
@@ -373,11 +379,14 @@ class Tasks:
             return  # not told yet: the server refuses what is too big
         encoded = (len(sub.payload) + 2) // 3 * 4
         if encoded + RECORD_OVERHEAD > max_payload // 2:
-            raise ConfigurationError(
+            limit = payload_limit(max_payload)
+            raise PayloadTooLarge(
                 f"payload of {len(sub.payload)} bytes is too large for a task: at most"
-                f" {payload_limit(max_payload)} bytes (its record holds it base64-encoded in"
+                f" {limit} bytes (its record holds it base64-encoded in"
                 f" half of the server's max_payload of {max_payload} bytes); pass a"
-                " reference to the data (an object store key, a URL) instead"
+                " reference to the data (an object store key, a URL) instead",
+                size=len(sub.payload),
+                limit=limit,
             )
 
     async def claim_and_publish(self, store: TaskStore, sub: TaskSubmit) -> TaskRef:

@@ -77,7 +77,9 @@ def test_scopes_admin_may_do_everything():
     [
         (reach.BadRequest("x"), 400),
         (reach.ConfigurationError("x"), 400),
-        (reach.ConfigurationError("payload of 9 bytes is too large for a task: at most 5"), 413),
+        (reach.PayloadTooLarge("x", size=9, limit=5), 413),
+        # by class, never by what the message says
+        (reach.ConfigurationError("payload of 9 bytes is too large for a task: at most 5"), 400),
         (reach.Unauthorized("NATS refused connection 'gw' permission to publish"), 502),
         (reach.CapabilityNotFound("x"), 404),
         (reach.TaskNotFound("t1"), 404),
