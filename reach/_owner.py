@@ -1,9 +1,10 @@
 """Ownership of background work: every task an Agent, Client or Registry starts lives here.
 
-Closing the owner cancels and awaits all of them. A loop that crashes is logged, counted
-and restarted with backoff (``keep``; the backoff starts over once a loop has run longer
-than ``backoff_max``); a one-off task that fails is logged and counted
-(``spawn``). Nothing dies silently and nothing outlives its owner.
+Closing the owner cancels and awaits all of them; closing with a bound waits at most
+that long and logs, by name, any task that swallowed its cancellation and runs on. A loop
+that crashes is logged, counted and restarted with backoff (``keep``; the backoff starts
+over once a loop has run longer than ``backoff_max``); a one-off task that fails is logged
+and counted (``spawn``). Nothing dies silently, and nothing outlives its owner unsaid.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 __all__ = ["TaskOwner"]
 
 log = logging.getLogger("reach.tasks")
+_NAMED = 10  # tasks named in the log line of a close that left some running
 
 
 class TaskOwner:
@@ -100,30 +102,56 @@ class TaskOwner:
             log.error("%s: task %s failed", self.owner, task.get_name(), exc_info=exc)
 
     async def close(self, timeout: float | None = None) -> int:
-        """Cancel every task and wait for all of them to finish.
+        """Cancel every task and wait for all of them to finish; how many still run (0
+        when all finished).
 
-        With ``timeout``, stop waiting after that many seconds and return how many tasks
-        still run (a task that swallows its cancellation must not hold its owner forever);
-        the caller logs them. 0 when all finished.
+        With ``timeout``, wait at most that many seconds: a task that swallows its
+        cancellation must not hold its owner forever. Halfway, the tasks still running are
+        cancelled again (nats-py on Python 3.11 can swallow one cancel: its
+        ``asyncio.wait_for`` returns a reply that came at the same moment, gh-86296, and
+        the loop runs on; it does not swallow two). Those that still run at the end are
+        logged by name and left behind.
         """
         self._closed = True
+        if timeout is None:
+            while self._tasks:
+                tasks = list(self._tasks)
+                for task in tasks:
+                    task.cancel()
+                # asyncio.wait, not gather: a cancelled gather waits for every child anyway.
+                await asyncio.wait(tasks)
+            return 0
         loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while self._tasks:
+        deadline = loop.time() + timeout
+        for until in (deadline - timeout / 2, deadline):
             tasks = list(self._tasks)
+            if not tasks:
+                return 0
             for task in tasks:
                 task.cancel()
-            left = None if deadline is None else deadline - loop.time()
-            if left is not None and left <= 0:
-                return len(self._tasks)
-            # asyncio.wait, not gather: a cancelled gather waits for every child anyway.
-            await asyncio.wait(tasks, timeout=left)
-        return 0
+            await asyncio.wait(tasks, timeout=max(0.0, until - loop.time()))
+        if self._tasks:
+            self._left_behind(list(self._tasks), timeout)
+        return len(self._tasks)
+
+    def _left_behind(self, tasks: list[asyncio.Task[Any]], timeout: float) -> None:
+        names = sorted(t.get_name() for t in tasks)
+        shown = ", ".join(names[:_NAMED]) + (
+            f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+        )
+        log.error(
+            "%s: %d task(s) did not end within %gs of being cancelled (a cancellation"
+            " swallowed?); left running: %s",
+            self.owner,
+            len(names),
+            timeout,
+            shown,
+        )
 
     async def finish(self, timeout: float) -> int:
         """Let the tasks end by themselves for up to ``timeout`` seconds, then ``close``
         them, waiting as long again (for short sends that should go out, not be cut: an
-        agent's refusals). Returns how many still run; the caller logs them."""
+        agent's refusals). Returns how many still run (``close`` logged their names)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
         return await self.close(timeout)

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
 
 from .._codec import now_ms
 from .._owner import TaskOwner
@@ -26,9 +25,15 @@ __all__ = ["Intake"]
 log = logging.getLogger("reach.agent")
 
 _REFUSALS_GRACE = 0.5  # seconds for refusals still being sent when the agent stops
-#: refusals waiting to be sent: as many messages as nats-py would hold for a subscription
-#: (one read of the socket can bring thousands, all refused before the sender runs)
-_OUTBOX_MAX = DEFAULT_SUB_PENDING_MSGS_LIMIT
+#: bytes of refusals waiting to be sent, at most: one read of the socket can bring thousands
+#: of requests, all refused before the sender runs. Counted as each refusal's reply subject
+#: and message plus ``_ENTRY_BYTES``, so the bound holds in memory whatever the subjects'
+#: length (by count, nats-py's 524,288 pending messages, it was ~139 MB with short ones and
+#: up to ~2 GB with the 4 KB a subject may have): ~15,000 refusals with short subjects.
+_OUTBOX_BYTES = 4 * 1024 * 1024
+#: what an entry costs beyond its strings' characters: the tuple, two string headers, the
+#: deque's slot (measured: ~156 bytes with a shared message)
+_ENTRY_BYTES = 200
 _PRIORITIES = {p.value: p for p in Priority}
 _HIGH = Priority.HIGH
 _NORMAL = Priority.NORMAL
@@ -48,7 +53,9 @@ class Intake:
         self.refusals = TaskOwner(f"agent {agent_id} refusals")
         #: (reply subject, code, message): not the request, whose payload may be large
         self._outbox: deque[tuple[str, str, str]] = deque()
-        self._outbox_max = _OUTBOX_MAX
+        #: what the outbox holds, in bytes (``_cost``), and the most it may
+        self._outbox_bytes = 0
+        self._outbox_budget = _OUTBOX_BYTES
         self._sender: asyncio.Task[None] | None = None
 
     def handler_for(self, cap: Served) -> Callable[[Msg], None]:
@@ -70,29 +77,34 @@ class Intake:
 
     def _refuse(self, msg: Msg, code: str, message: str) -> None:
         """Queue the refusal for the one task that sends them (a send may wait). The queue
-        is bounded: past it, under a flood, a refusal is counted (``unsent_refusals``) and
-        its caller left to its timeout, rather than memory and tasks growing with the flood."""
-        if self.refusals.closed or len(self._outbox) >= self._outbox_max:
+        is bounded in bytes: past it, under a flood, a refusal is counted
+        (``unsent_refusals``) and its caller left to its timeout, rather than memory and
+        tasks growing with the flood."""
+        cost = _cost(msg.reply, message)
+        if self.refusals.closed or self._outbox_bytes + cost > self._outbox_budget:
             self.stats.unsent_refusals += 1  # (closed: stopped with the connection down)
             return
         self._outbox.append((msg.reply, code, message))
+        self._outbox_bytes += cost
         if self._sender is None or self._sender.done():
             self._sender = self.refusals.spawn(self._send_refusals(), "refusals")
 
     async def _send_refusals(self) -> None:
         outbox, send_error = self._outbox, self.workers.send_error
         while outbox:
-            await send_error(*outbox.popleft())
+            reply, code, message = outbox.popleft()
+            self._outbox_bytes -= _cost(reply, message)
+            await send_error(reply, code, message)
 
     async def close(self) -> None:
         """Once nothing is delivered any more: let the refusals on their way go out."""
-        if await self.refusals.finish(_REFUSALS_GRACE):
-            log.warning("agent %s: the refusals' sender did not end", self.agent_id)
+        await self.refusals.finish(_REFUSALS_GRACE)  # (a sender that runs on is logged)
         left = len(self._outbox)  # (one cut mid-send is not counted)
         if left:
             self.stats.unsent_refusals += left
             log.warning("agent %s: %d refusal(s) not sent at stop", self.agent_id, left)
         self._outbox.clear()
+        self._outbox_bytes = 0
 
     def _accept(self, msg: Msg, cap: Served) -> tuple[str, str] | None:
         """Queue the request; else the (code, message) to refuse it with, or None when it
@@ -166,6 +178,11 @@ class Intake:
         self.stats.invalid += 1
         self._refused("bad_header")
         return "bad_request", reason
+
+
+def _cost(reply: str, message: str) -> int:
+    """Bytes a queued refusal holds (its code is one of a few shared strings)."""
+    return len(reply) + len(message) + _ENTRY_BYTES
 
 
 def topic_handler(

@@ -19,7 +19,10 @@ from ..settings import ReachSettings
 from .config import ConfigSink, config_bucket
 from .table import RoutingTable
 
-__all__ = ["Watches"]
+__all__ = ["CLOSE_TIMEOUT", "Watches"]
+
+#: seconds a client's close waits for its background tasks to end once cancelled
+CLOSE_TIMEOUT = 5.0
 
 
 class Watches:
@@ -32,6 +35,8 @@ class Watches:
         config: ConfigSink,
     ) -> None:
         self.owner = TaskOwner(f"client {name}")
+        #: seconds ``close`` waits for the tasks, then for each watcher, at most
+        self.close_timeout = CLOSE_TIMEOUT
         self._settings = settings
         self._subjects = subjects
         self._table = table
@@ -106,12 +111,16 @@ class Watches:
         return sum(m.errors for m in self.mirrors)
 
     async def close(self) -> None:
-        """Cancel and await every task first (a rebuild cut short cleans up its own
-        watcher), then stop the watchers that were running."""
-        await self.owner.close()
+        """Halt the mirrors (their loops end at their next look, even one whose cancel
+        nats-py swallowed), cancel and await every task (a rebuild cut short cleans up its
+        own watcher), then stop the watchers that were running. Each wait is bounded by
+        ``close_timeout``: what does not end is logged by name and left behind."""
         mirrors, self.mirrors, self._start = self.mirrors, [], None
         for mirror in mirrors:
-            await mirror.stop()
+            mirror.halt()
+        await self.owner.close(self.close_timeout)
+        for mirror in mirrors:
+            await mirror.stop(self.close_timeout)
 
     def reopen(self) -> None:
         self.owner.reopen()

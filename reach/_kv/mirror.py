@@ -24,6 +24,8 @@ from .._owner import TaskOwner
 __all__ = ["BucketMirror", "KvEntry", "MirrorSink"]
 
 log = logging.getLogger("reach.kv")
+#: seconds ``stop`` waits for the loops, and then for the watcher, at most
+STOP_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +90,35 @@ class BucketMirror:
             self._watchdog = self._owner.keep(self._watch_dog, f"{self.name} watchdog")
         return ok
 
-    async def stop(self) -> None:
-        self._stopped = True  # no rebuild may start from here on
-        for task in (self._watchdog, self._soon):
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+    def halt(self) -> None:
+        """No rebuild starts from here on, and the loops end at their next look (even one
+        whose cancellation nats-py swallowed): call it before closing the owner."""
+        self._stopped = True
+
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Halt, cancel the loops and stop the watcher, waiting at most ``timeout`` for
+        each; what does not end in time is logged and left behind (the connection's close
+        ends it)."""
+        self.halt()
+        tasks = [t for t in (self._watchdog, self._soon) if t is not None and not t.done()]
         self._watchdog = self._soon = None
-        async with self._lock:
-            await self._abandon()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, left = await asyncio.wait(tasks, timeout=timeout)
+            if left:
+                log.error(
+                    "%s: %s did not end within %gs of being cancelled; left running",
+                    self.name,
+                    ", ".join(sorted(t.get_name() for t in left)),
+                    timeout,
+                )
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._lock:  # (held by a rebuild that does not end: not for long)
+                    await self._abandon()
+        except TimeoutError:
+            log.error("%s: its watcher was not stopped within %gs; left behind", self.name, timeout)
         self.stale = True
 
     def rebuild_soon(self) -> None:
@@ -222,7 +244,7 @@ class BucketMirror:
         silent checks, or when the mirror is stale."""
         limit = self.silence_limit
         assert limit is not None
-        while True:
+        while not self._stopped:
             await asyncio.sleep(limit / 3)
             if not self._connected():
                 continue

@@ -171,7 +171,9 @@ class Registry:
         log.info("registry %s serving bucket %s", self.registry_id, self.bucket_name)
 
     async def stop(self) -> None:
-        """Stop serving (after a ``start`` that is under way, if any)."""
+        """Stop serving (after a ``start`` that is under way, if any). Each stage waits at
+        most ``stop_timeout``: the drain, then the background tasks once cancelled (one
+        that swallows its cancellation is logged by name and left behind)."""
         async with self._lifecycle:
             if not self._running:
                 return
@@ -305,11 +307,12 @@ class Registry:
             )
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
-            await mirror.stop()
+            await mirror.stop(self.stop_timeout)
         recovery, self._recovery = self._recovery, None
         if recovery is not None:
             recovery.stop()  # its loops end with the owner, even if a cancel is lost
-        await self._owner.close()
+        # bounded: a task that swallowed its cancellation is logged by name, left behind
+        await self._owner.close(self.stop_timeout)
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None and not nc.is_closed:
             try:

@@ -361,10 +361,13 @@ async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
     try:
         async with agent:
             intake = agent._intake
-            bound = intake._outbox_max = 300  # (nats-py's pending limit by default)
+            bound = 300
+            # an entry costs its reply subject and message plus 200 bytes (intake._cost)
+            intake._outbox_budget = bound * (len("flood.replies.0000") + len("full") + 200)
             flood = bound + 100
             for i in range(flood):  # one burst, no turn of the loop between
-                msg = nats.aio.msg.Msg(_client=listener, subject="x", reply=f"flood.replies.{i}")
+                reply = f"flood.replies.{i:04d}"
+                msg = nats.aio.msg.Msg(_client=listener, subject="x", reply=reply)
                 intake._refuse(msg, "resource_exhausted", "full")
             assert len(intake.refusals) == 1  # one sender, not a task per refusal
             assert agent.stats.unsent_refusals == 100
@@ -372,6 +375,50 @@ async def test_refusals_leave_from_one_task_and_a_flood_is_bounded(
             assert not any(isinstance(part, nats.aio.msg.Msg) for e in intake._outbox for part in e)
             await eventually(lambda: len(got) == bound)
             assert set(got) == {"429"}
+    finally:
+        await listener.close()
+
+
+async def test_the_refusal_outbox_is_bounded_in_bytes_not_in_count(
+    reach_settings: ReachSettings,
+):
+    """Refusals waiting for their sender hold their reply subjects: bounded by count only
+    (nats-py's 524,288 pending messages), long subjects made that gigabytes. The outbox
+    holds 4 MiB at most (each refusal's subject and message, plus 200 bytes), whatever
+    the subjects' length; what is queued is all sent, and the room comes back."""
+    agent = Agent("flooded", settings=reach_settings, max_queue=4)
+
+    @agent.capability("flood.op")
+    async def op(req: dict) -> dict:
+        return req
+
+    listener = await nats.connect(reach_settings.nats_url)
+    got = 0
+
+    async def on_reply(msg: nats.aio.msg.Msg) -> None:
+        nonlocal got
+        got += 1
+
+    await listener.subscribe("flood.replies.>", cb=on_reply)
+    await listener.flush()
+    budget, tail = 4 * 1024 * 1024, "x" * 1980  # a subject may be up to ~4 KB long
+    cost = len(f"flood.replies.0000.{tail}") + len("full") + 200
+    fits = budget // cost
+    try:
+        async with agent:
+            intake = agent._intake
+            for i in range(fits + 500):  # one burst, no turn of the loop between
+                reply = f"flood.replies.{i:04d}.{tail}"
+                msg = nats.aio.msg.Msg(_client=listener, subject="x", reply=reply)
+                intake._refuse(msg, "resource_exhausted", "full")
+            assert len(intake._outbox) == fits  # ~1,900 here: bytes, not 524,288 entries
+            assert agent.stats.unsent_refusals == 500
+            await eventually(lambda: got == fits, timeout=30)
+            assert intake._outbox_bytes == 0  # sent: the room is back
+            msg = nats.aio.msg.Msg(_client=listener, subject="x", reply="flood.replies.last")
+            intake._refuse(msg, "resource_exhausted", "full")
+            await eventually(lambda: got == fits + 1, timeout=30)
+            assert agent.stats.unsent_refusals == 500
     finally:
         await listener.close()
 

@@ -156,3 +156,39 @@ async def test_a_reconnect_during_a_background_rebuild_gets_one_more(bucket):
     await eventually(lambda: m.rebuilds == 2 and not m.stale)
     await m.stop()
     await owner.close()
+
+
+async def test_a_watchdog_whose_cancel_was_swallowed_ends_at_stop(bucket):
+    """nats-py on Python 3.11 can swallow a cancel (its asyncio.wait_for returns a reply
+    that came as the cancel did): the watchdog then ran on forever, and ``stop`` (which
+    awaited it with no bound) with it: a registry or client that never closed. The
+    watchdog now ends at its next look at the stop."""
+    _, spy = bucket
+    owner = TaskOwner("test")
+    m = mirror(spy, Sink(), owner, silence_limit=0.15)
+    asked, swallowed = asyncio.Event(), 0
+    status = spy.status
+
+    async def swallowing_status():
+        nonlocal swallowed
+        if swallowed:
+            return await status()
+        asked.set()
+        try:
+            await asyncio.Event().wait()  # as a request whose reply is on its way
+        except asyncio.CancelledError:
+            swallowed += 1  # ... and came at the same moment as the cancel (once)
+        return await status()
+
+    assert await m.start(5.0)
+    spy.status = swallowing_status  # the bucket is idle: the watchdog asks its status
+    await asyncio.wait_for(asked.wait(), 30)
+    watchdog = m._watchdog
+    assert watchdog is not None
+    try:
+        async with asyncio.timeout(20):  # (it hung here)
+            await m.stop()
+        assert swallowed == 1
+        assert watchdog.done()  # ended, not left behind
+    finally:
+        await owner.close(timeout=5)

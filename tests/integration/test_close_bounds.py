@@ -1,0 +1,69 @@
+"""Closing is bounded: a background task that swallows its cancellation (nats-py can, on
+Python 3.11) no longer holds ``Registry.stop`` or ``Client.close`` forever. They wait at
+most their bound, then log the task by name and leave it behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from reach import Client, ReachSettings, Registry
+
+
+def stubborn() -> tuple[Callable[[], Coroutine[Any, Any, None]], asyncio.Event, asyncio.Event]:
+    """A coroutine that ignores every cancel until released; (factory, running, release)."""
+    running, release = asyncio.Event(), asyncio.Event()
+
+    async def run() -> None:
+        running.set()
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
+
+    return run, running, release
+
+
+def said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_registry_stop_is_bounded_and_names_what_did_not_end(
+    reach_settings: ReachSettings, caplog: pytest.LogCaptureFixture
+):
+    registry = Registry(settings=reach_settings, stop_timeout=0.5)
+    await registry.start()
+    run, running, release = stubborn()
+    registry._owner.spawn(run(), "stubborn loop")
+    await running.wait()
+    try:
+        with caplog.at_level(logging.ERROR):
+            async with asyncio.timeout(30):  # (it never returned)
+                await registry.stop()
+        assert any("stubborn loop" in m and "did not end" in m for m in said(caplog))
+    finally:
+        release.set()
+
+
+async def test_client_close_is_bounded_and_names_what_did_not_end(
+    reach_settings: ReachSettings, caplog: pytest.LogCaptureFixture
+):
+    client = Client(settings=reach_settings, name="bounded")
+    await client.connect()
+    await client.agents()  # its watches run: the close has tasks to end
+    client._watches.close_timeout = 0.5
+    run, running, release = stubborn()
+    client._watches.owner.spawn(run(), "stubborn loop")
+    await running.wait()
+    try:
+        with caplog.at_level(logging.ERROR):
+            async with asyncio.timeout(30):  # (it never returned)
+                await client.close()
+        assert any("stubborn loop" in m and "did not end" in m for m in said(caplog))
+        assert not client.connected
+    finally:
+        release.set()
