@@ -6,7 +6,6 @@ import socket
 
 import uvicorn
 
-from reach._gateway.serving import JoinedWritesProtocol
 from reach.testing import eventually
 
 
@@ -24,9 +23,7 @@ async def serve(app, *, on_exit=None, sndbuf=None):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     # the protocol `reach gateway` serves with
-    config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", ws="none", http=JoinedWritesProtocol
-    )
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", http="httptools")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     try:
