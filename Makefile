@@ -52,11 +52,13 @@ bench: $(STAMP)
 	$(PY) bench/tasks.py
 	$(PY) bench/gateway.py
 
+# chaos.run bounds each scenario and the suite itself (a FAIL line names what waited);
+# timeout(1) is the bound that holds even if Python cannot end (a stuck exit, say).
 chaos: $(STAMP)
-	$(PY) -m chaos.run
+	timeout --kill-after=30 5700 $(PY) -m chaos.run
 
 chaos-short: $(STAMP)
-	$(PY) -m chaos.run --short
+	timeout --kill-after=30 2100 $(PY) -m chaos.run --short
 
 soak: $(STAMP)
 	$(PY) -m chaos.soak --minutes $(or $(MINUTES),10)

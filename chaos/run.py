@@ -6,13 +6,18 @@
 Each scenario has a hard deadline (``--deadline``; 300 s short, 900 s full): past it, it
 FAILs with a line naming where every task of the run was waiting, and is cancelled. A
 scenario that does not stop within 30 s of that ends the run (exit status 2), so a hang
-never eats CI's time. Exit status 1 if any scenario failed.
+never eats CI's time. The suite has one too (``--suite-deadline``; 1,800 s short, 5,400 s
+full): a scenario gets at most the time left, and those that find none FAIL unrun. Both
+need a running event loop; one blocked in a call that never returns cannot see them, so a
+watchdog thread (``faulthandler``) prints every thread's stack and ends the process 30 s
+after a scenario's deadline and grace. Exit status 1 if any scenario failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib
 import os
 import sys
@@ -20,6 +25,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 from .harness import Result
 
@@ -39,6 +45,9 @@ SCENARIOS = [
 
 #: seconds a cancelled scenario has to stop (its own cleanup: agents, servers)
 STOP_GRACE = 30.0
+#: seconds past a scenario's deadline and grace after which the watchdog thread ends the
+#: process (only a blocked event loop gets there: the loop ends it at the grace)
+BLOCKED_GRACE = 30.0
 
 
 def waiting_in(skip: asyncio.Task[object] | None) -> str:
@@ -62,6 +71,17 @@ def waiting_in(skip: asyncio.Task[object] | None) -> str:
 async def run_one(name: str, short: bool, work: Path, deadline: float) -> Result:
     module = importlib.import_module(f"chaos.scenarios.{name}")
     started = time.monotonic()
+    # the last resort, for a loop blocked in a call that never returns: stacks, then exit
+    faulthandler.dump_traceback_later(deadline + STOP_GRACE + BLOCKED_GRACE, exit=True)
+    try:
+        return await _run_one(module, name, short, work, deadline, started)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+async def _run_one(
+    module: ModuleType, name: str, short: bool, work: Path, deadline: float, started: float
+) -> Result:
     task = asyncio.ensure_future(module.run(work / name, short))
     done, _ = await asyncio.wait({task}, timeout=deadline)
     if task in done:
@@ -113,11 +133,23 @@ def report(results: list[Result], short: bool) -> str:
     return "\n".join(lines)
 
 
-async def main_async(names: list[str], short: bool, deadline: float) -> list[Result]:
+async def main_async(
+    names: list[str], short: bool, deadline: float, suite_deadline: float
+) -> list[Result]:
     results = []
+    ends = time.monotonic() + suite_deadline
     with tempfile.TemporaryDirectory(prefix="reach-chaos-") as tmp:
         for i, name in enumerate(names):
-            result = await run_one(name, short, Path(tmp) / str(i), deadline)
+            left = ends - time.monotonic()
+            if left > 0:
+                result = await run_one(name, short, Path(tmp) / str(i), min(deadline, left))
+            else:
+                result = Result(name)
+                result.check(
+                    f"ran within the suite's deadline of {suite_deadline:.0f} s",
+                    False,
+                    "not run: the scenarios before it used the suite's time",
+                )
             print(result.line(), flush=True)
             for note in result.notes:
                 print(f"    {note}", flush=True)
@@ -131,14 +163,18 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="run each scenario N times")
     parser.add_argument("--deadline", type=float, default=None, help="seconds per scenario")
+    parser.add_argument(
+        "--suite-deadline", type=float, default=None, help="seconds for every scenario in all"
+    )
     parser.add_argument("--report", type=Path, default=Path(__file__).with_name("REPORT.md"))
     args = parser.parse_args()
     names = [n for n in (args.only or SCENARIOS) for _ in range(max(1, args.repeat))]
     deadline = args.deadline or (300.0 if args.short else 900.0)
+    suite_deadline = args.suite_deadline or (1800.0 if args.short else 5400.0)
     unknown = set(names) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
-    results = asyncio.run(main_async(names, args.short, deadline))
+    results = asyncio.run(main_async(names, args.short, deadline, suite_deadline))
     args.report.write_text(report(results, args.short))
     print(f"report: {args.report}")
     return 0 if all(r.passed for r in results) else 1

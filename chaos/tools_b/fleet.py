@@ -5,7 +5,6 @@ after a lease write, and a watch on the routing table's comings and goings."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -148,8 +147,10 @@ class TableWatch:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # bounded: a cancel lost inside nats-py must not hold the scenario
+            done, _ = await asyncio.wait({self._task}, timeout=10)
+            if done and not self._task.cancelled():
+                self._task.result()  # it failed: say so, as an await would have
 
     def summary(self, agent_ids: list[str]) -> str:
         parts = []

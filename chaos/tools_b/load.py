@@ -19,6 +19,22 @@ __all__ = ["HANG", "RequestLoad", "TaskLoad", "account", "examples", "executions
 #: a request or submit still running this long past its own deadline is "hung": counted,
 #: and given up on so that the scenario ends
 HANG = 30.0
+#: seconds a load's ``stop`` (or ``settle``) waits beyond the guards of its calls: a guard
+#: works by cancelling, and a cancel nats-py swallowed must not hold the scenario forever
+SLACK = 10.0
+
+
+async def ended(task: asyncio.Future[Any], within: float) -> bool:
+    """Wait at most ``within`` seconds for ``task``; if it runs on (a guard's cancel was
+    lost), cancel it and wait as long again. True if it ended by itself (its error, if any,
+    is raised)."""
+    done, _ = await asyncio.wait({task}, timeout=within)
+    if done:
+        task.result()
+        return True
+    task.cancel()
+    await asyncio.wait({task}, timeout=within)
+    return False
 
 
 class RequestLoad:
@@ -66,8 +82,10 @@ class RequestLoad:
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._task is not None:
-            await self._task
+        if self._task is not None and not await ended(
+            self._task, self.timeout + HANG + self.pause + SLACK
+        ):
+            self.unclear["caller hung past its guard"] += 1
 
     def failed_between(self, start: float, end: float = float("inf")) -> int:
         return sum(start <= t < end for t in self.failed_at)
@@ -170,8 +188,8 @@ class TaskLoad:
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._task is not None:
-            await self._task
+        if self._task is not None and not await ended(self._task, HANG + self.pause + SLACK):
+            self.unclear["submitter hung past its guard"] += 1
         self.stopped_at = time.monotonic()
 
     async def _submitter(self) -> None:
@@ -208,7 +226,9 @@ class TaskLoad:
         return sum(t >= start for t in self.accepted_at)
 
     async def settle(self, timeout: float = 120.0, concurrency: int = 32) -> None:
-        """Wait for every accepted task's end (all within ``timeout`` in all)."""
+        """Wait for every accepted task's end (all within ``timeout`` in all; a wait that
+        runs on past it, and past the at least 1 s each later one gets, is given up on:
+        counted as ``wait hung``, with no end)."""
         gate = asyncio.Semaphore(concurrency)
         deadline = time.monotonic() + timeout
 
@@ -229,7 +249,11 @@ class TaskLoad:
             else:
                 self.ledger.refused(f"task {rec.state}")
 
-        await asyncio.gather(*(one(ref) for ref in self.refs))
+        if not self.refs:
+            return
+        waits = asyncio.gather(*(one(ref) for ref in self.refs))
+        if not await ended(waits, timeout + len(self.refs) / concurrency + SLACK):
+            self.ended["wait hung"] += len(self.refs) - sum(self.ended.values())
 
 
 def examples(*loads: RequestLoad | TaskLoad) -> list[str]:
