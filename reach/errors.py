@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._urls import redact
 from .wire import ERROR_CODES
 
 # The protocol's codes (section 3.2); any other code is the handler's own refusal.
@@ -108,7 +109,7 @@ class ConnectionFailed(ReachError, ConnectionError):
     retryable = True
 
     def __init__(self, message: str, *, url: str = "") -> None:
-        self.url = url
+        self.url = redact(url)  # here, once for every caller: a password never leaves
         super().__init__(message)
 
 

@@ -88,3 +88,11 @@ def test_a_failed_connect_says_why_and_what_to_do(failure, reason, fix):
     assert reason in said_reason
     assert fix in said_fix
     assert "\n" not in said_reason + said_fix
+
+
+def test_a_connection_failure_never_carries_a_password_in_its_url():
+    from reach.errors import ConnectionFailed
+
+    err = ConnectionFailed("lost", url="nats://user:s3cret@127.0.0.1:4222")
+    assert "s3cret" not in err.url
+    assert err.url == "nats://user:***@127.0.0.1:4222"
