@@ -141,7 +141,7 @@ def test_cards_merge_the_instances_of_a_name():
     skills = {s.id: s for s in card.skills}
     assert sorted(skills) == ["text.echo", "text.sum"]
     assert list(skills["text.echo"].tags) == ["eu", "gpu", "mode:call", "version:1.2"]
-    assert list(skills["text.sum"].tags) == ["eu", "mode:task", "version:1.0"]
+    assert list(skills["text.sum"].tags) == ["eu", "mode:task", "version:1.0.0"]  # the default
     assert skills["text.sum"].description == "Reach capability text.sum, run as a durable task."
 
 
