@@ -115,6 +115,20 @@ class Workers:
             self._done()
             await self.reply_error(job.msg, "agent_unavailable", "agent stopped before running it")
 
+    def admit(self, job: Job) -> bool:
+        """Queue an accepted request (in nats-py's reading task: nothing here waits); False
+        when the queue is full. From ``overload_at`` waiting the agent is DEGRADED, until
+        the workers bring the queue down to ``recover_at``."""
+        queue = self.queue
+        if not queue.offer(job.priority, job):
+            return False
+        self.outstanding += 1
+        self.idle.clear()
+        if len(queue) >= self.overload_at and not self.overloaded:
+            self.overloaded = True
+            self._life.degrade(Reason.OVERLOAD)
+        return True
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing accepted is unanswered; False if ``timeout`` came first."""
         try:
