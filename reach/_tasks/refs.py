@@ -1,6 +1,6 @@
 """Handles on submitted tasks: ``TaskRef`` (one task) and ``Batch`` (many).
 
-Their methods raise only ``ReachError``s (``boundary.task_errors``). A waiting ref that
+Their methods raise only ``ReachError``s (``faults.task_errors``). A waiting ref that
 hears of its task's end on its client's own subject (``own``) re-reads the record only in
 case that notice was lost, at most every 30 s; any other ref follows the record's KV watch,
 and polls every 5 s at most only while it cannot.
@@ -31,7 +31,7 @@ from ..errors import (
 from ..errors import error_for_code as _error_for_code
 from ..wire import ErrorBody
 from ..wire.tasks import TaskRecord, TaskState
-from .boundary import task_errors
+from .faults import task_errors
 from .states import advance
 from .store import Conflict, Stored, TaskStore, decode_record
 
