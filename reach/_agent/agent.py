@@ -20,6 +20,7 @@ from nats.nuid import NUID
 
 from .._client import Client
 from .._codec import now_ms
+from .._handlers import TaskContext
 from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._subjects import validate_agent_id
@@ -123,6 +124,7 @@ class Agent(Declarations, Exposure, Serving):
             self.subjects,
             self.task_stats,
             self.settings.task_concurrency or self.max_concurrency,
+            context=TaskContext,
         )
         self._tasks.on_exit = self._handler_exit
         self._tasks.on_stuck = lambda n: self._workers.tasks_stuck(n)

@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -37,13 +37,10 @@ from .execute import Executor
 from .faults import patiently
 from .handler_run import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
-from .model import Delivery, TaskDecl, TaskStats
+from .model import ContextFactory, Delivery, TaskDecl, TaskStats
 from .pull import Puller
 from .states import PriorityOrder, can_write, retry_delay
 from .store import Stored, TaskStore
-
-if TYPE_CHECKING:
-    from .._client import Client
 
 __all__ = ["TaskRunner"]
 
@@ -69,8 +66,12 @@ class TaskRunner:
         subjects: Subjects,
         stats: TaskStats,
         concurrency: int,
+        *,
+        context: ContextFactory,
     ) -> None:
         self.agent_id = agent_id
+        #: makes each attempt's context (``reach.TaskContext``), given by the agent
+        self.context = context
         self.settings = settings
         self.subjects = subjects
         self.stats = stats
@@ -88,7 +89,7 @@ class TaskRunner:
         self._cancel_sub: Subscription | None = None
         self._owner: TaskOwner | None = None
         self._exec: Executor | None = None
-        self._client: Client | None = None
+        self._client: object = None  # the agent's, passed on to handlers in their context
         self._api: JsApi | None = None
         self._dispatcher: asyncio.Task[Any] | None = None
         #: a handler raised SystemExit: True when the agent stops in order for it
@@ -110,7 +111,7 @@ class TaskRunner:
         self,
         nc: NatsConnection,
         owner: TaskOwner,
-        client: Client,
+        client: object,
         tags: list[str],
         stopped: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -427,8 +428,7 @@ class TaskRunner:
             except (msgspec.DecodeError, ValueError, TypeError) as exc:
                 await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
                 return
-            assert self._client is not None
-            ctx = task_context(self.agent_id, self._client, ex, d, timeout)
+            ctx = task_context(self.context, self.agent_id, self._client, ex, d, timeout)
             call = call_handler(decl, payload, ctx, self.on_exit)
             inner = self._owner.spawn(call, f"task {d.task_id} handler")
             d.runner = inner
