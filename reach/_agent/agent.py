@@ -27,7 +27,7 @@ from nats.nuid import NUID
 
 from .._client import Client
 from .._codec import now_ms
-from .._handlers import Handler, inspect_handler
+from .._handlers import Handler, TaskContext, inspect_handler
 from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
 from .._owner import TaskOwner
 from .._runtime import on_stop_signals, run_async
@@ -133,6 +133,7 @@ class Agent:
             self.subjects,
             self.task_stats,
             self.settings.task_concurrency or self.max_concurrency,
+            context=TaskContext,
         )
         self._tasks.on_exit = self._handler_exit
         self._tasks.on_stuck = lambda n: self._workers.tasks_stuck(n)
