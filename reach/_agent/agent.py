@@ -1,7 +1,13 @@
-"""The Agent facade: declaration, start and stop, and the one owner of the agent's lifecycle.
+"""The Agent: what it serves, start and stop, and the one owner of the agent's lifecycle.
 
-The parts live beside it: ``intake`` (admission), ``workers`` (running and answering),
-``lifecycle`` (the state machine), ``presence`` (registry), ``control`` ($ctl, $ping, $SRV).
+One class, read top to bottom: construction; the decorators that declare what it serves
+(capabilities, topics, durable tasks; each refuses once the agent runs); what it shows of
+itself (info, heartbeat, counters); its lifecycle; its telemetry; and the process entry
+points (``serve_forever``, ``run``). It holds its parts: ``Intake`` (admission),
+``Workers`` (running and answering), ``Lifecycle`` (the state machine), ``Presence``
+(registry), ``Subscriptions``, ``ControlListeners`` ($ctl, $ping, $SRV) and a
+``TaskRunner`` for durable tasks.
+
 Every background task lives in a TaskOwner: workers, the deadline watch and the presence
 loop in ``_work``; the one stop task in ``_stopper``. SIGTERM, ``$ctl drain``, ``stop()`` and
 ``async with`` all end in that same stop task: PAUSED (out of the queue groups), finish
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -20,23 +27,25 @@ from nats.nuid import NUID
 
 from .._client import Client
 from .._codec import now_ms
+from .._handlers import Handler, TaskContext, inspect_handler
 from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
 from .._owner import TaskOwner
-from .._subjects import validate_agent_id
-from .._tasks import TaskRunner, TaskStats
+from .._runtime import on_stop_signals, run_async
+from .._subjects import validate_agent_id, validate_capability, validate_topic
+from .._tasks import TaskDecl, TaskRunner, TaskStats
+from .._tasks.states import check_timeout
+from .._telemetry import configure_logging, configure_tracing
 from .._telemetry.core import Attachment, Telemetry
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ReachError
 from ..settings import ReachSettings
-from ..wire import AgentInfo, CapabilityInfo, Status
+from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Priority, Status
 from . import srv
 from .control import ControlListeners
-from .declare import Declarations
-from .exposure import Exposure
 from .intake import Intake, topic_handler
 from .lifecycle import TIMEOUT_WINDOW, Lifecycle, Pause, Reason, State
-from .model import AgentStats, Served, TopicSpec
+from .metrics import agent_source
+from .model import AgentCells, AgentStats, Served, TopicSpec
 from .presence import Presence
-from .process import Serving
 from .subscriptions import Subscriptions
 from .workers import Workers
 
@@ -45,7 +54,7 @@ __all__ = ["Agent"]
 log = logging.getLogger("reach.agent")
 
 
-class Agent(Declarations, Exposure, Serving):
+class Agent:
     """One running instance of a named agent that serves capabilities.
 
     Capabilities are served on ``reach.cap.<cap>`` (queue group ``cap.<cap>``: one instance
@@ -77,6 +86,7 @@ class Agent(Declarations, Exposure, Serving):
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
         self._attachment: Attachment | None = None
         self._drain_started: float | None = None
+        #: how long the last drain took (seconds); None before the first
         self.last_drain_seconds: float | None = None
         try:
             validate_agent_id(name)
@@ -123,6 +133,7 @@ class Agent(Declarations, Exposure, Serving):
             self.subjects,
             self.task_stats,
             self.settings.task_concurrency or self.max_concurrency,
+            context=TaskContext,
         )
         self._tasks.on_exit = self._handler_exit
         self._tasks.on_stuck = lambda n: self._workers.tasks_stuck(n)
@@ -164,6 +175,75 @@ class Agent(Declarations, Exposure, Serving):
             timeout_quiet=max(TIMEOUT_WINDOW, 3 * self.settings.heartbeat_interval),
         )
         self._intake = Intake(self.agent_id, self._workers, self._life, self.stats)
+
+    # -- what it serves, declared before it starts ------------------------------------
+
+    def _check_open(self, name: str, what: str) -> None:
+        validate_capability(name)
+        if self._life.running:
+            raise ConfigurationError(f"add {what} before the agent starts")
+        if name in self._caps or name in self._tasks.decls:
+            raise ConfigurationError(f"{name!r} is already served by this agent")
+
+    def capability(
+        self, name: str, *, version: str = "1.0.0", description: str = ""
+    ) -> Callable[[Handler], Handler]:
+        """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``."""
+        self._check_open(name, "capabilities")
+
+        def register(fn: Handler) -> Handler:
+            self._check_open(name, "capabilities")
+            spec = inspect_handler(fn, f"capability {name!r}")
+            info = CapabilityInfo(name=name, version=version, description=description)
+            cells = AgentCells() if self.telemetry.metrics else None  # None: metrics are off
+            self._caps[name] = Served(info, spec, cells=cells)
+            return fn
+
+        return register
+
+    def task(
+        self,
+        name: str,
+        *,
+        version: str = "1.0.0",
+        description: str = "",
+        timeout: float | None = None,
+        max_attempts: int | None = None,
+    ) -> Callable[[Handler], Handler]:
+        """Serve ``name`` as a durable task: submitted with ``client.submit``, kept in
+        JetStream until an instance runs it to the end. The handler is the same as for a
+        capability; its ``ctx`` is a ``TaskContext`` (``task_id``, ``attempt``,
+        ``progress()``). ``timeout`` (seconds per attempt) and ``max_attempts`` apply to
+        submits that name none (then ``REACH_TASK_TIMEOUT``/``REACH_TASK_MAX_ATTEMPTS``);
+        a timeout longer than ``REACH_TASK_RETENTION`` is refused."""
+        self._check_open(name, "tasks")
+        if timeout is not None and not timeout > 0:
+            raise ConfigurationError("timeout must be > 0 seconds")
+        if timeout is not None:
+            check_timeout(timeout, self._tasks.settings.task_retention, f"task {name!r}")
+        if max_attempts is not None and not 1 <= max_attempts <= 100:
+            raise ConfigurationError("max_attempts must be between 1 and 100")
+
+        def register(fn: Handler) -> Handler:
+            self._check_open(name, "tasks")
+            spec = inspect_handler(fn, f"task {name!r}")
+            info = CapabilityInfo(name=name, version=version, description=description)
+            self._tasks.decls[name] = TaskDecl(info, spec, timeout, max_attempts)
+            return fn
+
+        return register
+
+    def on_topic(self, topic: str) -> Callable[[Handler], Handler]:
+        """Receive every broadcast on ``topic`` (wildcards allowed), on every instance."""
+        validate_topic(topic, wildcards=True)
+        if self._life.running:
+            raise ConfigurationError("add topic handlers before the agent starts")
+
+        def register(fn: Handler) -> Handler:
+            self._topics.append(TopicSpec(topic, inspect_handler(fn, f"topic {topic!r}")))
+            return fn
+
+        return register
 
     # -- introspection -----------------------------------------------------------------
 
@@ -213,6 +293,39 @@ class Agent(Declarations, Exposure, Serving):
         """What ``$SRV`` answers say about this instance, as of now."""
         return srv.snapshot(self.info(), self.description, self.subjects, self._caps)
 
+    def heartbeat(self, seq: int = 0) -> Heartbeat:
+        s = self.stats
+        return Heartbeat(
+            agent_id=self.agent_id,
+            status=self._life.status,
+            seq=seq,
+            inflight=s.inflight,
+            queue_len=len(self._workers.queue),
+            load=s.inflight / self.max_concurrency,
+            latency_ms=round(s.latency_ewma_ms, 3),
+            served=s.served,
+            failed=s.failed,
+            dropped=s.expired,
+            sent_ms=now_ms(),
+            reason=self._life.explain(self._workers.details()),
+        )
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``/metrics`` and ``/healthz`` are served while the agent runs, if asked."""
+        return self._attachment.url if self._attachment is not None else None
+
+    def cells(self) -> dict[str, AgentCells]:
+        """Per capability, what the workers counted (empty when metrics are off)."""
+        return {name: c.cells for name, c in self._caps.items() if c.cells is not None}
+
+    def queue_lengths(self) -> dict[Priority, int]:
+        return self._workers.queue.lengths()
+
+    def task_outcomes(self) -> dict[tuple[str, str], int]:
+        """Task attempts by (capability, outcome)."""
+        return dict(self._tasks.outcomes)
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def _status_changed(self, status: Status) -> None:
@@ -234,7 +347,7 @@ class Agent(Declarations, Exposure, Serving):
                 )
                 self._nc = nc
                 await self._client._adopt(nc)
-                await self._expose(self)
+                await self._expose()
                 self._started_ms = now_ms()
                 self._work.reopen()
                 self._workers.start(nc, self._work)
@@ -418,3 +531,89 @@ class Agent(Declarations, Exposure, Serving):
         task = self._begin_stop(graceful=et is None)
         if task is not None:
             await asyncio.shield(task)
+
+    # -- telemetry: spans, the metrics source, the health check, the port -------------
+
+    async def _expose(self) -> None:
+        """At start: spans on, the source and health check added, the port served."""
+        self._workers.tracer = self._tasks.tracer = self.telemetry.tracer
+        if self._attachment is None:
+            self._attachment = await self.telemetry.attach(
+                f"agent {self.agent_id}",
+                agent_source(self),
+                self._healthy,
+                self.metrics_port,
+                self.settings.metrics_host,
+            )
+
+    def _healthy(self) -> bool:
+        nc = self._nc
+        return nc is not None and nc.is_connected
+
+    async def _hide(self) -> None:
+        """At stop: the port closed, the source and check removed."""
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            await attachment.close()
+
+    def _drain_began(self) -> None:
+        self._drain_started = time.monotonic()
+
+    def _drain_ended(self) -> None:
+        if self._drain_started is not None:
+            self.last_drain_seconds = time.monotonic() - self._drain_started
+            self._drain_started = None
+
+    # -- as a whole process ----------------------------------------------------------
+
+    def _handler_exit(self, exc: BaseException) -> bool:
+        """A handler raised SystemExit or KeyboardInterrupt. Under ``serve_forever`` the
+        agent drains as on SIGTERM (other work in flight finishes) and ``serve_forever``
+        raises it; True then. Otherwise it propagates as Python would: asyncio ends the
+        loop abruptly, under everything still running."""
+        if not self._serving:
+            return False
+        if self._exit is None:
+            self._exit = exc
+        self.request_drain()
+        return True
+
+    async def serve_forever(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, ``$ctl drain`` or cancellation, then drain and
+        stop. A second Ctrl-C while it drains ends the process at once (status 130)."""
+        self._serving, self._exit = True, None
+        draining = f"draining in-flight work for up to {self.drain_timeout:g}s"
+        # The drain is inside the block: a second Ctrl-C during it is heard.
+        with on_stop_signals(lambda _: self.request_drain(), draining=draining):
+            try:
+                await self.start()
+                await self._drain_requested.wait()
+                log.info("agent %s: draining", self.agent_id)
+            finally:
+                await self.stop()
+                self._serving = False
+        if self._exit is not None:
+            raise self._exit
+
+    def run(self) -> None:
+        """Blocking entry point for a process that is one agent (uses uvloop when present).
+        Logs go to stderr as ``REACH_LOG_FORMAT`` says, unless logging is set up already;
+        spans are exported as ``REACH_TRACE_EXPORTER`` says, unless a tracer is set. A
+        ``ReachError`` (NATS out of reach, credentials refused) ends the process with one
+        ``error: <code>: <message>`` line on stderr and status 1."""
+        if not logging.getLogger().handlers:
+            configure_logging(self.settings.log_format, self.settings.log_level)
+        provider = None
+        if self.telemetry.tracer is None and self.telemetry.tracing:
+            provider = configure_tracing(self.settings, self.name)
+            if provider is not None:
+                self.telemetry.tracer = provider.get_tracer("reach")
+        try:
+            run_async(self.serve_forever())
+        except ReachError as exc:
+            # A program's entry point: one line that says what to do and a non-zero status,
+            # not a traceback (a start that cannot connect or is refused ends here).
+            raise SystemExit(f"error: {exc.code}: {exc.message}") from None
+        finally:
+            if provider is not None:
+                provider.shutdown()  # export what is buffered

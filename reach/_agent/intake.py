@@ -16,7 +16,7 @@ from .._codec import now_ms
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..wire import Header, Priority
-from .lifecycle import Lifecycle, Reason
+from .lifecycle import Lifecycle
 from .model import AgentStats, Job, Served, TopicSpec
 from .workers import Workers
 
@@ -155,19 +155,13 @@ class Intake:
             self._refused("paused")
             return "agent_unavailable", f"agent {self.agent_id} is {life.state.lower()}"
         workers = self.workers
-        queue = workers.queue
-        if not queue.offer(priority, Job(msg, cap, priority, deadline, request_id)):
+        if not workers.admit(Job(msg, cap, priority, deadline, request_id)):
             self.stats.rejected += 1
             self._refused("full")
             return (
                 "resource_exhausted",
                 f"agent {self.agent_id} is full ({workers.max_queue} queued)",
             )
-        workers.outstanding += 1
-        workers.idle.clear()
-        if len(queue) >= workers.overload_at and not workers.overloaded:
-            workers.overloaded = True
-            life.degrade(Reason.OVERLOAD)
         return None
 
     def _refused(self, reason: str) -> None:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
+from .._handlers import Context, HandlerSpec
 from .._telemetry import LATENCY_BUCKETS, Histogram
 from ..errors import PROTOCOL_CODES
 from ..wire import CapabilityInfo, Header, Priority
-from .handlers import Context, HandlerSpec
 
 if TYPE_CHECKING:
     from .._client import Client

@@ -26,17 +26,19 @@ def subjects(name: str, agent_id: str) -> list[str]:
     ]
 
 
-class _Endpoint(msgspec.Struct, kw_only=True):
+class _EndpointBase(msgspec.Struct, kw_only=True):
+    """What INFO and STATS both say of an endpoint (``_where``)."""
+
     name: str
     subject: str
     queue_group: str
+
+
+class _Endpoint(_EndpointBase, kw_only=True):
     metadata: dict[str, str]
 
 
-class _EndpointStats(msgspec.Struct, kw_only=True):
-    name: str
-    subject: str
-    queue_group: str
+class _EndpointStats(_EndpointBase, kw_only=True):
     num_requests: int
     num_errors: int
     last_error: str
@@ -132,21 +134,14 @@ def answer(subject: str, snap: ServiceSnapshot) -> bytes | None:
         return encode_json(_Ping(**common))
     if verb == "INFO":
         endpoints = [
-            _Endpoint(
-                name=e.name,
-                subject=e.subject,
-                queue_group=e.queue_group,
-                metadata={"version": e.version, "direct": e.direct},
-            )
+            _Endpoint(**_where(e), metadata={"version": e.version, "direct": e.direct})
             for e in snap.endpoints
         ]
         return encode_json(_Info(**common, description=snap.description, endpoints=endpoints))
     if verb == "STATS":
         stats = [
             _EndpointStats(
-                name=e.name,
-                subject=e.subject,
-                queue_group=e.queue_group,
+                **_where(e),
                 num_requests=e.requests,
                 num_errors=e.errors,
                 last_error=e.last_error,
@@ -159,3 +154,8 @@ def answer(subject: str, snap: ServiceSnapshot) -> bytes | None:
         stamp = started.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
         return encode_json(_Stats(**common, started=stamp, endpoints=stats))
     return None
+
+
+def _where(e: Endpoint) -> dict[str, Any]:
+    """An endpoint's name and subjects, as INFO and STATS both give them."""
+    return {"name": e.name, "subject": e.subject, "queue_group": e.queue_group}

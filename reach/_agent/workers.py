@@ -3,8 +3,12 @@
 A handler may raise anything (a refusal with its own code included), raise CancelledError
 itself, return what cannot be encoded or sent, or overrun its deadline, even ignoring the
 cancellation: the caller always gets an answer and the agent keeps its ``max_concurrency``
-workers. A bug of ours on this path is caught around the worker loop, logged, counted in
-``AgentStats.internal_errors`` and answered ``failed``; the worker goes on.
+workers. Each way a request can fail (the handler failed, refused, ran past its deadline,
+or we did) is counted, logged under the request id and answered with an error the caller
+can act on, never the handler's exception text. A bug of ours on this path is caught
+around the worker loop, logged, counted in ``AgentStats.internal_errors`` and answered
+``failed``; the worker goes on. With a tracer, each handler run is a SERVER span
+(``traced_handler``).
 """
 
 from __future__ import annotations
@@ -13,23 +17,22 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from opentelemetry.trace import Tracer
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
-from .._codec import encode_payload, now_ms
+from .._codec import encode_payload, error_reply, now_ms, wire_error
 from .._delivery import publish, publish_by_nats
 from .._nats import HEADROOM, TRANSIENT, NatsConnection, fits
 from .._owner import TaskOwner
-from .._telemetry import LOG_AGENT, LOG_WORK
+from .._telemetry import ATTR, LOG_AGENT, LOG_WORK
 from ..errors import RemoteError
 from ..wire import Header
-from .answers import Answers
 from .lifecycle import TIMEOUT_WINDOW, Lifecycle, Reason, TimeoutWatch
 from .model import AgentStats, Job
-from .observe import traced_handler
 from .scheduler import WorkQueue
 
 if TYPE_CHECKING:
@@ -45,7 +48,7 @@ _ABANDON_AFTER_MS = 500  # a cancelled handler still running this long past its 
 _CLOSE_GRACE = 1.0  # seconds to wait at stop for handlers that ignore cancellation
 
 
-class Workers(Answers):
+class Workers:
     """``max_concurrency`` workers over one priority queue, plus the deadline watch."""
 
     def __init__(
@@ -111,6 +114,20 @@ class Workers(Answers):
         for job in self.queue.drain():
             self._done()
             await self.reply_error(job.msg, "agent_unavailable", "agent stopped before running it")
+
+    def admit(self, job: Job) -> bool:
+        """Queue an accepted request (in nats-py's reading task: nothing here waits); False
+        when the queue is full. From ``overload_at`` waiting the agent is DEGRADED, until
+        the workers bring the queue down to ``recover_at``."""
+        queue = self.queue
+        if not queue.offer(job.priority, job):
+            return False
+        self.outstanding += 1
+        self.idle.clear()
+        if len(queue) >= self.overload_at and not self.overloaded:
+            self.overloaded = True
+            self._life.degrade(Reason.OVERLOAD)
+        return True
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing accepted is unanswered; False if ``timeout`` came first."""
@@ -305,6 +322,91 @@ class Workers(Answers):
             ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
         )
 
+    # -- the ways a request can fail -----------------------------------------------------
+
+    async def _failed(self, job: Job, code: str, what: str) -> None:
+        """The handler failed: log the traceback under the request id, tell the caller
+        only that (its exception text may hold secrets)."""
+        rid = job.request_id or "-"
+        self._count_error(job, what)
+        log.error(
+            "agent %s: %s for %s (request id %s)",
+            self.agent_id,
+            what,
+            job.cap.info.name,
+            rid,
+            exc_info=sys.exc_info()[0] is not None,
+        )
+        await self._answer(job, code, f"{what} (request id {rid})")
+
+    async def _refused(self, job: Job, exc: RemoteError) -> None:
+        """A deliberate refusal: its code and message are meant for the caller."""
+        wire = wire_error(exc)
+        if wire is None:
+            await self._failed(job, "failed", f"handler refused with invalid code {exc.code!r}")
+            return
+        code, status, retryable = wire
+        self._count_error(job, exc.message)
+        await self._answer(job, code, exc.message, status=status, retryable=retryable)
+
+    async def _late(self, job: Job, task: asyncio.Task[Any]) -> None:
+        """The handler ended, however, after the deadline watch cancelled it: that
+        cancellation is consumed here (else the worker would take its next request's
+        CancelledError for a stop), and the caller, unless answered already, told
+        ``timeout``."""
+        task.uncancel()
+        if not job.abandoned:
+            await self._timed_out(job)
+
+    async def _timed_out(self, job: Job) -> None:
+        if self.timeouts.timed_out(time.monotonic()):
+            self._life.degrade(Reason.TIMEOUTS)
+        self._count_error(job, "deadline passed while running")
+        await self._answer(job, "timeout", "deadline passed while running")
+
+    async def _internal_error(self, job: Job) -> None:
+        """A bug of ours around this request: counted and answered; the worker goes on."""
+        self.stats.internal_errors += 1
+        self.stats.failed += 1
+        rid = job.request_id or "-"
+        log.exception("agent %s: internal error serving request %s", self.agent_id, rid)
+        try:
+            await self._answer(job, "failed", f"agent failed (request id {rid})")
+        except Exception:
+            log.exception("agent %s: could not answer request %s", self.agent_id, rid)
+
+    def _count_error(self, job: Job, reason: str) -> None:
+        job.cap.failed(reason)
+        self.stats.failed += 1
+
+    async def _answer(
+        self, job: Job, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        job.answered = True
+        if job.cap.cells is not None:
+            job.cap.cells.error(job.priority, code)
+        await self.reply_error(job.msg, code, message, status=status, retryable=retryable)
+
+    async def reply_error(
+        self, msg: Any, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        """Answer ``msg`` with an error (best effort: a lost reply is logged)."""
+        await self.send_error(msg.reply, code, message, status=status, retryable=retryable)
+
+    async def send_error(
+        self, reply: str, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        """Send an error to the reply subject ``reply`` (nothing when there is none)."""
+        if not reply:
+            return
+        body, headers = error_reply(
+            code, message, self.agent_id, status=status, retryable=retryable
+        )
+        try:
+            await self._nc.publish(reply, body, headers=headers)
+        except TRANSIENT as exc:
+            log.warning("agent %s: error reply lost: %s", self.agent_id, exc)
+
     # -- deadlines -------------------------------------------------------------------------
 
     async def _deadline_watch(self) -> None:
@@ -381,3 +483,54 @@ def _stuck_words(requests: int, tasks: int) -> str:
     if tasks:
         parts.append(f"{tasks} task handler(s) (each holds its task slot)")
     return "handlers stuck past their deadline: " + ", ".join(parts)
+
+
+async def traced_handler(
+    tracer: Tracer,
+    agent_id: str,
+    job: Job,
+    fn: Callable[..., Awaitable[Any]],
+    args: tuple[Any, ...],
+) -> Any:
+    """A SERVER span around one handler run, child of the caller's attempt span; current
+    while the handler runs, so the calls it makes continue the trace."""
+    msg = job.msg
+    headers = msg.headers or {}
+    with tracer.start_as_current_span(
+        f"process {job.cap.info.name}",
+        context=propagate.extract(headers),
+        kind=SpanKind.SERVER,
+        attributes={
+            ATTR.SYSTEM: "nats",
+            ATTR.DESTINATION: msg.subject,
+            ATTR.OPERATION: "process",
+            ATTR.CAPABILITY: job.cap.info.name,
+            ATTR.AGENT_ID: agent_id,
+            ATTR.PRIORITY: job.priority.value,
+            ATTR.ATTEMPT: _int(headers.get(Header.ATTEMPT, "1")),
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            result = await fn(*args)
+        except asyncio.CancelledError:
+            span.set_attribute(ATTR.OUTCOME, "cancelled")  # its deadline, or a stop
+            raise
+        except RemoteError as exc:
+            span.set_attribute(ATTR.OUTCOME, exc.code)
+            span.set_status(Status(StatusCode.ERROR, exc.code))
+            raise
+        except Exception as exc:
+            span.set_attribute(ATTR.OUTCOME, "failed")
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        span.set_attribute(ATTR.OUTCOME, "ok")
+        return result
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        return 0

@@ -16,10 +16,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from .._kv import KvEntry, bind_bucket
-from .._nats import NatsConnection
 from .._routing import Router, Weights
-from .._subjects import Subjects, validate_capability
-from ..settings import ReachSettings
+from .._subjects import validate_capability
 
 __all__ = ["ConfigSink", "config_bucket"]
 
@@ -95,43 +93,3 @@ class ConfigSink:
         except (msgspec.DecodeError, ValueError, UnicodeDecodeError) as exc:
             self.ignored += 1
             log.warning("config key %s ignored: %s", key, exc)
-
-
-class ConfigWrites:
-    """Mixed into ``Client``: writes to the config bucket every client follows."""
-
-    settings: ReachSettings
-    subjects: Subjects
-
-    @property
-    def nc(self) -> NatsConnection:
-        raise NotImplementedError  # the Client's connection
-
-    async def _config_bucket(self) -> KeyValue:
-        return await config_bucket(
-            self.nc.jetstream(),
-            self.subjects.bucket("config"),
-            create=True,
-            replicas=self.settings.replicas,
-        )
-
-    async def set_routing_weights(
-        self,
-        capability: str,
-        *,
-        w_load: float = 4.0,
-        w_latency: float = 2.0,
-        threshold: float = 0.3,
-    ) -> None:
-        """Change the ``scored`` weights of a capability for every client, no restart."""
-        validate_capability(capability)
-        kv = await self._config_bucket()
-        body = {"w_load": w_load, "w_latency": w_latency, "threshold": threshold}
-        await kv.put(f"weights.{capability}", msgspec.json.encode(body))
-
-    async def set_task_type(self, task_type: str, capability: str) -> None:
-        """Let callers ask for ``task_type``; it is served by ``capability``."""
-        validate_capability(task_type)
-        validate_capability(capability)
-        kv = await self._config_bucket()
-        await kv.put(f"task.{task_type}", capability.encode())

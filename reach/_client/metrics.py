@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from .._routing import Router
 from .._routing.resilience import BreakerState
-from .._tasks import TaskRecord
 from .._telemetry import LATENCY_BUCKETS, Emitter, Histogram
+from ..wire.tasks import TaskRecord
 
 __all__ = ["CapCells", "ClientMetrics"]
 

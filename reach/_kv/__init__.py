@@ -1,36 +1,41 @@
-"""JetStream KV: lease writes (compare-and-set with a TTL) and the one bucket mirror that
-the routing table, the registry and the config watch all follow."""
+"""JetStream KV: the one compare-and-set writer (``cas``: writes with a TTL, ``Conflict``,
+the server's error codes by name), binding buckets (``buckets``) and the one bucket mirror
+(``mirror``) that the routing table, the registry and the config watch all follow."""
 
-from .leases import (
+from .buckets import agents_bucket, bind_bucket, check_replicas
+from .cas import (
+    CONFLICT_CODES,
     KV_OP,
     MARKER_REASON,
     MARKER_TTL,
+    Conflict,
+    JsErrorCode,
     Latest,
-    LeaseConflict,
-    agents_bucket,
-    bind_bucket,
-    check_replicas,
+    Publish,
+    conflicts,
+    delete,
     latest,
-    remove,
-    ttl_header,
-    write_lease,
+    write,
 )
 from .mirror import BucketMirror, KvEntry, MirrorSink
 
 __all__ = [
+    "CONFLICT_CODES",
     "KV_OP",
     "MARKER_REASON",
     "MARKER_TTL",
     "BucketMirror",
+    "Conflict",
+    "JsErrorCode",
     "KvEntry",
     "Latest",
-    "LeaseConflict",
     "MirrorSink",
+    "Publish",
     "agents_bucket",
     "bind_bucket",
     "check_replicas",
+    "conflicts",
+    "delete",
     "latest",
-    "remove",
-    "ttl_header",
-    "write_lease",
+    "write",
 ]

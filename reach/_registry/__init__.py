@@ -1,12 +1,15 @@
 """The registry: agent leases in KV, heartbeats into status, probes, list and route.
 
-Rooms: ``service`` (the ``Registry`` facade: start, stop, subscriptions), ``leases``
-(compare-and-set writes and transitions), ``api`` (register, deregister, list, route),
-``heartbeats`` (intake and checks), ``liveness`` (suspect, probe, forget, housekeeping),
-``state`` (the bounded in-memory view) and ``checks`` (pure input validation).
+Rooms, from the top down: ``service`` (the ``Registry`` facade: start, stop,
+subscriptions); ``api`` (register, deregister, list, route), ``heartbeats`` (intake and
+checks) and ``liveness`` (suspect, probe, forget, housekeeping); ``writer`` (every
+compare-and-set write of an agent record, its transitions and events); ``state`` (the
+bounded in-memory view); ``observe`` (the metrics source, reading a ``RegistryView``);
+``counters`` (what a registry counts) and ``checks`` (pure input validation). Each imports
+only rooms below it.
 """
 
+from .counters import RegistryStats
 from .service import Registry
-from .state import RegistryStats
 
 __all__ = ["Registry", "RegistryStats"]

@@ -47,8 +47,8 @@ from ..wire import (
     Transition,
 )
 from .checks import check_registration
-from .leases import ALIVE, MAX_TRANSITIONS, WRITE_FAILED, Leases
 from .state import Core
+from .writer import ALIVE, MAX_TRANSITIONS, WRITE_FAILED, RecordWriter
 
 __all__ = ["Api"]
 
@@ -78,9 +78,9 @@ class Mismatch(ValueError):
 class Api:
     """Handlers for the ``<prefix>.registry.`` subjects, one per subject (``handlers``)."""
 
-    def __init__(self, core: Core, leases: Leases) -> None:
+    def __init__(self, core: Core, writer: RecordWriter) -> None:
         self.core = core
-        self.leases = leases
+        self.writer = writer
 
     def handlers(self) -> dict[str, Handler]:
         """Each subject the registry answers (in queue group ``registry``), with its handler."""
@@ -191,10 +191,10 @@ class Api:
             )
             return record, core.lease_ttl
 
-        await self.leases.update(agent_id, change)
+        await self.writer.update(agent_id, change)
         core.throttle.forget(agent_id)
         for t in events:
-            await self.leases.announce(agent_id, t, removed=False)
+            await self.writer.announce(agent_id, t, removed=False)
         reply = RegisterReply(
             lease_ttl=core.lease_ttl,
             heartbeat_interval=core.settings.heartbeat_interval,
@@ -208,13 +208,13 @@ class Api:
         entry = core.entries.get(agent_id)
         previous = entry.record if entry is not None else None
         # Nothing stored: write nothing, or every made-up id would leave a marker behind.
-        if previous is not None or await self.leases.exists(agent_id):
-            await self.leases.remove(agent_id, last=None)
+        if previous is not None or await self.writer.exists(agent_id):
+            await self.writer.remove(agent_id, last=None)
         if previous is not None:
             t = Transition(
                 old=previous.status, new=Status.DOWN, reason="deregistered", at_ms=now_ms()
             )
-            await self.leases.announce(agent_id, t, removed=True)
+            await self.writer.announce(agent_id, t, removed=True)
         return b"{}"
 
     async def _on_list(self, query: ListQuery) -> bytes:

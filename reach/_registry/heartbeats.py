@@ -27,8 +27,8 @@ from .._nats import TRANSIENT
 from .._subjects import validate_agent_id
 from ..wire import AgentRecord, Control, Heartbeat, Status, Transition
 from .checks import is_stale, sanitize_heartbeat
-from .leases import ALIVE, WRITE_FAILED, Leases
 from .state import Core
+from .writer import ALIVE, WRITE_FAILED, RecordWriter
 
 __all__ = ["Heartbeats"]
 
@@ -50,9 +50,9 @@ class _Write:
 class Heartbeats:
     """The ``hb.*`` subscription's callback and the writes it starts."""
 
-    def __init__(self, core: Core, leases: Leases, max_inflight: int) -> None:
+    def __init__(self, core: Core, writer: RecordWriter, max_inflight: int) -> None:
         self.core = core
-        self.leases = leases
+        self.writer = writer
         self.max_inflight = max_inflight
         self.reset()
 
@@ -168,20 +168,20 @@ class Heartbeats:
                 return None  # a newer heartbeat is stored already: keep it
             reported = hb.status if hb.status in ALIVE else Status.UP
             reason = "heartbeat resumed" if before.status == Status.UNKNOWN else "reported"
-            record, t = self.leases.transition(
+            record, t = self.writer.transition(
                 before, reported, reason, hb.reason, heartbeat=hb, last_seen_ms=now
             )
             if t is not None:
                 events.append(t)
             return record, self.core.lease_ttl
 
-        updated = await self.leases.update(agent_id, change)
+        updated = await self.writer.update(agent_id, change)
         if stale or (updated.written is None and updated.deleted):
             self.core.stats.stale_heartbeats += 1  # older than the one stored, or deleted
         elif updated.written is None:
             await self.ask_to_register(agent_id)
         for t in events:
-            await self.leases.announce(agent_id, t, removed=False)
+            await self.writer.announce(agent_id, t, removed=False)
 
     async def ask_to_register(self, agent_id: str) -> None:
         """An agent we have no record of heartbeats (after a registry restart, an expiry,

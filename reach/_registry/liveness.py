@@ -23,8 +23,8 @@ from .._codec import now_ms
 from .._nats import TRANSIENT, is_no_responders
 from ..wire import PROBE_NO_RESPONDERS, AgentRecord, Heartbeat, Status, Transition
 from .checks import sanitize_heartbeat
-from .leases import ALIVE, WRITE_FAILED, Leases
 from .state import Core
+from .writer import ALIVE, WRITE_FAILED, RecordWriter
 
 __all__ = ["Liveness"]
 
@@ -37,9 +37,9 @@ _NO_ANSWER: tuple[type[BaseException], ...] = (*TRANSIENT, msgspec.DecodeError)
 class Liveness:
     """Reacts to expiries (``expired``) and prunes this replica's memory (``housekeeping``)."""
 
-    def __init__(self, core: Core, leases: Leases, max_probes: int = 256) -> None:
+    def __init__(self, core: Core, writer: RecordWriter, max_probes: int = 256) -> None:
         self.core = core
-        self.leases = leases
+        self.writer = writer
         self.max_probes = max_probes
         self.reset()
 
@@ -103,18 +103,18 @@ class Liveness:
             core.throttle.prune(now)
 
     async def _suspect(self, agent_id: str, marker_revision: int, previous: AgentRecord) -> None:
-        core, leases = self.core, self.leases
+        core, writer = self.core, self.writer
         ttl = core.settings.lease_ttl
-        record, t = leases.transition(previous, Status.UNKNOWN, f"no heartbeat for {ttl:g}s")
+        record, t = writer.transition(previous, Status.UNKNOWN, f"no heartbeat for {ttl:g}s")
         try:
-            await leases.write(agent_id, record, core.settings.probe_timeout + ttl, marker_revision)
-        except _kv.LeaseConflict:
+            await writer.write(agent_id, record, core.settings.probe_timeout + ttl, marker_revision)
+        except _kv.Conflict:
             return  # another replica (or a heartbeat) got there first: it owns the probe
         except TRANSIENT as exc:
             log.warning("registry: could not mark %s UNKNOWN: %s", agent_id, exc)
             return
         if t is not None:
-            await leases.announce(agent_id, t, removed=False)
+            await writer.announce(agent_id, t, removed=False)
         pong, why = await self._probe(agent_id)
         now = now_ms()
         events: list[Transition] = []
@@ -127,23 +127,23 @@ class Liveness:
                 alive = pong.status if pong.status in ALIVE else Status.UP
                 heartbeat = sanitize_heartbeat(pong)[0] or before.heartbeat
                 detail = heartbeat.reason if heartbeat is not None else ""
-                new, t = leases.transition(
+                new, t = writer.transition(
                     before, alive, why, detail, heartbeat=heartbeat, last_seen_ms=now
                 )
                 ttl = core.settings.lease_ttl
             else:
-                new, t = leases.transition(before, Status.DOWN, why)
+                new, t = writer.transition(before, Status.DOWN, why)
                 ttl = core.settings.down_grace
             if t is not None:
                 events.append(t)
             return new, ttl
 
         try:
-            await leases.update(agent_id, change)
+            await writer.update(agent_id, change)
         except WRITE_FAILED as exc:
             log.info("registry: probe result for %s not stored: %s", agent_id, exc)
         for ev in events:
-            await leases.announce(agent_id, ev, removed=False)
+            await writer.announce(agent_id, ev, removed=False)
 
     async def _probe(self, agent_id: str) -> tuple[Heartbeat | None, str]:
         """Ping the agent: (its answer, why) or (None, why not)."""
@@ -166,9 +166,9 @@ class Liveness:
     async def _forget(self, agent_id: str, marker_revision: int, previous: AgentRecord) -> None:
         """A DOWN (or UNKNOWN) record outlived its grace period: it is gone."""
         try:
-            await self.leases.remove(agent_id, last=marker_revision)
+            await self.writer.remove(agent_id, last=marker_revision)
         except WRITE_FAILED:
             return  # another replica removed it, or the agent came back
         reason = "grace period over" if previous.status == Status.DOWN else "probe lost"
         t = Transition(old=previous.status, new=Status.DOWN, reason=reason, at_ms=now_ms())
-        await self.leases.announce(agent_id, t, removed=True)
+        await self.writer.announce(agent_id, t, removed=True)

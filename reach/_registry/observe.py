@@ -1,38 +1,39 @@
-"""What a registry shows of itself: counters kept as plain numbers on its ``Core`` and the
-scrape-time source that reads them, the fleet and the task recovery's last sweep."""
+"""What a registry shows of itself: the scrape-time source that reads its counters
+(``counters``), the fleet in its view and the task recovery's last sweep.
+
+It reads them through ``RegistryView``, which the ``Registry`` satisfies, so this module
+knows nothing of the service that uses it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .._tasks import TaskState
-from .._telemetry import LAG_BUCKETS, Emitter, Histogram
+from .._tasks.recovery import RecoveryStats
+from .._telemetry import Emitter
+from ..wire import AgentRecord
+from .counters import RegistryCells, RegistryStats
 
-if TYPE_CHECKING:
-    from .service import Registry
-
-__all__ = ["RegistryCells", "registry_source"]
-
-
-class RegistryCells:
-    """Counters with labels the registry's parts add to as things happen."""
-
-    def __init__(self) -> None:
-        self.transitions: dict[tuple[str, str], int] = {}  # (new status, reason)
-        self.probes: dict[str, int] = {}  # outcome
-        self.queries: dict[str, int] = {"route": 0, "list": 0}
-        self.lag = Histogram(LAG_BUCKETS)
-
-    def transition(self, status: str, reason: str) -> None:
-        key = (status, reason)
-        self.transitions[key] = self.transitions.get(key, 0) + 1
-
-    def probed(self, outcome: str) -> None:
-        self.probes[outcome] = self.probes.get(outcome, 0) + 1
+__all__ = ["RegistryView", "registry_source"]
 
 
-def registry_source(registry: Registry) -> Callable[[Emitter], None]:
+class RegistryView(Protocol):
+    """What the metrics source reads of a registry, each time it is scraped."""
+
+    @property
+    def cells(self) -> RegistryCells: ...
+
+    @property
+    def stats(self) -> RegistryStats: ...
+
+    @property
+    def recovery_stats(self) -> RecoveryStats: ...
+
+    def records(self) -> dict[str, AgentRecord]: ...
+
+
+def registry_source(registry: RegistryView) -> Callable[[Emitter], None]:
     def collect(out: Emitter) -> None:
         cells = registry.cells
         fleet: dict[tuple[str, str], int] = {}

@@ -34,11 +34,12 @@ from ..errors import ConnectionFailed
 from ..settings import ReachSettings
 from ..wire import AgentRecord
 from .api import Api
+from .counters import RegistryCells, RegistryStats
 from .heartbeats import Heartbeats
-from .leases import Leases
 from .liveness import Liveness
-from .observe import RegistryCells, registry_source
-from .state import Core, Entries, RegistryStats, Throttle
+from .observe import registry_source
+from .state import Core, Entries, Throttle
+from .writer import RecordWriter
 
 __all__ = ["Registry"]
 
@@ -85,10 +86,10 @@ class Registry:
             throttle=Throttle(),
             owner=self._owner,
         )
-        self._leases = Leases(core)
-        self._api = Api(core, self._leases)
-        self._heartbeats = Heartbeats(core, self._leases, max_inflight)
-        self._liveness = Liveness(core, self._leases)
+        writer = RecordWriter(core)
+        self._api = Api(core, writer)
+        self._heartbeats = Heartbeats(core, writer, max_inflight)
+        self._liveness = Liveness(core, writer)
         core.entries.on_expired = self._liveness.expired
         self._mirror: _kv.BucketMirror | None = None
         #: durable-task recovery (max-deliveries advisories, sweeps); off with tasks=False

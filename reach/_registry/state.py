@@ -24,13 +24,13 @@ from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
 from ..wire import AgentRecord
-from .observe import RegistryCells
+from .counters import RegistryCells, RegistryStats
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsConnection
     from nats.js import JetStreamContext
 
-__all__ = ["Core", "Entries", "Entry", "RegistryStats", "Throttle"]
+__all__ = ["Core", "Entries", "Entry", "Throttle"]
 
 log = logging.getLogger("reach.registry")
 
@@ -38,38 +38,6 @@ _record_decoder = msgspec.json.Decoder(AgentRecord)
 
 #: Called when the server expired a lease that had a record: (key, marker revision, record).
 Expired = Callable[[str, int, AgentRecord], None]
-
-
-@dataclass(slots=True)
-class RegistryStats:
-    """What a registry counts about the traffic it handles."""
-
-    heartbeats: int = 0
-    dropped_malformed: int = 0  # did not decode
-    dropped_spoofed: int = 0  # subject and body name different agents
-    dropped_invalid: int = 0  # decoded, but an id or number no record may carry
-    clamped: int = 0  # heartbeats stored with numbers brought into range
-    stale_heartbeats: int = 0  # older than the heartbeat already stored: not written
-    reregister_requests: int = 0
-    registrations: int = 0
-    deregistrations: int = 0
-    bad_requests: int = 0  # API requests answered bad_request (undecodable or invalid)
-    mismatched_requests: int = 0  # of those: register/deregister naming another agent
-    legacy_requests: int = 0  # register/deregister on the old subjects without an id
-    corrupt_records: int = 0  # stored values that did not decode (replaced on next write)
-    probes: int = 0
-    cas_conflicts: int = 0
-    write_errors: int = 0
-    task_failures: int = 0  # background tasks that raised (logged; loops restarted)
-    # durable-task recovery (``reach._tasks.recovery``), read at access
-    sweeps: int = 0
-    sweeps_skipped: int = 0  # another replica held the sweep lock for that interval
-    tasks_recovered: int = 0  # tasks whose message was gone, published again
-    max_deliveries: int = 0  # messages that reached max deliveries, moved to the DLQ
-    advisories_missed: int = 0  # of those, found by a sweep: their advisory was lost
-    undecodable_records: int = 0  # task records that did not decode, replaced by FAILED
-    cancels_finished: int = 0  # cancels a sweep finished (message removed, or ended)
-    recovery_errors: int = 0  # advisories or records that failed (logged, tried again)
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .._tasks.census import CapabilityTasks, TaskCensus
+from .._tasks.counts import CapabilityTasks, TaskCensus
 from ..wire import AgentRecord, Status
 
 __all__ = [

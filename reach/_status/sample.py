@@ -18,7 +18,7 @@ import msgspec
 from .._client import Client
 from .._codec import now_ms
 from .._nats import TRANSIENT
-from .._tasks.census import TaskCensus, census
+from .._tasks.counts import TaskCensus, census
 from .._tasks.store import TaskStore
 from ..wire import AgentRecord, Status
 from .model import AgentCounters, Counters, Sample

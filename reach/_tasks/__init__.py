@@ -4,7 +4,7 @@ The wire (TaskSubmit, TaskRecord) is ``reach.wire.tasks``; ``states`` (the state
 fencing, backoff, priority aging) is pure. ``store`` names and reads/writes the streams and
 buckets. The agent side is ``runner`` (pulling by priority, leases, cancel, drain) over
 ``execute`` (one delivery: claim, RUNNING, result, retry, dead letter, callback). The client
-side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch); ``boundary`` turns what nats-py
+side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch); ``faults`` turns what nats-py
 raises into ``ReachError``s for every public task method. ``dlq`` writes dead letters;
 ``admin`` lists records and reads and replays dead letters; ``recovery`` (run by the
 registry) moves what hit max deliveries to the DLQ and sweeps for lost tasks.

@@ -28,7 +28,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from .._codec import now_ms
-from .._kv.leases import KV_OP, MARKER_REASON
+from .._kv import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
 from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit

@@ -1,20 +1,68 @@
 """The task runner's records: a durable capability served, one delivery in progress, and
-the counters."""
+the counters; and what the runner needs of the layers above it (``TaskHandler``,
+``HandlerContext``, ``ContextFactory``), defined here so that it imports neither the client
+nor the agent: ``reach._handlers`` fulfils them."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nats.aio.msg import Msg
 
-from .._handlers import HandlerSpec
-from ..wire import CapabilityInfo
+from ..wire import CapabilityInfo, Priority
 from ..wire.tasks import TaskAttempt, TaskSubmit
 from .store import Stored
 
-__all__ = ["Delivery", "TaskDecl", "TaskStats"]
+__all__ = ["ContextFactory", "Delivery", "HandlerContext", "TaskDecl", "TaskHandler", "TaskStats"]
+
+
+class TaskHandler(Protocol):
+    """A user's task handler as the runner calls it (``reach._handlers.HandlerSpec``)."""
+
+    @property
+    def fn(self) -> Callable[..., Awaitable[Any]]: ...
+    @property
+    def decode(self) -> Callable[[bytes], Any]: ...
+    @property
+    def wants_context(self) -> bool: ...
+
+
+class HandlerContext(Protocol):
+    """What the runner reads of the context it hands a handler (``TaskContext``)."""
+
+    @property
+    def agent_id(self) -> str: ...
+    @property
+    def capability(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def task_id(self) -> str: ...
+
+
+class ContextFactory(Protocol):
+    """Makes the context of one attempt (``reach._handlers.TaskContext``). ``client`` is
+    whatever the runner was started with (the agent's client): the runner only passes it
+    on, so it needs to know nothing of it."""
+
+    def __call__(
+        self,
+        *,
+        agent_id: str,
+        client: Any,
+        capability: str,
+        request_id: str,
+        priority: Priority,
+        deadline_ms: int | None,
+        caller: str,
+        attempt: int,
+        headers: dict[str, str],
+        task_id: str,
+        report: Callable[[float, str], Awaitable[None]] | None,
+    ) -> HandlerContext: ...
 
 
 @dataclass(slots=True)
@@ -22,7 +70,7 @@ class TaskDecl:
     """A durable capability an agent serves (``@agent.task``)."""
 
     info: CapabilityInfo
-    spec: HandlerSpec
+    spec: TaskHandler
     timeout: float | None
     max_attempts: int | None
 

@@ -1,6 +1,6 @@
 """Handles on submitted tasks: ``TaskRef`` (one task) and ``Batch`` (many).
 
-Their methods raise only ``ReachError``s (``boundary.task_errors``). A waiting ref that
+Their methods raise only ``ReachError``s (``faults.task_errors``). A waiting ref that
 hears of its task's end on its client's own subject (``own``) re-reads the record only in
 case that notice was lost, at most every 30 s; any other ref follows the record's KV watch,
 and polls every 5 s at most only while it cannot.
@@ -13,7 +13,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -31,12 +31,9 @@ from ..errors import (
 from ..errors import error_for_code as _error_for_code
 from ..wire import ErrorBody
 from ..wire.tasks import TaskRecord, TaskState
-from .boundary import task_errors
+from .faults import task_errors
 from .states import advance
 from .store import Conflict, Stored, TaskStore, decode_record
-
-if TYPE_CHECKING:
-    from .submit import Tasks
 
 __all__ = [
     "NOTICED_POLL_CAP",
@@ -162,13 +159,26 @@ async def remove_messages(store: TaskStore, task_id: str) -> int:
     return removed
 
 
+class Following(Protocol):
+    """What a handle needs of the client's task side (``submit.Tasks``): its store, its
+    final notices, and the cancel."""
+
+    @property
+    def store(self) -> TaskStore: ...
+    @property
+    def notify(self) -> str: ...
+    def waiter(self, task_id: str) -> asyncio.Future[TaskRecord]: ...
+    def unwait(self, task_id: str, fut: asyncio.Future[TaskRecord]) -> None: ...
+    async def cancel(self, task_id: str) -> TaskRecord: ...
+
+
 class TaskRef:
     """A submitted task, from any process: its status, result, cancel and changes."""
 
     __slots__ = ("_own", "_tasks", "capability", "task_id")
 
     def __init__(
-        self, tasks: Tasks, task_id: str, capability: str = "", *, own: bool = False
+        self, tasks: Following, task_id: str, capability: str = "", *, own: bool = False
     ) -> None:
         self._tasks = tasks
         self.task_id = task_id

@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -29,22 +29,18 @@ from .._nats import TRANSIENT, NatsConnection
 from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._telemetry import LOG_AGENT, LOG_WORK
-from ..errors import BadRequest
+from ..errors import BadRequest, CorruptRecord
 from ..settings import ReachSettings
 from ..wire import Priority
 from ..wire.tasks import TaskSubmit
-from .boundary import patiently
 from .execute import Executor
-from .handling import call_handler, redelivered, task_context, task_span
+from .faults import patiently
+from .handler_run import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
-from .leases import Leases
-from .model import Delivery, TaskDecl, TaskStats
+from .model import ContextFactory, Delivery, TaskDecl, TaskStats
 from .pull import Puller
-from .states import PriorityOrder, retry_delay
-from .store import TaskStore
-
-if TYPE_CHECKING:
-    from .._client import Client
+from .states import PriorityOrder, can_write, retry_delay
+from .store import Stored, TaskStore
 
 __all__ = ["TaskRunner"]
 
@@ -60,7 +56,7 @@ _HAND_BACK = 5.0  # seconds a drain waits for handed-back tasks' records and nak
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 
 
-class TaskRunner(Leases):
+class TaskRunner:
     """Every durable capability of one agent, sharing ``concurrency`` slots."""
 
     def __init__(
@@ -70,8 +66,12 @@ class TaskRunner(Leases):
         subjects: Subjects,
         stats: TaskStats,
         concurrency: int,
+        *,
+        context: ContextFactory,
     ) -> None:
         self.agent_id = agent_id
+        #: makes each attempt's context (``reach.TaskContext``), given by the agent
+        self.context = context
         self.settings = settings
         self.subjects = subjects
         self.stats = stats
@@ -89,7 +89,7 @@ class TaskRunner(Leases):
         self._cancel_sub: Subscription | None = None
         self._owner: TaskOwner | None = None
         self._exec: Executor | None = None
-        self._client: Client | None = None
+        self._client: object = None  # the agent's, passed on to handlers in their context
         self._api: JsApi | None = None
         self._dispatcher: asyncio.Task[Any] | None = None
         #: a handler raised SystemExit: True when the agent stops in order for it
@@ -111,7 +111,7 @@ class TaskRunner(Leases):
         self,
         nc: NatsConnection,
         owner: TaskOwner,
-        client: Client,
+        client: object,
         tags: list[str],
         stopped: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -312,6 +312,93 @@ class TaskRunner(Leases):
             not sub.version or sub.version.split(".")[0] == major
         )
 
+    # -- leases: kept alive, and stopped -------------------------------------------------
+    # Every ack_wait/3 each running task's ack timer is reset (``in_progress``) and its claim
+    # renewed; a task whose record moved on (a newer attempt) is stopped as fenced, one whose
+    # record asks for a cancel is cancelled. The cancel message stops it at once; the record
+    # catches an agent that missed the message. A handler that ignored its cancellation
+    # (``abandoned``) has its message settled already: only its claim is renewed, until it
+    # returns.
+
+    async def _keep_leases(self) -> None:
+        """Every ack_wait/3: reset every held or running message's ack timer first (all
+        at once: one slow call must not let another lease lapse), then renew claims and
+        look at records for a newer attempt or a cancel the agent missed. A delivery
+        keeps its lease until it is acked, callbacks included."""
+        while True:
+            await asyncio.sleep(self.settings.task_ack_wait / 3)
+            ex = self._exec
+            assert ex is not None
+            held = [m for p in list(self._pullers.values()) for m in list(p.buffer)]
+            live = list(self.running.values())
+            mine = [d.msg for d in live if not d.abandoned]  # its message is settled
+            await asyncio.gather(*(_in_progress(m) for m in [*held, *mine]))
+            await asyncio.gather(*(self._check(ex, d) for d in live))
+
+    async def _check(self, ex: Executor, d: Delivery) -> None:
+        if d.abandoned:
+            if d.claim_rev and not await ex.renew(d):
+                log.error(
+                    "task %s: the claim of its handler that will not stop was lost;"
+                    " another run of its key may start beside it",
+                    d.task_id,
+                )
+                d.claim_rev = 0
+            return
+        if d.runner is None or d.runner.done():
+            return  # settling: only its ack timer matters now
+        try:
+            if not await ex.renew(d):
+                self._stop(d, "fenced")
+                return
+            if d.unconfirmed:
+                st = await self._settle_unconfirmed(ex, d)
+                if st is None:
+                    return  # still not answered: the next check tries again
+            elif d.stored is None or not d.stored.revision:
+                return  # RUNNING not written yet
+            else:
+                st = await ex.store.get(d.task_id)
+        except TRANSIENT as exc:
+            log.debug("task %s: lease check: %s", d.task_id, exc)
+            return
+        except CorruptRecord:
+            st = None  # fenced: the message's next delivery replaces the record
+        if st is None or not can_write(st.record, d.n, ex.agent_id):
+            self._stop(d, "fenced")
+        elif st.record.cancel_requested:
+            self._stop(d, "cancelled")
+        else:
+            await ex.keep_record(d)  # a run longer than half the retention
+
+    async def _settle_unconfirmed(self, ex: Executor, d: Delivery) -> Stored | None:
+        """The record of an attempt whose RUNNING write went unanswered: ours if it landed
+        after all (adopted, so the end writes over it), written now if there is none, or
+        whatever came first (which the caller checks for a fence or a cancel)."""
+        st = await ex.store.get(d.task_id)
+        if d.runner is None or d.runner.done():
+            return None  # it ended meanwhile: its own end writes the record
+        if st is None:
+            await ex.confirm(d, count=False)  # unanswered again: d.unconfirmed stays
+            st = d.stored if d.stored is not None and d.stored.revision else None
+            if st is None:
+                return None
+        elif can_write(st.record, d.n, ex.agent_id):
+            d.stored = st
+        d.unconfirmed = False
+        return st
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        if (d := self.running.get(msg.data.decode(errors="replace"))) is not None:
+            self._stop(d, "cancelled")
+
+    def _stop(self, d: Delivery, reason: str) -> None:
+        if d.runner is not None and not d.runner.done():
+            if reason == "fenced" and not d.stop_reason:
+                self.stats.fenced += 1  # a stale worker, stopped before it could write
+            d.stop_reason = d.stop_reason or reason
+            d.runner.cancel()
+
     # -- running -----------------------------------------------------------------------
 
     async def _run(self, d: Delivery, decl: TaskDecl) -> None:
@@ -341,8 +428,7 @@ class TaskRunner(Leases):
             except (msgspec.DecodeError, ValueError, TypeError) as exc:
                 await ex.settle(d, "failed", exc=BadRequest(f"payload: {exc}"))
                 return
-            assert self._client is not None
-            ctx = task_context(self.agent_id, self._client, ex, d, timeout)
+            ctx = task_context(self.context, self.agent_id, self._client, ex, d, timeout)
             call = call_handler(decl, payload, ctx, self.on_exit)
             inner = self._owner.spawn(call, f"task {d.task_id} handler")
             d.runner = inner
@@ -458,3 +544,10 @@ class TaskRunner(Leases):
                 d.outcome = "fenced"  # its write was refused: a newer attempt owns the task
             key = (d.sub.capability, d.outcome)
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+async def _in_progress(msg: Msg) -> None:
+    try:
+        await msg.in_progress()
+    except TRANSIENT as exc:
+        log.debug("in_progress: %s", exc)

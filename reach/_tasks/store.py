@@ -27,7 +27,8 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from .._kv.leases import KV_OP, MARKER_REASON, bind_bucket, check_replicas, ttl_header
+from .. import _kv
+from .._kv import KV_OP, MARKER_REASON, Conflict, bind_bucket, check_replicas
 from .._subjects import Subjects
 from ..errors import CorruptRecord
 from ..settings import ReachSettings
@@ -43,16 +44,10 @@ UNDECODABLE = "undecodable"
 
 STATE_HEADER = "Reach-Task-State"
 AGENT_HEADER = "Reach-Task-Agent"
-_EXPECTED = "Nats-Expected-Last-Subject-Sequence"
-_CONFLICT_CODES = (10071, 10164)
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _record_decoder = msgspec.json.Decoder(TaskRecord)
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 _encode = msgspec.json.Encoder().encode
-
-
-class Conflict(Exception):
-    """The key changed since the revision we read (or exists, for a create)."""
 
 
 def consumer_name(capability: str, priority: Priority) -> str:
@@ -290,13 +285,17 @@ class TaskStore:
     async def write(self, record: TaskRecord, last: int) -> int:
         """Write ``record`` iff the key's revision is still ``last`` (0: absent); its new
         revision. Raises Conflict when someone wrote in between."""
-        headers = {
-            _EXPECTED: str(last),
-            "Nats-TTL": ttl_header(self.settings.task_retention),
-            STATE_HEADER: str(record.state),
-            AGENT_HEADER: record.agent_id or "-",
-        }
-        return await self._publish(f"$KV.{self.bucket}.{record.task_id}", _encode(record), headers)
+        headers = {STATE_HEADER: str(record.state), AGENT_HEADER: record.agent_id or "-"}
+        ttl = self.settings.task_retention
+        return await _kv.write(
+            self._send,
+            self.bucket,
+            record.task_id,
+            _encode(record),
+            last=last,
+            ttl=ttl,
+            headers=headers,
+        )
 
     async def lookup(self, task_id: str) -> Stored | None:
         """The task as anyone sees it: its record, or, for a task no agent has taken yet,
@@ -322,18 +321,14 @@ class TaskStore:
 
     async def idem_create(self, key: str, value: bytes, ttl: float) -> int:
         """Atomically create ``key`` in ``reach_idem`` with a TTL; Conflict if it exists."""
-        headers = {_EXPECTED: "0", "Nats-TTL": ttl_header(ttl)}
-        return await self._publish(f"$KV.{self.idem_bucket}.{key}", value, headers)
+        return await _kv.write(self._send, self.idem_bucket, key, value, last=0, ttl=ttl)
 
     async def idem_renew(self, key: str, value: bytes, ttl: float, last: int) -> int:
-        headers = {_EXPECTED: str(last), "Nats-TTL": ttl_header(ttl)}
-        return await self._publish(f"$KV.{self.idem_bucket}.{key}", value, headers)
+        return await _kv.write(self._send, self.idem_bucket, key, value, last=last, ttl=ttl)
 
     async def idem_put(self, key: str, value: bytes, ttl: float) -> int:
         """Overwrite ``key`` (a replay points the idempotency key at its new task)."""
-        return await self._publish(
-            f"$KV.{self.idem_bucket}.{key}", value, {"Nats-TTL": ttl_header(ttl)}
-        )
+        return await _kv.write(self._send, self.idem_bucket, key, value, last=None, ttl=ttl)
 
     async def idem_get(self, key: str) -> tuple[bytes, int] | None:
         """The value and revision of ``key``; None when absent or deleted."""
@@ -364,8 +359,7 @@ class TaskStore:
 
     async def idem_delete(self, key: str, last: int) -> None:
         """Release a claim we hold (compare-and-set, so a newer holder's stays)."""
-        headers = {KV_OP: "DEL", _EXPECTED: str(last), "Nats-TTL": ttl_header(60.0)}
-        await self._publish(f"$KV.{self.idem_bucket}.{key}", b"", headers)
+        await _kv.delete(self._send, self.idem_bucket, key, last=last, ttl=_kv.MARKER_TTL)
 
     # -- stream messages -------------------------------------------------------------
 
@@ -393,20 +387,16 @@ class TaskStore:
             return False
         return True
 
-    async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
-        try:
-            if self.api is not None:
-                return await self.api.publish(subject, data, headers)
-            ack = await self.js.publish(subject, data, headers=headers)
-        except nats.js.errors.APIError as exc:
-            if exc.err_code in _CONFLICT_CODES:
-                raise Conflict(subject) from exc
-            raise
+    async def _send(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        if self.api is not None:
+            return await self.api.publish(subject, data, headers)
+        ack = await self.js.publish(subject, data, headers=headers)
         return int(ack.seq)
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
         """A JetStream publish on the fast path; the stream sequence."""
-        return await self._publish(subject, data, headers)
+        with _kv.conflicts(subject):
+            return await self._send(subject, data, headers)
 
     async def _direct_get(self, stream: str, subject: str) -> _Got | None:
         """The last message on ``subject`` in ``stream`` (a direct get), or None."""

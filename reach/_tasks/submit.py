@@ -46,7 +46,7 @@ from ..errors import (
 from ..settings import ReachSettings
 from ..wire import AgentRecord, CapabilityInfo, Header, Priority, Status
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
-from .boundary import patiently, task_errors
+from .faults import patiently, task_errors
 from .jsapi import JsApi
 from .refs import Batch, TaskRef, cancel_record, read_record, remove_messages
 from .states import check_timeout

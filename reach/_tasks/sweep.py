@@ -43,7 +43,7 @@ import nats.js.errors
 from nats.nuid import NUID
 
 from .._codec import now_ms
-from .._kv.leases import KV_OP, MARKER_REASON
+from .._kv import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
 from ..errors import CorruptRecord

@@ -14,9 +14,10 @@ import reach
 from reach import Client, Registry, Status, _kv
 from reach._owner import TaskOwner
 from reach._registry import api
+from reach._registry.counters import RegistryStats
 from reach._registry.heartbeats import Heartbeats
-from reach._registry.leases import Leases
-from reach._registry.state import Core, Entries, RegistryStats, Throttle
+from reach._registry.state import Core, Entries, Throttle
+from reach._registry.writer import RecordWriter
 from reach._subjects import Subjects
 from reach.testing import NatsServer, eventually
 from reach.wire import AgentRecord, CapabilityInfo, Control, ListQuery, ListReply, Registration
@@ -496,12 +497,12 @@ async def test_a_heartbeat_racing_a_deregistration_does_not_ask_the_agent_back(s
             nc=nc,
             js=js,
         )
-        leases = Leases(core)
+        leases = RecordWriter(core)
         heartbeats = Heartbeats(core, leases, max_inflight=4)
         record = AgentRecord(info=info("geo-leaving"), status=Status.PAUSED)
         await leases.write("geo-leaving", record, ttl=60.0, last=0)
         # Another replica deregisters it; this one has not seen that yet.
-        await _kv.remove(js, bucket, "geo-leaving", last=None, ttl=_kv.MARKER_TTL)
+        await _kv.delete(js, bucket, "geo-leaving", last=None, ttl=_kv.MARKER_TTL)
 
         async def beat_once(seq: int) -> None:
             data = beat("geo-leaving", seq)

@@ -13,7 +13,7 @@ import pytest
 
 from reach import Agent, Client, HandlerFailed, Registry
 from reach._status import summarize, take
-from reach._tasks.census import CapabilityTasks
+from reach._tasks.counts import CapabilityTasks
 from reach.testing import eventually
 
 ECHO, LONELY, TASK = "text.echo", "cap.lonely", "report.build"

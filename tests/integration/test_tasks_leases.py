@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 
 import reach
 from reach import Agent, Client, ReachSettings, TaskNotFound, TaskState
-from reach._tasks import leases
+from reach._tasks import runner
 from reach._tasks.store import consumer_name
 from reach.testing import eventually
 from reach.wire import Priority
@@ -75,13 +75,13 @@ async def test_a_task_longer_than_many_ack_waits_runs_once_beside_an_idle_agent(
     # not shorter: a stall of a second on a loaded machine must not look like a lost lease
     settings = reach_settings.model_copy(update={"task_ack_wait": 2.5})
     kept: dict[str, int] = {}
-    real = leases._in_progress
+    real = runner._in_progress
 
     async def counted(msg: Msg) -> None:
         kept[msg.subject] = kept.get(msg.subject, 0) + 1
         await real(msg)
 
-    monkeypatch.setattr(leases, "_in_progress", counted)
+    monkeypatch.setattr(runner, "_in_progress", counted)
     runs: list[str] = []
     release = asyncio.Event()
 

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 
 import reach
 from reach import Agent, Client, ReachSettings, TaskState
-from reach._tasks import leases
+from reach._tasks import runner
 from reach.testing import eventually
 
 from .task_helpers import fail_write_once
@@ -34,7 +34,7 @@ async def test_a_cancel_in_the_record_stops_even_an_unconfirmed_attempt(
     async def missed(self: Any, msg: Msg) -> None:  # the cancel broadcast never arrives
         return None
 
-    monkeypatch.setattr(leases.Leases, "_on_cancel", missed)
+    monkeypatch.setattr(runner.TaskRunner, "_on_cancel", missed)
     started = asyncio.Event()
     stopped: list[str] = []
     agent = Agent("runner", settings=settings)

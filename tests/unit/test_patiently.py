@@ -8,14 +8,14 @@ import nats.js.errors
 import pytest
 
 from reach import ConnectionFailed
-from reach._tasks import boundary
-from reach._tasks.boundary import patiently
+from reach._tasks import faults
+from reach._tasks.faults import patiently
 
 
 @pytest.fixture(autouse=True)
 def quick(monkeypatch):
-    monkeypatch.setattr(boundary, "_FIRST_PAUSE", 0.001)
-    monkeypatch.setattr(boundary, "_LONGEST_PAUSE", 0.002)
+    monkeypatch.setattr(faults, "_FIRST_PAUSE", 0.001)
+    monkeypatch.setattr(faults, "_LONGEST_PAUSE", 0.002)
 
 
 def conn(closed=False):

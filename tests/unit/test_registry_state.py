@@ -18,10 +18,11 @@ from reach._registry.checks import (
     is_stale,
     sanitize_heartbeat,
 )
+from reach._registry.counters import RegistryStats
 from reach._registry.heartbeats import Heartbeats
-from reach._registry.leases import Leases
 from reach._registry.liveness import Liveness
-from reach._registry.state import Core, Entries, RegistryStats, Throttle
+from reach._registry.state import Core, Entries, Throttle
+from reach._registry.writer import RecordWriter
 from reach._subjects import Subjects
 from reach.settings import ReachSettings
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat, Registration, Status
@@ -326,7 +327,7 @@ def heartbeat_msg(core: Core, agent_id: str, seq: int) -> SimpleNamespace:
 
 async def test_a_heartbeat_write_cancelled_before_it_ran_gives_its_slot_back():
     core = make_core()
-    heartbeats = Heartbeats(core, Leases(core), max_inflight=1)
+    heartbeats = Heartbeats(core, RecordWriter(core), max_inflight=1)
     core.throttle.allow("a")  # asked to register already: the write sends nothing (no server)
     await heartbeats.on_message(heartbeat_msg(core, "a", 1))
     assert heartbeats.in_flight == 1
@@ -345,7 +346,7 @@ async def test_a_heartbeat_write_cancelled_before_it_ran_gives_its_slot_back():
 
 async def test_a_mass_expiry_runs_a_bounded_number_of_tasks():
     core = make_core()
-    liveness = Liveness(core, Leases(core), max_probes=4)
+    liveness = Liveness(core, RecordWriter(core), max_probes=4)
     for i in range(100):
         liveness.expired(f"a{i}", i + 1, record(f"a{i}"))
     assert len(core.owner) <= 4

@@ -5,7 +5,7 @@ import pytest
 from reach._cli_common import plain
 from reach._status.model import AgentCounters, Counters, Sample, summarize
 from reach._status.render import clip, frame, to_json
-from reach._tasks.census import CapabilityTasks, TaskCensus
+from reach._tasks.counts import CapabilityTasks, TaskCensus
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat, Status
 
 

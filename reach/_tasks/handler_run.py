@@ -1,4 +1,4 @@
-"""Around a task handler: its context, the call that turns its failure into the task's
+"""One run of a task handler: its context, the call that turns its failure into the task's
 outcome, and the CONSUMER span of the attempt (only with a tracer)."""
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Tracer
 
 from .._codec import now_ms
-from .._handlers import TaskContext
 from .._telemetry import ATTR
 from ..errors import RemoteError
-from .model import Delivery
+from .model import ContextFactory, Delivery, HandlerContext
 
 if TYPE_CHECKING:
-    from .._client import Client
     from .execute import Executor
     from .model import TaskDecl
 
@@ -28,7 +26,7 @@ log = logging.getLogger("reach.tasks")
 
 
 async def call_handler(
-    decl: TaskDecl, payload: Any, ctx: TaskContext, on_exit: Callable[[BaseException], bool]
+    decl: TaskDecl, payload: Any, ctx: HandlerContext, on_exit: Callable[[BaseException], bool]
 ) -> tuple[bool, Any]:
     """(True, result) or (False, the exception): a handler's failure is the task's
     outcome, not a crash of ours. As on the request path, an exception that is not a
@@ -50,7 +48,7 @@ async def call_handler(
         return False, RuntimeError("the handler stopped the process")
 
 
-def _log(ctx: TaskContext, what: str) -> None:
+def _log(ctx: HandlerContext, what: str) -> None:
     """Called in an ``except`` block: the exception being handled is logged with it."""
     log.error(
         "agent %s: task %s (%s, attempt %d)%s",
@@ -64,12 +62,12 @@ def _log(ctx: TaskContext, what: str) -> None:
 
 
 def task_context(
-    agent_id: str, client: Client, ex: Executor, d: Delivery, timeout: float
-) -> TaskContext:
+    make: ContextFactory, agent_id: str, client: object, ex: Executor, d: Delivery, timeout: float
+) -> HandlerContext:
     async def report(fraction: float, note: str) -> None:
         await ex.progress(d, fraction, note)
 
-    return TaskContext(
+    return make(
         agent_id=agent_id,
         client=client,
         capability=d.sub.capability,

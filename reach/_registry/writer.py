@@ -21,7 +21,7 @@ from .._nats import TRANSIENT
 from ..wire import AgentEvent, AgentRecord, Status, Transition
 from .state import Core
 
-__all__ = ["ALIVE", "WRITE_FAILED", "Change", "Leases", "Updated"]
+__all__ = ["ALIVE", "WRITE_FAILED", "Change", "RecordWriter", "Updated"]
 
 log = logging.getLogger("reach.registry")
 
@@ -29,7 +29,7 @@ ALIVE = (Status.UP, Status.DEGRADED, Status.PAUSED)
 MAX_TRANSITIONS = 8
 CAS_RETRIES = 5
 #: What a write may raise that is not a bug: the server away or slow, or lost races.
-WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.LeaseConflict)
+WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.Conflict)
 
 #: Given the stored record (None: none, or undecodable), the record to write and its TTL,
 #: or None to write nothing.
@@ -37,7 +37,7 @@ Change = Callable[[AgentRecord | None], tuple[AgentRecord, float] | None]
 
 
 class Updated(NamedTuple):
-    """What ``Leases.update`` found and did: the record it decided on (None: none, or
+    """What ``RecordWriter.update`` found and did: the record it decided on (None: none, or
     undecodable), the one it wrote (None: nothing), and whether the key was deleted."""
 
     before: AgentRecord | None
@@ -45,18 +45,19 @@ class Updated(NamedTuple):
     deleted: bool
 
 
-class Leases:
-    """Reads, compare-and-set writes and removals of agent records, plus their events."""
+class RecordWriter:
+    """Reads, compare-and-set writes and removals of agent records (their leases in the
+    bucket), plus the status transitions they make and the events that announce them."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
 
     async def write(self, agent_id: str, record: AgentRecord, ttl: float, last: int) -> int:
-        """Write iff the key's newest revision is ``last``; LeaseConflict otherwise."""
+        """Write iff the key's newest revision is ``last``; ``_kv.Conflict`` otherwise."""
         core = self.core
         prior = core.entries.get(agent_id)
-        rev = await _kv.write_lease(
-            core.jsc(), core.bucket, agent_id, encode_json(record), ttl=ttl, last=last
+        rev = await _kv.write(
+            core.jsc(), core.bucket, agent_id, encode_json(record), last=last, ttl=ttl
         )
         core.entries.stored(agent_id, rev, record, prior)
         return rev
@@ -75,7 +76,7 @@ class Leases:
             record, ttl = decided
             try:
                 await self.write(agent_id, record, ttl, last)
-            except _kv.LeaseConflict:
+            except _kv.Conflict:
                 core.stats.cas_conflicts += 1
                 fresh = await _kv.latest(core.jsc(), core.bucket, agent_id)
                 last = fresh.revision
@@ -83,14 +84,14 @@ class Leases:
                 deleted = fresh.operation == "DEL"
                 continue
             return Updated(before, record, False)
-        raise _kv.LeaseConflict(agent_id)
+        raise _kv.Conflict(agent_id)
 
     async def remove(self, agent_id: str, last: int | None) -> None:
         """Delete the key (compare-and-set when ``last`` is given). The delete marker
         expires like a lease marker does, so agent churn cannot grow the bucket."""
         core = self.core
         prior = core.entries.get(agent_id)
-        rev = await _kv.remove(core.jsc(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL)
+        rev = await _kv.delete(core.jsc(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL)
         core.entries.stored(agent_id, rev, None, prior)
 
     async def exists(self, agent_id: str) -> bool:

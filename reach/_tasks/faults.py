@@ -1,6 +1,9 @@
-"""The one place where the durable-task API turns what nats-py, the OS and msgspec raise
-into ``ReachError``s. Every public task method (``TaskRef``, ``Batch``, the client's task
-methods) runs inside ``task_errors``; a ``ReachError`` raised below passes unchanged."""
+"""Faults of JetStream as the durable-task API meets them: translated or waited out.
+
+``task_errors`` is the one place where the task API turns what nats-py, the OS and msgspec
+raise into ``ReachError``s. Every public task method (``TaskRef``, ``Batch``, the client's task
+methods) runs inside it; a ``ReachError`` raised below passes unchanged. ``patiently`` tries
+an operation again while JetStream cannot answer yet."""
 
 from __future__ import annotations
 

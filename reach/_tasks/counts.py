@@ -1,7 +1,7 @@
 """Counting tasks cheaply, for ``reach status``: per capability from the consumers' own
 counters, dead letters from the DLQ's per-subject counts, and records by state from a
 headers-only scan that stops after ``scan_limit`` keys (so its cost is bounded however many
-records the bucket keeps; the census says when it stopped short).
+records the bucket keeps; the counts say when the scan stopped short).
 
 Nothing here creates a stream: a prefix whose tasks were never used has no census (None).
 """
