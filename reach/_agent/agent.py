@@ -8,10 +8,10 @@ points (``serve_forever``, ``run``). It holds its parts: ``Intake`` (admission),
 (registry), ``Subscriptions``, ``ControlListeners`` ($ctl, $ping, $SRV) and a
 ``TaskRunner`` for durable tasks.
 
-Every background task lives in a TaskOwner: workers, the deadline watch and the presence
-loop in ``_work``; the one stop task in ``_stopper``. SIGTERM, ``$ctl drain``, ``stop()`` and
-``async with`` all end in that same stop task: PAUSED (out of the queue groups), finish
-in-flight work, deregister, STOPPED.
+Every background coroutine lives in a ``Background``: workers, the deadline watch and the
+presence loop in ``_work``; the one stop coroutine in ``_stopper``. SIGTERM, ``$ctl drain``,
+``stop()`` and ``async with`` all end in that same stop coroutine: PAUSED (out of the queue
+groups), finish in-flight work, deregister, STOPPED.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Self
 
 from nats.nuid import NUID
 
+from .._background import Background
 from .._client import Client
 from .._codec import now_ms
 from .._handlers import Handler, TaskContext, inspect_handler
 from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
-from .._owner import TaskOwner
 from .._runtime import on_stop_signals, run_async
 from .._subjects import validate_agent_id, validate_capability, validate_topic
 from .._tasks import TaskDecl, TaskRunner, TaskStats
@@ -141,8 +141,8 @@ class Agent:
         self._serving = False
         self._nc: NatsConnection | None = None
         self._life = Lifecycle(self._status_changed)
-        self._work = TaskOwner(f"agent {self.agent_id}")
-        self._stopper = TaskOwner(f"agent {self.agent_id} lifecycle")
+        self._work = Background(f"agent {self.agent_id}")
+        self._stopper = Background(f"agent {self.agent_id} lifecycle")
         self._stopping: asyncio.Task[None] | None = None
         self._control_lock = asyncio.Lock()  # start, pause, resume and leaving the queues
         self._drain_requested = asyncio.Event()
@@ -450,7 +450,7 @@ class Agent:
         await self._drain_requested.wait()
 
     def _begin_stop(self, *, graceful: bool) -> asyncio.Task[None] | None:
-        """Start the one stop task (or return the one already running)."""
+        """Start the one stop coroutine (or return the one already running)."""
         if self._stopping is None:
             if not self._life.running:
                 return None

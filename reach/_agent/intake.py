@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from nats.aio.msg import Msg
 
+from .._background import Background
 from .._codec import now_ms
-from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..wire import Header, Priority
 from .lifecycle import Lifecycle
@@ -50,7 +50,7 @@ class Intake:
         #: False once the agent stops for good: what still arrives is refused
         self.accepting = False
         #: owns the task that sends refusals, until the subscriptions are gone (``close``)
-        self.refusals = TaskOwner(f"agent {agent_id} refusals")
+        self.refusals = Background(f"agent {agent_id} refusals")
         #: (reply subject, code, message): not the request, whose payload may be large
         self._outbox: deque[tuple[str, str, str]] = deque()
         #: what the outbox holds, in bytes (``_cost``), and the most it may

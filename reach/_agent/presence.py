@@ -2,7 +2,7 @@
 Before each heartbeat the agent reviews what time alone changes (DEGRADED by timeouts ends
 after a quiet spell), so a status never waits for traffic to be corrected.
 
-The loop runs in the agent's TaskOwner via ``keep``: if it crashes it is logged and
+The loop runs in the agent's Background via ``keep``: if it crashes it is logged and
 restarted with backoff, so an agent never goes silent while it serves.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
+from .._background import Background
 from .._codec import encode_json
 from .._nats import TRANSIENT, NatsConnection
-from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
@@ -109,7 +109,7 @@ class Presence:
             raise NotStarted(f"agent {self.agent_id} is not started")
         return self._nc
 
-    def start(self, owner: TaskOwner) -> None:
+    def start(self, owner: Background) -> None:
         """Heartbeat (and register until it works) for as long as ``owner`` is open."""
         self._halt = False
         self._task = owner.keep(self._loop, "presence")

@@ -24,10 +24,10 @@ import msgspec
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from .._background import Background
 from .._codec import encode_payload, error_reply, now_ms, wire_error
 from .._delivery import publish, publish_by_nats
 from .._nats import HEADROOM, TRANSIENT, NatsConnection, fits
-from .._owner import TaskOwner
 from .._telemetry import ATTR, LOG_AGENT, LOG_WORK
 from ..errors import RemoteError
 from ..wire import Header
@@ -86,27 +86,27 @@ class Workers:
         self._on_exit = on_exit  # True: the agent takes a handler's SystemExit in hand
         self.tracer: Tracer | None = None  # spans around handler runs; None: off
         self._nc: NatsConnection
-        self._owner: TaskOwner | None = None
+        self._owner: Background | None = None
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
         self._armed = asyncio.Event()
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
         self._stuck_tasks = 0  # the task runner's abandoned handlers, still running
 
-    def start(self, nc: NatsConnection, owner: TaskOwner) -> None:
+    def start(self, nc: NatsConnection, owner: Background) -> None:
         self._nc = nc
         self._owner = owner
         for _ in range(self.max_concurrency):
             owner.keep(self._worker, "worker")
         owner.keep(self._deadline_watch, "deadline-watch")
 
-    async def close(self, owner: TaskOwner) -> None:
+    async def close(self, owner: Background) -> None:
         """Cancel every worker (in-flight requests are answered ``agent_unavailable``) and
         answer what is still queued; a handler that ignores cancellation is left behind."""
         stuck = await owner.close(_CLOSE_GRACE)
         if stuck:
             log.error(
-                "agent %s: %d task(s) ignore cancellation (a handler swallowing CancelledError?);"
-                " left behind",
+                "agent %s: %d coroutine(s) ignore cancellation (a handler swallowing"
+                " CancelledError?); left behind",
                 self.agent_id,
                 stuck,
             )

@@ -2,7 +2,7 @@
 tasks (submit, follow, list, dead letters and replay) and writes to the routing configuration.
 
 Background work (the routing-table and config watches, their watchdog and rebuilds) lives
-in ``watches``, under one ``TaskOwner``; ``close()`` cancels and awaits it. The request
+in ``watches``, under one ``Background``; ``close()`` cancels and awaits it. The request
 path is in ``attempts`` and ``inbox``; routing state is the pure ``reach._routing``.
 """
 
@@ -48,7 +48,7 @@ class ClientStats:
     """Counters of a client's background and bounded machinery (a read-only snapshot)."""
 
     changes_dropped: int = 0  # changes() items dropped (oldest first): a listener lagged
-    background_failures: int = 0  # background tasks that crashed (logged; loops restart)
+    background_failures: int = 0  # background coroutines that crashed (logged; loops restart)
     watch_errors: int = 0  # failures inside the routing-table or config watch
     table_rebuilds: int = 0  # routing-table watches (re)built
     attempts_cancelled: int = 0  # attempts cut short: hedge losers, caller timeouts
@@ -233,7 +233,7 @@ class Client:
             "capabilities.checked": self._requests.checked,
             "pending": len(self._inbox.pending),
             "deadlines": self._inbox.deadlines,
-            "tasks": len(self._watches.owner),
+            "background": len(self._watches.owner),
         }
 
     @property

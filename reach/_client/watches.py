@@ -1,5 +1,5 @@
 """A client's background work: the routing-table and config watches, both
-``reach._kv.BucketMirror``s, and every task they run, held by one ``TaskOwner``.
+``reach._kv.BucketMirror``s, and every coroutine they run, held by one ``Background``.
 
 Started once, on first use (an agent that never calls anything never watches), by a single
 flight that concurrent callers share; closed (cancelled and awaited) by ``Client.close``.
@@ -12,7 +12,7 @@ import asyncio
 from nats.aio.client import Client as NatsConnection
 
 from .. import _kv
-from .._owner import TaskOwner
+from .._background import Background
 from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
@@ -21,7 +21,7 @@ from .table import RoutingTable
 
 __all__ = ["CLOSE_TIMEOUT", "Watches"]
 
-#: seconds a client's close waits for its background tasks to end once cancelled
+#: seconds a client's close waits for its background coroutines to end once cancelled
 CLOSE_TIMEOUT = 5.0
 
 
@@ -34,7 +34,7 @@ class Watches:
         table: RoutingTable,
         config: ConfigSink,
     ) -> None:
-        self.owner = TaskOwner(f"client {name}")
+        self.owner = Background(f"client {name}")
         #: seconds ``close`` waits for the tasks, then for each watcher, at most
         self.close_timeout = CLOSE_TIMEOUT
         self._settings = settings

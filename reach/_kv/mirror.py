@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 from nats.js.kv import KeyValue
 
+from .._background import Background
 from .._nats import TRANSIENT
-from .._owner import TaskOwner
 
 __all__ = ["BucketMirror", "KvEntry", "MirrorSink"]
 
@@ -46,13 +46,13 @@ class MirrorSink(Protocol):
 
 
 class BucketMirror:
-    """Follows one bucket into a sink; its tasks belong to the caller's ``TaskOwner``."""
+    """Follows one bucket into a sink; its coroutines belong to the caller's ``Background``."""
 
     def __init__(
         self,
         bind: Callable[[], Awaitable[KeyValue]],
         sink: MirrorSink,
-        owner: TaskOwner,
+        owner: Background,
         *,
         name: str,
         silence_limit: float | None = None,

@@ -31,7 +31,7 @@ class RegistryStats:
     probes: int = 0
     cas_conflicts: int = 0
     write_errors: int = 0
-    task_failures: int = 0  # background tasks that raised (logged; loops restarted)
+    background_failures: int = 0  # background coroutines that raised (logged; loops restarted)
     # durable-task recovery (``reach._tasks.recovery``), read at access
     sweeps: int = 0
     sweeps_skipped: int = 0  # another replica held the sweep lock for that interval

@@ -6,7 +6,7 @@ So a replica never races itself on a key, a burst costs one write, and the per-a
 is one dict slot that exists only while a write is in flight. Writes overall are bounded by
 ``max_inflight``; beyond that the subscription waits (NATS buffers, then drops as a slow
 consumer, which is what an overwhelmed registry should do). A write's slot is given back
-by its task's done-callback, so a task cancelled before it ever ran gives it back too.
+by its coroutine's done-callback, so one cancelled before it ever ran gives it back too.
 
 A heartbeat for a key that was just deleted is late (the agent is deregistering, or was
 removed): it is dropped, not answered with "register", or a draining agent would come

@@ -8,7 +8,7 @@ revision, so any number of replicas can run; a lost race is retried on the fresh
 One lifecycle: ``start`` connects, opens the bucket, loads a snapshot, subscribes and
 flushes, all within ``start_timeout``; any failure is ``ConnectionFailed`` and leaves
 nothing behind. ``stop`` drains the subscriptions (requests already taken are answered),
-lets taken heartbeats be written, then cancels and awaits every background task, and
+lets taken heartbeats be written, then cancels and awaits every background coroutine, and
 closes the connection last. Start and stop take turns (one lock): a ``stop`` called while
 ``start`` runs waits for it and then stops, and a second ``start`` finds the first done.
 """
@@ -25,8 +25,8 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 
 from .. import _kv
+from .._background import Background
 from .._nats import TRANSIENT, check_refused, connect_nats, flush_nats, redact
-from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
 from .._telemetry.core import Attachment, Telemetry
@@ -75,7 +75,7 @@ class Registry:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         stats = RegistryStats()
-        self._owner = TaskOwner(self.registry_id)
+        self._owner = Background(self.registry_id)
         self._core = core = Core(
             settings=self.settings,
             subjects=self.subjects,
@@ -118,9 +118,9 @@ class Registry:
 
     @property
     def stats(self) -> RegistryStats:
-        """Counters of the traffic handled (``task_failures`` is read at access)."""
+        """Counters of the traffic handled (``background_failures`` is read at access)."""
         stats = self._core.stats
-        stats.task_failures = self._owner.failures
+        stats.background_failures = self._owner.failures
         rs = self._recovery_stats
         stats.sweeps, stats.sweeps_skipped = rs.sweeps, rs.sweeps_skipped
         stats.tasks_recovered = rs.tasks_recovered
@@ -137,7 +137,7 @@ class Registry:
         """Sizes of everything this replica holds, so tests and operators can see that
         agent churn leaves nothing behind: keys known (with and without a record), agents
         recently asked to register, senders of refused requests recently logged, heartbeat
-        writes in flight and waiting, tasks, subs."""
+        writes in flight and waiting, background coroutines, subscriptions."""
         core = self._core
         return {
             "entries": len(core.entries),
@@ -147,7 +147,7 @@ class Registry:
             "heartbeats_in_flight": self._heartbeats.in_flight,
             "heartbeats_waiting": self._heartbeats.waiting,
             "expiries_queued": self._liveness.queued,
-            "tasks": len(self._owner),
+            "background": len(self._owner),
             "subscriptions": len(self._subs),
         }
 
@@ -173,7 +173,7 @@ class Registry:
 
     async def stop(self) -> None:
         """Stop serving (after a ``start`` that is under way, if any). Each stage waits at
-        most ``stop_timeout``: the drain, then the background tasks once cancelled (one
+        most ``stop_timeout``: the drain, then the background coroutines once cancelled (one
         that swallows its cancellation is logged by name and left behind)."""
         async with self._lifecycle:
             if not self._running:
@@ -312,7 +312,7 @@ class Registry:
         recovery, self._recovery = self._recovery, None
         if recovery is not None:
             recovery.stop()  # its loops end with the owner, even if a cancel is lost
-        # bounded: a task that swallowed its cancellation is logged by name, left behind
+        # bounded: a coroutine that swallowed its cancellation is logged by name, left behind
         await self._owner.close(self.stop_timeout)
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None and not nc.is_closed:

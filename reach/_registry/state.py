@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from .._background import Background
 from .._kv import KvEntry
-from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
@@ -232,7 +232,7 @@ class Core:
     stats: RegistryStats
     entries: Entries
     throttle: Throttle
-    owner: TaskOwner
+    owner: Background
     nc: NatsConnection | None = None
     #: whose refused requests were logged within the last minute (a flood logs once a minute)
     warned: Throttle = field(default_factory=lambda: Throttle(interval=60.0, limit=1024))

@@ -12,8 +12,10 @@ a drain) must not spend the task's deliveries, which JetStream counts toward
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -21,7 +23,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from .._codec import encode_payload, now_ms
-from .._nats import TRANSIENT, NatsConnection
+from .._nats import TRANSIENT, NatsConnection, jetstream_unready
 from ..errors import CorruptRecord, RemoteError, Unauthorized
 from ..wire import ErrorBody
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
@@ -51,6 +53,10 @@ __all__ = ["Executor"]
 
 log = logging.getLogger("reach.tasks")
 _RECORD_OVERHEAD = 8192  # bytes of a record besides its payload and result (history...)
+#: seconds an attempt's end is written again while JetStream cannot answer (the records
+#: bucket between leaders); the message stays held (in_progress) meanwhile
+_END_PATIENCE = 30.0
+_END_PAUSE = 0.25, 2.0  # first and longest pause between those writes
 #: on a task put back as a new message: the stream sequence of the message it replaces
 REQUEUED_FROM = "Reach-Requeued-From"
 #: what putting a message back may raise (a refused publish: permissions without the
@@ -363,13 +369,42 @@ class Executor:
                 log.error("task %s: %s; treated as fenced", d.task_id, exc)
                 break
             try:
-                d.stored = Stored(new, await self.store.write(new, st.revision))
+                if finishing:
+                    rev = await self._write_end(d, new, st.revision)
+                else:
+                    rev = await self.store.write(new, st.revision)
+                d.stored = Stored(new, rev)
                 return new
             except Conflict:
                 d.stored = await self._reread(d)
         if finishing:
             await self.fenced(d)
         return None
+
+    async def _write_end(self, d: Delivery, new: TaskRecord, revision: int) -> int:
+        """Write how an attempt ended, again while JetStream cannot answer (no responders,
+        a timeout: the records bucket between leaders), for up to ``_END_PATIENCE``. The
+        delivery stays in ``running`` meanwhile, so the lease loop keeps its message
+        (``in_progress``): giving up at once would drop the run's result and let the message
+        come back after ack_wait to run the task again. A write that landed although its
+        answer was lost makes the next one a ``Conflict``: the caller rereads, finds the
+        record ended by this attempt, and settles the message as for any fence."""
+        until = time.monotonic() + _END_PATIENCE
+        pause = _END_PAUSE[0]
+        while True:
+            try:
+                return await self.store.write(new, revision)
+            except TRANSIENT as exc:
+                if not jetstream_unready(exc) or time.monotonic() + pause > until:
+                    raise
+                log.warning(
+                    "task %s: the end of attempt %s not recorded (%r); trying again",
+                    d.task_id,
+                    d.n,
+                    exc,
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _END_PAUSE[1])
 
     async def progress(self, d: Delivery, fraction: float, note: str) -> None:
         """Best effort: a progress note that cannot be written (the server is away) is

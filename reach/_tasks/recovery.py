@@ -38,9 +38,9 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from .._background import Background
 from .._codec import now_ms
 from .._nats import TRANSIENT, NatsConnection
-from .._owner import TaskOwner
 from .._subjects import Subjects
 from ..errors import CorruptRecord
 from ..settings import ReachSettings
@@ -76,7 +76,7 @@ class TaskRecovery:
         nc: NatsConnection,
         settings: ReachSettings,
         subjects: Subjects,
-        owner: TaskOwner,
+        owner: Background,
         stats: RecoveryStats | None = None,
     ) -> None:
         self.nc = nc

@@ -25,8 +25,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import Tracer
 
+from .._background import Background
 from .._nats import TRANSIENT, NatsConnection
-from .._owner import TaskOwner
 from .._subjects import Subjects
 from .._telemetry import LOG_AGENT, LOG_WORK
 from ..errors import BadRequest, CorruptRecord
@@ -87,7 +87,7 @@ class TaskRunner:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._cancel_sub: Subscription | None = None
-        self._owner: TaskOwner | None = None
+        self._owner: Background | None = None
         self._exec: Executor | None = None
         self._client: object = None  # the agent's, passed on to handlers in their context
         self._api: JsApi | None = None
@@ -110,7 +110,7 @@ class TaskRunner:
     async def start(
         self,
         nc: NatsConnection,
-        owner: TaskOwner,
+        owner: Background,
         client: object,
         tags: list[str],
         stopped: Callable[[], bool] = lambda: False,
@@ -171,7 +171,7 @@ class TaskRunner:
         return False
 
     async def close(self) -> None:
-        """After the owner's tasks are cancelled: drop the subscriptions."""
+        """After the owner's background coroutines are cancelled: drop the subscriptions."""
         self.fetching = False
         sub, self._cancel_sub = self._cancel_sub, None
         pullers = list(self._pullers.values())

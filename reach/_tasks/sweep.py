@@ -125,7 +125,7 @@ GivenUp = Callable[[int, int], Awaitable[bool]]
 
 
 class Sweeper:
-    """The sweep for one store; ``sweeping`` is its loop (run it in a ``TaskOwner``).
+    """The sweep for one store; ``sweeping`` is its loop (run it in a ``Background``).
     ``given_up`` handles a message JetStream gave up on as its advisory would have been;
     ``nc`` sends the notices and callbacks of the tasks a sweep ends."""
 

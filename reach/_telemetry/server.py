@@ -14,7 +14,7 @@ from collections.abc import Callable
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .._owner import TaskOwner
+from .._background import Background
 
 __all__ = ["MetricsServer"]
 
@@ -38,7 +38,7 @@ class MetricsServer:
         self.served = 0
         self.refused = 0
         self._server: asyncio.Server | None = None
-        self._owner = TaskOwner("metrics server")
+        self._owner = Background("metrics server")
 
     @property
     def url(self) -> str:

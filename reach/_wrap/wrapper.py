@@ -13,7 +13,7 @@ from typing import Any, Self
 import httpx
 
 from .._agent import Agent, Context
-from .._owner import TaskOwner
+from .._background import Background
 from .._runtime import on_stop_signals
 from .._telemetry.core import Telemetry
 from ..errors import NotStarted
@@ -67,7 +67,7 @@ class HttpWrapper:
             )
         self._http: httpx.AsyncClient | None = None
         self._forwarder: Forwarder | None = None
-        self._owner = TaskOwner(f"wrap {self.agent.agent_id}")
+        self._owner = Background(f"wrap {self.agent.agent_id}")
         self._probing: asyncio.Task[Any] | None = None
         self._closing: asyncio.Future[None] | None = None
         #: the health loop's state, while running with a health check

@@ -31,8 +31,8 @@ from reach import (
     TaskRef,
     Unauthorized,
 )
+from reach._background import Background
 from reach._nats import connect_nats
-from reach._owner import TaskOwner
 from reach._subjects import Subjects
 from reach._tasks.jsapi import JsApi
 from reach._tasks.recovery import TaskRecovery
@@ -540,7 +540,7 @@ async def test_a_cancel_and_the_sweep_work_with_their_own_users(secured: NatsSer
     before = len(violations(secured))
     settings = as_user(secured, "registry")
     nc = await connect_nats(settings, secured.url, "registry-sweep")
-    owner = TaskOwner("sweep")
+    owner = Background("sweep")
     try:
         async with Client(settings=as_user(secured, "client"), name="shopper") as client:
             ref = await client.submit("logistics.reroute", {"order_id": "A-5"})

@@ -76,7 +76,7 @@ async def test_concurrent_rebuilds_leave_one_watch_and_close_removes_it(settings
                 return await watchers(observer) == 0
 
             await eventually(gone)
-        assert client.footprint()["tasks"] == 0
+        assert client.footprint()["background"] == 0
 
 
 async def test_slow_changes_listener_drops_the_oldest_and_counts(settings):

@@ -1,6 +1,6 @@
-"""Closing is bounded: a background task that swallows its cancellation (nats-py can, on
+"""Closing is bounded: a background coroutine that swallows its cancellation (nats-py can, on
 Python 3.11) no longer holds ``Registry.stop`` or ``Client.close`` forever. They wait at
-most their bound, then log the task by name and leave it behind."""
+most their bound, then log the coroutine by name and leave it behind."""
 
 from __future__ import annotations
 

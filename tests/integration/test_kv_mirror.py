@@ -7,8 +7,8 @@ import asyncio
 import nats
 import pytest
 
+from reach._background import Background
 from reach._kv import BucketMirror, KvEntry, agents_bucket
-from reach._owner import TaskOwner
 from reach._wait import eventually
 from reach.testing import unique_prefix
 
@@ -81,7 +81,7 @@ def mirror(spy, sink, owner, **kwargs):
 
 async def test_rebuilds_cut_short_by_their_timeout_leak_no_watcher(bucket):
     nc, spy = bucket
-    owner = TaskOwner("test")
+    owner = Background("test")
     m = mirror(spy, Sink(), owner)
     for timeout in [0.0005, 0.001, 0.002, 0.004] * 5:
         await m.rebuild(timeout)
@@ -101,7 +101,7 @@ async def test_rebuilds_cut_short_by_their_timeout_leak_no_watcher(bucket):
 
 async def test_an_idle_bucket_is_not_rebuilt_and_a_dead_watch_is(bucket):
     _, spy = bucket
-    owner = TaskOwner("test")
+    owner = Background("test")
     sink = Sink()
     m = mirror(spy, sink, owner, silence_limit=0.15)
     assert await m.start(5.0)
@@ -117,7 +117,7 @@ async def test_an_idle_bucket_is_not_rebuilt_and_a_dead_watch_is(bucket):
 
 async def test_nothing_is_rebuilt_after_stop(bucket):
     _, spy = bucket
-    owner = TaskOwner("test")
+    owner = Background("test")
     m = mirror(spy, Sink(), owner)
     assert await m.start(5.0)
     await m.stop()
@@ -130,7 +130,7 @@ async def test_nothing_is_rebuilt_after_stop(bucket):
 
 async def test_a_rebuild_asked_for_during_another_gets_its_own(bucket):
     _, spy = bucket
-    owner = TaskOwner("test")
+    owner = Background("test")
     m = mirror(spy, Sink(), owner)
     spy.hold = asyncio.Event()
     first = asyncio.ensure_future(m.rebuild(5.0))
@@ -146,7 +146,7 @@ async def test_a_rebuild_asked_for_during_another_gets_its_own(bucket):
 
 async def test_a_reconnect_during_a_background_rebuild_gets_one_more(bucket):
     _, spy = bucket
-    owner = TaskOwner("test")
+    owner = Background("test")
     m = mirror(spy, Sink(), owner)
     spy.hold = asyncio.Event()
     m.rebuild_soon()  # a first reconnect
@@ -164,7 +164,7 @@ async def test_a_watchdog_whose_cancel_was_swallowed_ends_at_stop(bucket):
     awaited it with no bound) with it: a registry or client that never closed. The
     watchdog now ends at its next look at the stop."""
     _, spy = bucket
-    owner = TaskOwner("test")
+    owner = Background("test")
     m = mirror(spy, Sink(), owner, silence_limit=0.15)
     asked, swallowed = asyncio.Event(), 0
     status = spy.status

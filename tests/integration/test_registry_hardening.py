@@ -12,7 +12,7 @@ import pytest
 
 import reach
 from reach import Client, Registry, Status, _kv
-from reach._owner import TaskOwner
+from reach._background import Background
 from reach._registry import api
 from reach._registry.counters import RegistryStats
 from reach._registry.heartbeats import Heartbeats
@@ -66,7 +66,7 @@ async def test_start_without_jetstream_raises_reach_error_and_leaves_nothing(
         with pytest.raises(reach.ReachError, match="JetStream"):
             await registry.start()
     await nothing_left_behind(before)
-    assert registry.footprint()["tasks"] == 0
+    assert registry.footprint()["background"] == 0
 
 
 async def test_start_when_the_bucket_cannot_be_created_raises_and_leaves_nothing(settings):
@@ -81,7 +81,7 @@ async def test_start_when_the_bucket_cannot_be_created_raises_and_leaves_nothing
         with pytest.raises(reach.ReachError, match=bucket):
             await registry.start()
     await nothing_left_behind(before)
-    assert registry.footprint()["tasks"] == 0
+    assert registry.footprint()["background"] == 0
 
 
 async def test_requests_in_flight_during_stop_are_answered(settings):
@@ -111,7 +111,7 @@ async def test_requests_in_flight_during_stop_are_answered(settings):
             await register(nc, settings, info("flight-late"))
     finally:
         await nc.close()
-    assert registry.footprint()["tasks"] == 0
+    assert registry.footprint()["background"] == 0
 
 
 async def test_start_that_cannot_finish_raises_connection_failed_and_leaves_nothing(settings):
@@ -126,7 +126,7 @@ async def test_start_that_cannot_finish_raises_connection_failed_and_leaves_noth
                 await registry.start()
         assert relay.triggered.is_set()
         await nothing_left_behind(before)
-        assert registry.footprint()["tasks"] == registry.footprint()["subscriptions"] == 0
+        assert registry.footprint()["background"] == registry.footprint()["subscriptions"] == 0
 
 
 async def test_stop_during_start_leaves_nothing_serving(settings):
@@ -140,7 +140,7 @@ async def test_stop_during_start_leaves_nothing_serving(settings):
         await starting
         await stopping
         assert registry.footprint()["subscriptions"] == 0
-        assert registry.footprint()["tasks"] == 0
+        assert registry.footprint()["background"] == 0
         await eventually(lambda: relay.open == 0)
         nc = await nats.connect(settings.nats_url)
         try:
@@ -493,7 +493,7 @@ async def test_a_heartbeat_racing_a_deregistration_does_not_ask_the_agent_back(s
             stats=stats,
             entries=Entries(stats),  # no watch: this replica sees only its own writes
             throttle=Throttle(),
-            owner=TaskOwner("registry-test"),
+            owner=Background("registry-test"),
             nc=nc,
             js=js,
         )

@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 
 import reach
 from reach import Agent, Client, ReachSettings, Registry, TaskNotFound, TaskState, Telemetry
+from reach._background import Background
 from reach._codec import now_ms
-from reach._owner import TaskOwner
 from reach._tasks.recovery import TaskRecovery
 from reach._tasks.refs import cancel_record
 from reach._tasks.states import advance
@@ -235,7 +235,7 @@ async def test_a_record_that_does_not_decode_and_has_no_message_is_replaced_by_t
         await put_raw_record(client, settings, "corruptAlone1", JUNK)
         async with Registry(settings=settings) as registry:
             await eventually(lambda: replaced(client, "corruptAlone1"), timeout=30)
-            assert registry.stats.task_failures == 0
+            assert registry.stats.background_failures == 0
         rec = await client.task_record("corruptAlone1")
         assert (rec.state, rec.error.code if rec.error else "") == (S.FAILED, "undecodable")
         [dl] = await client.dead_letters()
@@ -538,7 +538,7 @@ async def test_an_advisory_for_a_record_that_does_not_decode_is_handled_not_rais
         await ready_store(client, settings)
         ref = await client.submit(CAP, {"n": 1})
         await put_raw_record(client, settings, ref.task_id, NEWER)
-        owner = TaskOwner("test")
+        owner = Background("test")
         recovery = TaskRecovery(client.nc, settings, client.subjects, owner)
         seq = await message_seq(client, settings, ref.task_id)
         assert await recovery.on_max_deliveries(_advisory(seq)) is True

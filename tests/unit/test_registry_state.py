@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from reach._background import Background
 from reach._kv import KvEntry
-from reach._owner import TaskOwner
 from reach._registry.checks import (
     MAX_LATENCY_MS,
     MAX_REASON,
@@ -316,7 +316,7 @@ def make_core() -> Core:
         stats=stats,
         entries=Entries(stats),
         throttle=Throttle(),
-        owner=TaskOwner("registry-test"),
+        owner=Background("registry-test"),
     )
 
 

@@ -21,9 +21,9 @@ import logging
 import time
 from typing import Any
 
+from ..._background import Background
 from ..._client import Client
 from ..._nats import TRANSIENT
-from ..._owner import TaskOwner
 from ..._status import Sample, take
 from ..._tasks.store import TaskStore
 from ...errors import ReachError
@@ -65,7 +65,7 @@ class StatusFeed:
         self.agents_shown = agents_shown
         self.coalesce = coalesce
         self.hub = Hub(max_streams=max_streams, queue_size=queue_size)
-        self._owner = TaskOwner("status page")
+        self._owner = Background("status page")
         self._lock = asyncio.Lock()
         self._watching = asyncio.Event()  # set while a stream is open
         self._stale = asyncio.Event()  # the table changed since the last snapshot sent
@@ -91,7 +91,7 @@ class StatusFeed:
         self.shutdown()
         left = await self._owner.close(timeout=5.0)
         if left:
-            log.error("status page: %d task(s) did not stop", left)
+            log.error("status page: %d coroutine(s) did not stop", left)
 
     @property
     def stats(self) -> dict[str, int]:

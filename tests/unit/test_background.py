@@ -1,4 +1,4 @@
-"""TaskOwner: nothing it owns dies silently or outlives it; crashing loops back off."""
+"""Background: nothing it owns dies silently or outlives it; crashing loops back off."""
 
 import asyncio
 import inspect
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from reach._owner import TaskOwner
+from reach._background import Background
 from reach.testing import eventually
 
 
@@ -22,11 +22,13 @@ class Clock:
 
 def crash_delays(caplog) -> list[float]:
     """The backoff each crash of a kept loop announced, in order."""
-    return [r.args[2] for r in caplog.records if r.name == "reach.tasks" and "crashed" in r.msg]
+    return [
+        r.args[2] for r in caplog.records if r.name == "reach.background" and "crashed" in r.msg
+    ]
 
 
 async def test_a_failed_spawned_task_is_counted_and_logged(caplog):
-    owner = TaskOwner("owner-1")
+    owner = Background("owner-1")
 
     async def boom() -> None:
         raise ValueError("boom")
@@ -36,14 +38,14 @@ async def test_a_failed_spawned_task_is_counted_and_logged(caplog):
         await task
     await eventually(lambda: owner.failures == 1)
     assert len(owner) == 0
-    [record] = [r for r in caplog.records if r.name == "reach.tasks"]
+    [record] = [r for r in caplog.records if r.name == "reach.background"]
     assert record.levelno == logging.ERROR
     assert "owner-1:boom" in record.getMessage()
     assert isinstance(record.exc_info[1], ValueError)
 
 
 async def test_keep_restarts_a_crashing_loop_until_it_ends(caplog):
-    owner = TaskOwner("owner-2", backoff=0.001, backoff_max=0.004)
+    owner = Background("owner-2", backoff=0.001, backoff_max=0.004)
     runs = 0
     ended = asyncio.Event()
 
@@ -64,7 +66,7 @@ async def test_keep_restarts_a_crashing_loop_until_it_ends(caplog):
 
 async def test_keep_resets_its_backoff_after_a_healthy_run(caplog):
     clock = Clock()
-    owner = TaskOwner("owner-3", backoff=0.001, backoff_max=0.004, clock=clock)
+    owner = Background("owner-3", backoff=0.001, backoff_max=0.004, clock=clock)
     runs = 0
     ended = asyncio.Event()
 
@@ -85,7 +87,7 @@ async def test_keep_resets_its_backoff_after_a_healthy_run(caplog):
 
 
 async def test_close_cancels_and_awaits_every_task():
-    owner = TaskOwner("owner-4")
+    owner = Background("owner-4")
     never = asyncio.Event()
     waiting: list[str] = []
     cancelled: list[str] = []
@@ -112,7 +114,7 @@ async def test_close_cancels_and_awaits_every_task():
 
 
 async def test_spawn_after_close_raises_and_closes_the_coroutine():
-    owner = TaskOwner("owner-5")
+    owner = Background("owner-5")
     await owner.close()
 
     async def work() -> None:

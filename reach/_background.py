@@ -1,10 +1,12 @@
-"""Ownership of background work: every task an Agent, Client or Registry starts lives here.
+"""Ownership of background work: every coroutine an Agent, Client or Registry runs in the
+background lives in a ``Background``.
 
-Closing the owner cancels and awaits all of them; closing with a bound waits at most
-that long and logs, by name, any task that swallowed its cancellation and runs on. A loop
-that crashes is logged, counted and restarted with backoff (``keep``; the backoff starts
-over once a loop has run longer than ``backoff_max``); a one-off task that fails is logged
+Closing it cancels and awaits all of them; closing with a bound waits at most that long
+and logs, by name, any coroutine that swallowed its cancellation and runs on. A loop that
+crashes is logged, counted and restarted with backoff (``keep``; the backoff starts over
+once a loop has run longer than ``backoff_max``); a one-off coroutine that fails is logged
 and counted (``spawn``). Nothing dies silently, and nothing outlives its owner unsaid.
+(A durable task is another thing: see ``reach._tasks``.)
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["TaskOwner"]
+__all__ = ["Background"]
 
-log = logging.getLogger("reach.tasks")
-_NAMED = 10  # tasks named in the log line of a close that left some running
+log = logging.getLogger("reach.background")
+_NAMED = 10  # coroutines named in the log line of a close that left some running
 
 
-class TaskOwner:
-    """A set of tasks with one owner; like a TaskGroup whose children may fail alone."""
+class Background:
+    """The background coroutines of one owner; like a TaskGroup whose children may fail alone."""
 
     def __init__(
         self,
@@ -50,10 +52,10 @@ class TaskOwner:
         return self._closed
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> asyncio.Task[Any]:
-        """Run ``coro`` as an owned task; a failure is logged and counted."""
+        """Run ``coro`` in the background; a failure is logged and counted."""
         if self._closed:
             coro.close()
-            raise RuntimeError(f"{self.owner} is closed; cannot start {name or 'a task'}")
+            raise RuntimeError(f"{self.owner} is closed; cannot start {name or 'a coroutine'}")
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.owner}:{name}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -99,14 +101,14 @@ class TaskOwner:
         exc = task.exception()
         if exc is not None:
             self.failures += 1
-            log.error("%s: task %s failed", self.owner, task.get_name(), exc_info=exc)
+            log.error("%s: background %s failed", self.owner, task.get_name(), exc_info=exc)
 
     async def close(self, timeout: float | None = None) -> int:
-        """Cancel every task and wait for all of them to finish; how many still run (0
+        """Cancel every coroutine and wait for all of them to finish; how many still run (0
         when all finished).
 
-        With ``timeout``, wait at most that many seconds: a task that swallows its
-        cancellation must not hold its owner forever. Halfway, the tasks still running are
+        With ``timeout``, wait at most that many seconds: a coroutine that swallows its
+        cancellation must not hold its owner forever. Halfway, those still running are
         cancelled again (nats-py on Python 3.11 can swallow one cancel: its
         ``asyncio.wait_for`` returns a reply that came at the same moment, gh-86296, and
         the loop runs on; it does not swallow two). Those that still run at the end are
@@ -140,8 +142,8 @@ class TaskOwner:
             f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
         )
         log.error(
-            "%s: %d task(s) did not end within %gs of being cancelled (a cancellation"
-            " swallowed?); left running: %s",
+            "%s: %d background coroutine(s) did not end within %gs of being cancelled (a"
+            " cancellation swallowed?); left running: %s",
             self.owner,
             len(names),
             timeout,
@@ -149,7 +151,7 @@ class TaskOwner:
         )
 
     async def finish(self, timeout: float) -> int:
-        """Let the tasks end by themselves for up to ``timeout`` seconds, then ``close``
+        """Let the coroutines end by themselves for up to ``timeout`` seconds, then ``close``
         them, waiting as long again (for short sends that should go out, not be cut: an
         agent's refusals). Returns how many still run (``close`` logged their names)."""
         if self._tasks:

@@ -1,13 +1,13 @@
-"""TaskOwner.close with a timeout: a task that swallows its cancellation cannot hold it."""
+"""Background.close with a timeout: a task that swallows its cancellation cannot hold it."""
 
 import asyncio
 import contextlib
 
-from reach._owner import TaskOwner
+from reach._background import Background
 
 
 async def test_close_gives_up_on_a_task_that_ignores_cancellation():
-    owner = TaskOwner("test")
+    owner = Background("test")
     release = asyncio.Event()
     running = asyncio.Event()
     cancels = 0
@@ -37,7 +37,7 @@ async def test_close_gives_up_on_a_task_that_ignores_cancellation():
 
 
 async def test_close_without_timeout_waits_for_cleanup():
-    owner = TaskOwner("test")
+    owner = Background("test")
     running = asyncio.Event()
     finished = asyncio.Event()
 
@@ -61,7 +61,7 @@ async def test_close_without_timeout_waits_for_cleanup():
 
 async def test_a_loop_raising_cancelled_error_itself_is_restarted():
     """A CancelledError nobody asked for (cancelling() == 0) is a crash, not a stop."""
-    owner = TaskOwner("t", backoff=0.001)
+    owner = Background("t", backoff=0.001)
     ran = 0
     finished = asyncio.Event()
 
@@ -83,7 +83,7 @@ async def test_a_loop_raising_cancelled_error_itself_is_restarted():
 async def test_close_with_a_bound_logs_the_names_of_the_tasks_that_did_not_end(caplog):
     """Closing waits at most its bound, then says which tasks run on (by name), so a leak
     is found in the log instead of a hang."""
-    owner = TaskOwner("test-owner")
+    owner = Background("test-owner")
     release = asyncio.Event()
     running = asyncio.Event()
 
@@ -97,10 +97,10 @@ async def test_close_with_a_bound_logs_the_names_of_the_tasks_that_did_not_end(c
     owner.spawn(asyncio.Event().wait(), "polite")
     await running.wait()
     try:
-        with caplog.at_level("ERROR", logger="reach.tasks"):
+        with caplog.at_level("ERROR", logger="reach.background"):
             async with asyncio.timeout(30):  # the bound is 0.05 s: far within this
                 assert await owner.close(timeout=0.05) == 1
-        said = [r.getMessage() for r in caplog.records if r.name == "reach.tasks"]
+        said = [r.getMessage() for r in caplog.records if r.name == "reach.background"]
         assert any("test-owner:stubborn loop" in m and "did not end" in m for m in said), said
         assert not any("polite" in m for m in said)
     finally:
@@ -111,7 +111,7 @@ async def test_close_with_a_bound_logs_the_names_of_the_tasks_that_did_not_end(c
 async def test_close_with_a_bound_cancels_again_a_task_that_swallowed_one_cancel():
     """nats-py on Python 3.11 can swallow a cancel (asyncio.wait_for returns the reply that
     came at the same moment): the loop then runs on. A second cancel ends it."""
-    owner = TaskOwner("test")
+    owner = Background("test")
     running = asyncio.Event()
     swallowed = 0
 
