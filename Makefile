@@ -54,7 +54,9 @@ bench: $(STAMP)
 
 # chaos.run bounds each scenario and the suite itself (a FAIL line names what waited);
 # timeout(1) is the bound that holds even if Python cannot end (a stuck exit, say).
+# The long run of the durable-task model (tests/integration/test_task_model.py) goes first.
 chaos: $(STAMP)
+	REACH_MODEL_EXAMPLES=200 timeout --kill-after=30 900 $(VENV)/bin/pytest -q -p no:cacheprovider tests/integration/test_task_model.py
 	timeout --kill-after=30 5700 $(PY) -m chaos.run
 
 chaos-short: $(STAMP)
