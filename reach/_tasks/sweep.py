@@ -406,11 +406,25 @@ class Sweeper:
                     try:
                         found += int(await self.given_up(floor, cfg.max_deliver))
                     except RETRIED as exc:
+                        if not await self._still_there(store, floor):
+                            # its advisory came after all, and was handled meanwhile
+                            log.debug("task message %s: handled by its advisory", floor)
+                            continue
                         self.stats.errors += 1
                         log.warning("task message %s: not handled (next sweep): %r", floor, exc)
             if len(page) < 256:
                 return found
             offset += len(page)
+
+    @staticmethod
+    async def _still_there(store: TaskStore, seq: int) -> bool:
+        try:
+            await store.js.get_msg(store.stream, seq=seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        except TRANSIENT:
+            return True  # unknown: counted as not handled, the next sweep sees
+        return True
 
     def _cancel_window_ms(self) -> float:
         return max(_CANCEL_WINDOW * self.settings.task_sweep_interval, 60.0) * 1000
