@@ -136,7 +136,9 @@ async def steady_load(
             ledger.sent += 1
             started = time.perf_counter()
             try:
-                await client.request(capability, {"caller": n, "i": i}, timeout=timeout)
+                await client.request(  # the echo may run twice (another instance)
+                    capability, {"caller": n, "i": i}, timeout=timeout, idempotent=True
+                )
             except reach.ReachError as exc:
                 ledger.refused(exc.code)
             else:

@@ -106,8 +106,12 @@ class RequestLoad:
             started = time.perf_counter()
             try:
                 async with asyncio.timeout(self.timeout + HANG):
+                    # the echo may run twice: a timed-out attempt may go to another instance
                     value = await self.client.request(
-                        self.capability, {"caller": n, "i": i}, timeout=self.timeout
+                        self.capability,
+                        {"caller": n, "i": i},
+                        timeout=self.timeout,
+                        idempotent=True,
                     )
             except reach.ReachError as exc:
                 ledger.refused(exc.code)

@@ -309,17 +309,16 @@ class Requester:
                 )
                 if 0 < keep <= remaining / 2:
                     budget = remaining - keep
-            cut = budget < remaining
             sent_to = len(tried)
             started = loop.time()
             try:
                 if hedge and policy is not Policy.DIRECT and target is not None:
                     reply = await self.hedged(
-                        call, target, headers, budget, tried, probe, running, cut, idempotent
+                        call, target, headers, budget, tried, probe, running, idempotent
                     )
                 else:
                     reply = await self.attempt(
-                        call, target, headers, budget, probe, cut=cut, idempotent=idempotent
+                        call, target, headers, budget, probe, idempotent=idempotent
                     )
             except RemoteError as exc:
                 outcome = exc.outcome
@@ -383,12 +382,9 @@ class Requester:
         budget: float,
         probe: bool = False,
         *,
-        cut: bool = False,
         idempotent: bool = False,
     ) -> Reply:
-        """One send, reported to the router with what really happened to it. ``cut``: its
-        budget is less than the caller's deadline, so its timeout is not the instance's
-        fault (the router learns nothing from it)."""
+        """One send, reported to the router with what really happened to it."""
         router = self.router
         loop = asyncio.get_running_loop()
         router.started(target)
@@ -426,7 +422,7 @@ class Requester:
             router.finished(
                 target,
                 call.capability,
-                "cancelled" if cut and outcome == "timeout" else outcome,
+                outcome,
                 (now - started) * 1000,
                 now,
                 call.affinity_key if outcome == "ok" else None,
@@ -442,7 +438,6 @@ class Requester:
         tried: list[str],
         probe: bool = False,
         running: Collection[str] = (),
-        cut: bool = False,
         idempotent: bool = False,
     ) -> Reply:
         """Send to ``target``; if no answer by the p95, also to a second instance (added to
@@ -451,11 +446,9 @@ class Requester:
         this is cancelled itself."""
         delay = self.router.hedge_delay(call.capability)
         if delay is None or delay >= budget:
-            return await self.attempt(
-                call, target, headers, budget, probe, cut=cut, idempotent=idempotent
-            )
+            return await self.attempt(call, target, headers, budget, probe, idempotent=idempotent)
         loop = asyncio.get_running_loop()
-        first = self.attempt(call, target, headers, budget, probe, cut=cut, idempotent=idempotent)
+        first = self.attempt(call, target, headers, budget, probe, idempotent=idempotent)
         tasks = [self._owned(loop, first, target if probe else None)]
         try:
             done, _ = await asyncio.wait(tasks, timeout=delay)
