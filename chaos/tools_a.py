@@ -135,8 +135,8 @@ async def calls(
             ledger.sent += 1
             started = time.perf_counter()
             try:
-                reply = await client.call(
-                    capability, {"caller": n, "i": i, **payload}, timeout=timeout
+                reply = await client.call(  # the echo may run twice (another instance)
+                    capability, {"caller": n, "i": i, **payload}, timeout=timeout, idempotent=True
                 )
             except reach.ReachError as exc:
                 ledger.refused(exc.code)

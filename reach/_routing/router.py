@@ -214,21 +214,21 @@ class Router:
         now: float,
     ) -> float:
         """Seconds to keep back from an attempt on ``target`` for a retry elsewhere: the
-        time another usable instance, known to answer at least as fast as ``target`` (or
-        ``target``'s latency unknown), typically takes, three times over and at least
-        ``_MIN_RESERVE`` (0.0 when there is none). The caller cuts only when this is at
-        most half of what is left: work that takes a good part of the deadline is not.
+        time the fastest other usable instance typically takes (known from its answers),
+        three times over and at least ``_MIN_RESERVE`` (0.0 when there is none). The caller
+        cuts only when this is at most half of what is left: work that takes a good part of
+        the deadline is never cut, and a frozen ``target`` (however fast it used to be)
+        leaves time for the other.
         Only a caller whose work may run twice cuts an attempt short for it."""
         if not table.offers(capability):
             return 0.0
-        known = self.ewma.get(target)
-        mine = known.value if known is not None else float("inf")
+
         best: float | None = None
         for other in self._usable(table.eligible_ids(capability, version, tags, priority), (), now):
             if other == target or other in tried or other in self.absent:
                 continue
             ewma = self.ewma.get(other)
-            if ewma is not None and ewma.value <= mine and (best is None or ewma.value < best):
+            if ewma is not None and (best is None or ewma.value < best):
                 best = ewma.value
         return 0.0 if best is None else max(3 * best / 1000, _MIN_RESERVE)
 
