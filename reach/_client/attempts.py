@@ -50,6 +50,10 @@ MAX_REQUEST_ID = 256
 
 __all__ = ["Requester"]
 
+#: outcomes the capability's breaker does not count: besides NOT_COUNTED, a timeout, which
+#: is one instance's (its own breaker counts it) and is no longer retried unasked, so a few
+#: requests stuck on one dead instance would refuse every healthy one for a cooldown
+_NOT_THE_CAPABILITY = NOT_COUNTED | {"timeout"}
 #: policies the queue group cannot stand in for (it knows no scores, no sessions)
 _NEEDS_TABLE = frozenset({Policy.SCORED, Policy.AFFINITY, "scored", "affinity"})
 _PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
@@ -343,7 +347,7 @@ class Requester:
                 if outcome == LOST and not idempotent:
                     final = True  # it may have run, and its answer was lost
                 if final:
-                    if outcome in FAILOVER and outcome not in NOT_COUNTED:
+                    if outcome in FAILOVER and outcome not in _NOT_THE_CAPABILITY:
                         router.request_done(capability, False, loop.time())
                     if len(attempts) > 1:
                         raise exhausted(capability, attempts, last, wait) from exc
@@ -367,7 +371,7 @@ class Requester:
                 continue
             router.request_done(capability, True, loop.time())
             return reply
-        if any(a.outcome not in NOT_COUNTED for a in attempts):
+        if any(a.outcome not in _NOT_THE_CAPABILITY for a in attempts):
             router.request_done(capability, False, loop.time())
         if last is not None and len(attempts) == 1:
             last.attempts = attempts  # one attempt, nothing more to try: its own words
