@@ -3,6 +3,8 @@ timeouts"): never back to an instance whose work may still be running, at once e
 when the caller allows the work to run twice, and on waiting when it does not."""
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -79,38 +81,47 @@ async def _pinned(client: Client, agent_id: str) -> None:
     assert reply.agent_id == agent_id
 
 
-async def test_a_lost_connection_fails_over_at_once_when_the_work_may_run_twice(settings):
-    gate, free = asyncio.Event(), asyncio.Event()
-    free.set()
-    runs: list[str] = []
+@contextlib.asynccontextmanager
+async def pinned_behind_proxy(
+    settings, runs: list[str], slow: asyncio.Event, free: asyncio.Event
+) -> AsyncIterator[tuple[Proxy, Client]]:
+    """A client behind a proxy (to cut), slow-0 and free-1 UP, the session 'p' on slow-0."""
     async with Proxy(settings.nats_url) as proxy, Registry(settings=settings):
         behind = settings.model_copy(update={"nats_url": proxy.url})
         async with (
             Client(settings=behind) as client,
-            member(settings, "slow-0", runs, gate),
+            member(settings, "slow-0", runs, slow),
             member(settings, "free-1", runs, free),
         ):
             await wait_status(client, "slow-0", Status.UP)
             await wait_status(client, "free-1", Status.UP)
             await _pinned(client, "slow-0")
             runs.clear()
-            call = asyncio.create_task(
-                client.call(
-                    "member.work",
-                    {"hold": True},
-                    timeout=20.0,
-                    routing="affinity",
-                    affinity_key="p",
-                    idempotent=True,
-                )
+            yield proxy, client
+
+
+async def test_a_lost_connection_fails_over_at_once_when_the_work_may_run_twice(settings):
+    gate, free = asyncio.Event(), asyncio.Event()
+    free.set()
+    runs: list[str] = []
+    async with pinned_behind_proxy(settings, runs, gate, free) as (proxy, client):
+        call = asyncio.create_task(
+            client.call(
+                "member.work",
+                {"hold": True},
+                timeout=20.0,
+                routing="affinity",
+                affinity_key="p",
+                idempotent=True,
             )
-            await eventually(lambda: runs == ["slow-0"])  # the first attempt runs there
-            loop = asyncio.get_running_loop()
-            cut_at = loop.time()
-            proxy.cut()
-            reply = await call
-            took = loop.time() - cut_at
-            gate.set()
+        )
+        await eventually(lambda: runs == ["slow-0"])  # the first attempt runs there
+        loop = asyncio.get_running_loop()
+        cut_at = loop.time()
+        proxy.cut()
+        reply = await call
+        took = loop.time() - cut_at
+        gate.set()
     assert reply.agent_id == "free-1"
     assert runs == ["slow-0", "free-1"]
     assert took < 10.0  # at once after the reconnect, not at the 20 s deadline
@@ -119,29 +130,19 @@ async def test_a_lost_connection_fails_over_at_once_when_the_work_may_run_twice(
 async def test_a_call_waits_on_across_a_reconnect_when_its_work_may_not_run_twice(settings):
     gate = asyncio.Event()
     runs: list[str] = []
-    async with Proxy(settings.nats_url) as proxy, Registry(settings=settings):
-        behind = settings.model_copy(update={"nats_url": proxy.url})
-        async with (
-            Client(settings=behind) as client,
-            member(settings, "slow-0", runs, gate),
-            member(settings, "free-1", runs, gate),
-        ):
-            await wait_status(client, "slow-0", Status.UP)
-            await wait_status(client, "free-1", Status.UP)
-            await _pinned(client, "slow-0")
-            runs.clear()
-            call = asyncio.create_task(
-                client.call("member.work", {}, timeout=20.0, routing="affinity", affinity_key="p")
-            )
-            await eventually(lambda: runs == ["slow-0"])
-            before = client.nc.stats["reconnects"]
-            proxy.cut()
-            await eventually(lambda: client.nc.stats["reconnects"] > before and client.connected)
-            # a round trip through the new connection: the server has the inbox again
-            await client.call("member.work", {"hold": False}, agent_id="free-1")
-            assert not call.done()  # still waiting: its answer may still come
-            gate.set()  # slow-0 answers after the reconnect, and the answer comes through
-            reply = await call
+    async with pinned_behind_proxy(settings, runs, gate, gate) as (proxy, client):
+        call = asyncio.create_task(
+            client.call("member.work", {}, timeout=20.0, routing="affinity", affinity_key="p")
+        )
+        await eventually(lambda: runs == ["slow-0"])
+        before = client.nc.stats["reconnects"]
+        proxy.cut()
+        await eventually(lambda: client.nc.stats["reconnects"] > before and client.connected)
+        # a round trip through the new connection: the server has the inbox again
+        await client.call("member.work", {"hold": False}, agent_id="free-1")
+        assert not call.done()  # still waiting: its answer may still come
+        gate.set()  # slow-0 answers after the reconnect, and the answer comes through
+        reply = await call
     assert reply.agent_id == "slow-0"
     assert runs == ["slow-0", "free-1"]  # the handler ran once; free-1 ran the round trip
 
