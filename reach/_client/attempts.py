@@ -5,7 +5,8 @@ router with its true outcome; a cancelled one ("cancelled") teaches it nothing.
 The rule for time: the first attempt gets the caller's whole deadline. A timeout is not
 proof that the instance failed (the handler may still be running), so a timed-out attempt
 is retried only when the caller says the work may run twice (``idempotent``), and only on
-another instance, never through the queue group. Only then may an attempt be cut short,
+another instance, never through the queue group (unless the instances it timed out on are
+gone: a ping finds nobody listening). Only then may an attempt be cut short,
 to leave a faster live instance the time to answer. Fast failures (no responders, a
 refusal, an open circuit, a lost connection) fail over at once."""
 
@@ -18,6 +19,7 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
+from .._nats import TRANSIENT, is_no_responders
 from .._routing import (
     FAILOVER,
     LOST,
@@ -54,6 +56,8 @@ __all__ = ["Requester"]
 #: is one instance's (its own breaker counts it) and is no longer retried unasked, so a few
 #: requests stuck on one dead instance would refuse every healthy one for a cooldown
 _NOT_THE_CAPABILITY = NOT_COUNTED | {"timeout"}
+#: how long to wait for a ping to prove an instance gone (no responders comes at once)
+_GONE_WAIT = 0.25
 #: policies the queue group cannot stand in for (it knows no scores, no sessions)
 _NEEDS_TABLE = frozenset({Policy.SCORED, Policy.AFFINITY, "scored", "affinity"})
 _PRIORITIES: dict[object, Priority] = {**{p: p for p in Priority}, **{p.value: p for p in Priority}}
@@ -228,6 +232,27 @@ class Requester:
                 raise  # the start's own failure, not our limit
             return None
 
+    async def _gone(self, agent_ids: Collection[str], remaining: float) -> set[str]:
+        """Which of ``agent_ids`` nobody listens for now: the server answers a ping to them
+        with no responders at once. A late, lost or any other answer proves nothing."""
+        nc = self.inbox.nc
+        if nc is None:
+            return set()
+        wait = min(_GONE_WAIT, remaining / 2)
+
+        async def gone(agent_id: str) -> bool:
+            try:
+                await nc.request(self.subjects.ping(agent_id), b"", timeout=wait)
+            except TRANSIENT as exc:
+                return is_no_responders(exc)
+            return False
+
+        ids = list(agent_ids)
+        if wait <= 0:
+            return set()
+        found = await asyncio.gather(*(gone(i) for i in ids))
+        return {i for i, g in zip(ids, found, strict=True) if g}
+
     async def _attempts(
         self,
         call: Call,
@@ -290,10 +315,18 @@ class Requester:
                     break  # nobody left who fits: the error says what was tried
                 target, probe = choice.agent_id, choice.probe
             if (running or queue_ran) and (target is None or target in running):
-                # the only way left is where the work may still be running
-                if probe and target is not None:
-                    router.release_probe(target)
-                break
+                # The only way left is where the work may still be running, unless that
+                # instance is gone (its connection, and so its work, with it): then, for
+                # work that may run twice, the queue group cannot reach it.
+                if not (idempotent and target is None and not queue_ran):
+                    if probe and target is not None:
+                        router.release_probe(target)
+                    break
+                running -= await self._gone(running, deadline - loop.time())
+                if running:
+                    break
+                if deadline - loop.time() <= 0:
+                    break
             if n > 1:
                 if not router.budget.try_retry(loop.time()):
                     if probe and target is not None:

@@ -164,3 +164,54 @@ async def test_a_routing_table_that_never_loads_costs_a_call_no_more_than_its_de
                 await client.call("member.work", {}, timeout=1.0)
             assert loop.time() - started < 1.5  # the deadline, with the loop's own slack
             proxy.resume()
+
+
+@pytest.mark.parametrize("gone", [True, False], ids=["gone", "alive"])
+async def test_a_timed_out_instance_that_is_gone_leaves_the_queue_group_to_idempotent_work(
+    settings, gone: bool
+):
+    """No registry renews the leases, so the table empties while an idempotent call waits
+    on doomed-0 (cut short: live-1 was known faster). At its timeout the only way left is
+    the queue group. A ping to doomed-0 that nobody answers (its connection is gone, its
+    work with it) lets the call go there, to live-1; an instance that answers the ping may
+    still be running the work, so the call ends with the timeout."""
+    gate, free = asyncio.Event(), asyncio.Event()
+    free.set()
+    runs: list[str] = []
+    async with Proxy(settings.nats_url) as proxy, Client(settings=settings) as client:
+        behind = settings.model_copy(update={"nats_url": proxy.url})
+        async with member(behind, "doomed-0", runs, gate), member(settings, "live-1", runs, free):
+            async with Registry(settings=settings):
+                await wait_status(client, "doomed-0", Status.UP)
+                await wait_status(client, "live-1", Status.UP)
+                await _pinned(client, "doomed-0")
+                await client.call("member.work", {"hold": False}, agent_id="live-1")  # known fast
+            runs.clear()
+            call = asyncio.create_task(
+                client.call(
+                    "member.work",
+                    {},
+                    timeout=6.0,
+                    routing="affinity",
+                    affinity_key="p",
+                    idempotent=True,
+                )
+            )
+            await eventually(lambda: runs == ["doomed-0"])
+            if gone:
+                await proxy.close()  # doomed-0's connection ends, and it cannot come back
+
+            async def emptied() -> bool:
+                return not await client.agents("member.work")
+
+            await eventually(emptied, timeout=4)
+            assert not call.done()  # the table emptied while the first attempt waited
+            if gone:
+                reply = await call
+                assert reply.agent_id == "live-1"
+                assert runs == ["doomed-0", "live-1"]
+            else:
+                with pytest.raises(reach.RequestTimeout):
+                    await call
+                assert runs == ["doomed-0"]
+            gate.set()
