@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 import reach
 from reach import Agent, Client, ReachSettings, Registry, TaskState
 from reach._agent.lifecycle import State
-from reach._tasks.store import TaskStore
+from reach._tasks.store import TaskStore, idem_key
 from reach.testing import NatsServer, eventually, unique_prefix
 from reach.wire.tasks import TaskRecord
 
@@ -123,6 +123,10 @@ class TaskModel(RuleBasedStateMachine):
         self.final_seen: dict[str, TaskState] = {}
         #: tasks seen CANCELLED while the handler had never started them (promise 3)
         self.cancelled_unrun: set[str] = set()
+        #: the idempotency key each task was submitted with
+        self.keys: dict[str, str | None] = {}
+        #: tasks whose record expired, with the runs they had then (never one more)
+        self.expired: dict[str, int] = {}
         self.client = Client(settings=self.settings)
         self.registry = Registry(settings=self.settings)
         self.run(self._open())
@@ -189,7 +193,9 @@ class TaskModel(RuleBasedStateMachine):
             # a key names one task per capability here, as a caller would use it
             idem = f"{cap}:{key}" if key else None
             ref = await self.client.submit(cap, {"n": 1, "key": idem}, idempotency_key=idem)
+            assert ref.task_id not in self.expired, ref.task_id  # its key expired first
             if ref.task_id not in self.submitted:
+                self.keys[ref.task_id] = idem
                 self.submitted.append(ref.task_id)
                 await self._keep_message(ref.task_id)
             return ref.task_id
@@ -219,6 +225,9 @@ class TaskModel(RuleBasedStateMachine):
             try:
                 return await (await self.client.task(tid)).cancel()
             except reach.CorruptRecord:
+                return None
+            except reach.TaskNotFound:
+                assert tid in self.expired, tid
                 return None
 
         rec = self.run(go())
@@ -269,6 +278,8 @@ class TaskModel(RuleBasedStateMachine):
         """The task's message published again under a new message id (a redelivery the
         duplicate window does not catch)."""
         TAKEN["deliver_twice"] += 1
+        if tid in self.expired:
+            return  # a producer's retry after the retention is a new task: out of the model
         if tid not in self.originals:
             # taken before we could keep its message: an agent wrote its record
             assert self.run(self._has_record(tid)), tid
@@ -294,6 +305,8 @@ class TaskModel(RuleBasedStateMachine):
         """Junk as the record of a task not ended (compare-and-set on what we read, so a
         final state is never overwritten by us)."""
         TAKEN["corrupt"] += 1
+        if tid in self.expired:
+            return
 
         async def go() -> str:
             try:
@@ -326,11 +339,77 @@ class TaskModel(RuleBasedStateMachine):
             assert rec.error is not None
             assert rec.error.code == "undecodable"
 
+    @rule(tid=tasks)
+    def expire(self, tid: str) -> None:
+        """The retention of a final task's record lapses, as its TTL would: with no message
+        of the task left (a message is acked before its record's last change, from which
+        the TTL counts) and its idempotency keys gone first (their TTL is no longer, and
+        began earlier). From then on the task is unknown, and nothing may run it again."""
+        TAKEN["expire"] += 1
+        if tid in self.expired:
+            return
+
+        async def go() -> str:
+            try:
+                rec = await self.client.task_record(tid)
+            except reach.CorruptRecord:
+                return "corrupt"
+            if not rec.final:
+                return "not final"
+            if await self._message_left(tid):
+                return "message left"
+            js = self.client.nc.jetstream()
+            key = self.keys.get(tid)
+            if key is not None:
+                for kind in ("submit", "run"):
+                    await js.purge_stream(
+                        f"KV_{self.store.idem_bucket}",
+                        subject=f"$KV.{self.store.idem_bucket}.{idem_key(kind, key)}",
+                    )
+            await js.purge_stream(
+                f"KV_{self.store.bucket}", subject=f"$KV.{self.store.bucket}.{tid}"
+            )
+            return "expired"
+
+        done = self.run(go())
+        assert done in ("corrupt", "not final", "message left", "expired")
+        TAKEN[f"expire: {done}"] += 1
+        if done == "expired":
+            self.expired[tid] = self.handlers.starts[tid]
+            self.submitted.remove(tid)
+            self.originals.pop(tid, None)
+            with contextlib.suppress(KeyError):
+                del self.final_seen[tid]
+            self.cancelled_unrun.discard(tid)
+
+            async def gone() -> None:
+                try:
+                    await self.client.task_record(tid)
+                except reach.TaskNotFound:
+                    return
+                raise AssertionError(f"{tid}: a record after it expired")
+
+            self.run(gone())
+
+    async def _message_left(self, tid: str) -> bool:
+        try:
+            await self.client.nc.jetstream().get_msg(
+                task_stream(self.settings),
+                subject=self.client.subjects.task_lookup(tid),
+                direct=True,
+            )
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
     # -- invariants ------------------------------------------------------------------------
 
     @invariant()
     def promises_hold(self) -> None:
         self._check(self.run(self._records()))
+        # 7. an expired task is never run again
+        for tid, starts in self.expired.items():
+            assert self.handlers.starts[tid] == starts, (tid, starts, self.handlers.starts[tid])
 
     def teardown(self) -> None:
         try:
@@ -395,5 +474,7 @@ def test_the_task_promises_hold_whatever_the_steps(nats_server: NatsServer) -> N
         ),
     )
     print("steps taken:", dict(TAKEN))
-    for step in ("submit", "cancel", "kill_agent", "deliver_twice", "corrupt"):
+    for step in ("submit", "cancel", "kill_agent", "deliver_twice", "corrupt", "expire"):
         assert TAKEN[step], (step, TAKEN)
+    if EXAMPLES:  # the long run let some records expire
+        assert TAKEN["expire: expired"], TAKEN
