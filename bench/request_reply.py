@@ -26,6 +26,12 @@ drops the spans); the client side of each uses the same telemetry setting.
 - `reach telemetry off`: no metrics, no spans. Goal: `reach` >= 0.95x of it.
 - `reach traced`: metrics and a span per attempt and per handler run, at 1.0 sampling.
 
+Gather variants, same fleet: `reach gather` is `client.gather(capability, body)`, one
+request to each of the two instances at once, returning when both have answered; `raw
+gather` is two nats-py `nc.request`s to the raw responders under `asyncio.gather`. Their
+ratio is reported (rates in gathers per second); a gather in which an instance failed is
+counted (it should be none) and still timed.
+
 Shortcuts variant, same fleet: `reach shortcuts off` is `reach` with `nats_shortcuts=False`
 on both sides (capability `bench.echo.plain`): nats-py's public API only. Each private
 shortcut must earn 10% or more here (`reach / reach shortcuts off`), or go.
@@ -275,6 +281,21 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         async def reach_plain() -> None:
             await plain_client.request(CAP_PLAIN, body, timeout=5)
 
+        failed_gathers = 0
+
+        async def reach_gather() -> None:
+            nonlocal failed_gathers
+            result = await client.gather(CAP, body, timeout=5)
+            if len(result.replies) != 2:
+                failed_gathers += 1
+
+        async def raw_gather() -> None:
+            msgs = await asyncio.gather(
+                nc.request(RAW, body, timeout=5), nc.request(RAW, body, timeout=5)
+            )
+            for msg in msgs:
+                msgspec.json.decode(msg.data)
+
         async def raw_request() -> None:
             msg = await nc.request(RAW, body, timeout=5)
             msgspec.json.decode(msg.data)
@@ -290,12 +311,15 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "reach shortcuts off": reach_plain,
             "raw nc.request": raw_request,
             "raw mux": raw_mux,
+            "reach gather": reach_gather,
+            "raw gather": raw_gather,
         }
         # Same answer on every path, and reach really spreads over both instances.
         assert len((await nc.request(RAW, body, timeout=5)).data) == SIZE
         assert len((await mux.request(RAW, body, 5)).data) == SIZE
         by = {(await client.call(CAP, body)).agent_id for _ in range(200)}
         assert by == {"bench-0", "bench-1"}, by
+        assert sorted((await client.gather(CAP, body)).replies) == ["bench-0", "bench-1"]
         for fn in variants.values():  # warm up
             await closed_loop(fn, args.warmup, 1)
             await closed_loop(fn, args.warmup, args.inflight)
@@ -320,6 +344,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "telemetry": {},
         "rounds": per_round,
         "status_changes": changes,
+        "failed_gathers": failed_gathers,
     }
     for name in names:
         out["variants"][name] = {
@@ -336,6 +361,10 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             mode: statistics.median(r["reach"][mode] / r[raw][mode] for r in per_round)
             for mode in ("seq", "conc")
         }
+    out["ratios"]["raw gather"] = {
+        mode: statistics.median(r["reach gather"][mode] / r["raw gather"][mode] for r in per_round)
+        for mode in ("seq", "conc")
+    }
     for a, b in (
         ("reach", "reach telemetry off"),
         ("reach traced", "reach telemetry off"),
@@ -360,7 +389,8 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
             f" | {v['conc_rate']:,.0f} | {v['conc_p50_us']:,.0f} / {v['conc_p99_us']:,.0f} |"
         )
     for raw, r in out["ratios"].items():
-        rows.append(f"| **reach / {raw}** | **{r['seq']:.2f}x** | | **{r['conc']:.2f}x** | |")
+        mine = "reach gather" if raw == "raw gather" else "reach"
+        rows.append(f"| **{mine} / {raw}** | **{r['seq']:.2f}x** | | **{r['conc']:.2f}x** | |")
     for pair, r in out["telemetry"].items():
         rows.append(f"| **{pair}** | **{r['seq']:.2f}x** | | **{r['conc']:.2f}x** | |")
     return "\n".join(rows)
@@ -412,6 +442,7 @@ def main() -> int:
     print(f"settings (defaults; REACH_* and .env ignored): {shown(defaults(server.url))}")
     changes = ", ".join(f"{k} x{n}" for k, n in sorted(out["status_changes"].items()))
     print(f"status changes while measuring: {changes or 'none'}")
+    print(f"gathers in which an instance failed: {out['failed_gathers']:,}")
     print()
     print(table(out, args))
     return 0

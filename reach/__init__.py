@@ -5,6 +5,7 @@ from ._agent import AgentStats as AgentStats
 from ._agent import Context as Context
 from ._client import Client as Client
 from ._client import ClientStats as ClientStats
+from ._client import Gathered as Gathered
 from ._client import Reply as Reply
 from ._client import TopicMessage as TopicMessage
 from ._client import TopicSubscription as TopicSubscription
@@ -70,6 +71,7 @@ __all__ = [
     "CorruptRecord",
     "DeadLetter",
     "DeadLetterNotFound",
+    "Gathered",
     "HandlerFailed",
     "InvalidReply",
     "NotReplayable",

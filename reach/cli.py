@@ -19,6 +19,7 @@ import nats.errors
 from opentelemetry import trace
 
 from ._cli_common import PAYLOAD_HELP
+from ._cli_common import json_or_text as _json_or_text
 from ._cli_common import print_value as _print_value
 from ._cli_common import read_payload as _read_payload
 from ._cli_common import status as _status
@@ -30,7 +31,7 @@ from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
 from ._cli_up import up
 from ._cli_wrap import add_wrap_commands
-from ._client import Client
+from ._client import Client, Gathered
 from ._codec import now_ms
 from ._nats import redact
 from ._registry import Registry
@@ -63,6 +64,11 @@ async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     try:
         async with asyncio.timeout(bound) as limit:
             async with Client(settings=settings, name="reach-cli") as client:
+                if args.all:
+                    gathered = await client.gather(
+                        args.capability, payload, timeout=args.timeout, priority=args.priority
+                    )
+                    return _print_gathered(gathered, args.verbose)
                 reply = await client.call(
                     args.capability,
                     payload,
@@ -82,6 +88,24 @@ async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     if args.verbose:
         print(f"# served by {reply.agent_id or '?'} in {reply.latency_ms:.1f} ms", file=sys.stderr)
     return 0
+
+
+def _print_gathered(gathered: Gathered, verbose: bool) -> int:
+    """One line per instance, in agent id order: its answer as one line of JSON, its
+    error, or why it was not asked; exit 1 if any instance failed."""
+    lines: list[tuple[str, str]] = []
+    for agent_id, outcome in gathered.items():
+        if isinstance(outcome, ReachError):
+            lines.append((agent_id, f"error: {outcome.code}: {outcome.message}"))
+            continue
+        answer = json.dumps(_json_or_text(outcome.data), ensure_ascii=False)
+        took = f"{outcome.latency_ms:.1f} ms  " if verbose else ""
+        lines.append((agent_id, took + answer))
+    lines += [(agent_id, f"skipped: {why}") for agent_id, why in gathered.skipped.items()]
+    width = max(len(agent_id) for agent_id, _ in lines)
+    for agent_id, text in sorted(lines):
+        print(f"{agent_id:<{width}}  {text}")
+    return 1 if gathered.errors else 0
 
 
 async def _publish(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -266,10 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--url", help="NATS URL (default: $REACH_NATS_URL or the local server)")
         return p
 
-    p = with_url(sub.add_parser("call", help="call a capability and print the JSON answer"))
+    p = with_url(
+        sub.add_parser(
+            "call", help="call a capability (--all: every instance) and print the answer"
+        )
+    )
     p.add_argument("capability")
     p.add_argument("payload", nargs="?", default="null", help=PAYLOAD_HELP)
-    p.add_argument("--agent", help="direct call to this agent id (never substituted)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--agent", help="direct call to this agent id (never substituted)")
+    who.add_argument(
+        "--all",
+        action="store_true",
+        help="ask every live instance at once; one line each: its answer or its error",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds")
     p.add_argument(
         "--priority", default="normal", type=str.lower, choices=[x.value for x in Priority]

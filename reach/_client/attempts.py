@@ -50,7 +50,7 @@ from .spans import traced_attempt
 #: a request id travels in a header, which the payload's size check counts on being small
 MAX_REQUEST_ID = 256
 
-__all__ = ["Requester"]
+__all__ = ["Requester", "check_request_id", "priority_of", "reap"]
 
 #: outcomes the capability's breaker does not count: besides NOT_COUNTED, a timeout, which
 #: is one instance's (its own breaker counts it) and is no longer retried unasked, so a few
@@ -92,7 +92,7 @@ class Requester:
         #: None until the first routed request starts the table (then awaited once).
         self.table: TableView | None = None
         self._start_table = start_table
-        self.cancelled = 0  # attempts cut short: hedge losers, caller timeouts
+        self.cancelled = 0  # attempts cut short: hedge losers, caller timeouts, gathers
         self._checked: set[str] = set()
 
     @property
@@ -134,20 +134,18 @@ class Requester:
         if agent_id is None:
             table = self.table
             if table is None:
-                table = await self._first_table(wait)
                 wanted = self.routing if routing is None else routing
-                if table is None and (version or required_tags or wanted in _NEEDS_TABLE):
-                    raise RequestTimeout(
-                        f"{capability!r}: the routing table did not load within {wait / 2:g}s"
-                        " (is JetStream answering?); a call with a version, tags, or scored or"
-                        " affinity routing needs it, the queue group would ignore them",
-                        capability=capability,
-                    )
+                table = await self.first_table(
+                    capability,
+                    wait,
+                    "a call with a version, tags, or scored or affinity routing needs it,"
+                    " the queue group would ignore them"
+                    if version or required_tags or wanted in _NEEDS_TABLE
+                    else None,
+                )
         capability = router.resolve(capability)
         self.check_capability(capability)
-        prio = _PRIORITIES.get(priority)
-        if prio is None:
-            raise ConfigurationError(f"priority {priority!r} is invalid; use high, normal or low")
+        prio = priority_of(priority)
         if agent_id is not None:
             validate_agent_id(agent_id)
             policy = Policy.DIRECT
@@ -160,10 +158,7 @@ class Requester:
                 raise ConfigurationError(
                     f"routing {routing!r} is invalid; use balanced, scored, queue or affinity"
                 ) from None
-        if request_id and len(request_id) > MAX_REQUEST_ID:
-            raise ConfigurationError(
-                f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID}"
-            )
+        check_request_id(request_id)
         data = encode_payload(payload)  # before admit: once admitted, only the try below
         now = loop.time()
         cells = self.metrics.cap(capability) if self.metrics is not None else None
@@ -180,13 +175,7 @@ class Requester:
             )
         deadline = began + wait  # the routing table's first start came out of it
         limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
-        base = {Header.DEADLINE: str(now_ms() + int((deadline - now) * 1000))}
-        if prio is not Priority.NORMAL:
-            base[Header.PRIORITY] = prio.value
-        if self.name:
-            base[Header.CALLER] = self.name
-        if request_id:
-            base[Header.REQUEST_ID] = request_id
+        base = self.headers(deadline - now, prio, request_id)
         call = Call(
             capability,
             data,
@@ -221,16 +210,37 @@ class Requester:
             if cells is not None:
                 cells.finished(policy.value, outcome, loop.time() - now)
 
-    async def _first_table(self, wait: float) -> TableView | None:
+    def headers(self, seconds: float, prio: Priority, request_id: str | None) -> dict[str, str]:
+        """The headers every attempt of a request carries: its deadline ``seconds`` from
+        now, and only the others that carry information."""
+        base = {Header.DEADLINE: str(now_ms() + int(seconds * 1000))}
+        if prio is not Priority.NORMAL:
+            base[Header.PRIORITY] = prio.value
+        if self.name:
+            base[Header.CALLER] = self.name
+        if request_id:
+            base[Header.REQUEST_ID] = request_id
+        return base
+
+    async def first_table(
+        self, capability: str, wait: float, needed_by: str | None
+    ) -> TableView | None:
         """The routing table, started on first use within half the caller's deadline;
-        None if it is not ready by then (its start goes on for later calls)."""
+        None if it is not ready by then (its start goes on for later calls), unless
+        ``needed_by`` says what cannot do without it: then ``RequestTimeout``."""
         try:
             async with asyncio.timeout(wait / 2) as limit:
                 return await self._start_table()
         except TimeoutError:
             if not limit.expired():
                 raise  # the start's own failure, not our limit
-            return None
+        if needed_by is not None:
+            raise RequestTimeout(
+                f"{capability!r}: the routing table did not load within {wait / 2:g}s"
+                f" (is JetStream answering?); {needed_by}",
+                capability=capability,
+            )
+        return None
 
     async def _gone(self, agent_ids: Collection[str], remaining: float) -> set[str]:
         """Which of ``agent_ids`` nobody listens for now: the server answers a ping to them
@@ -552,6 +562,20 @@ class Requester:
         task = loop.create_task(run())
         task.add_done_callback(settled)
         return task
+
+
+def priority_of(priority: Priority | str) -> Priority:
+    prio = _PRIORITIES.get(priority)
+    if prio is None:
+        raise ConfigurationError(f"priority {priority!r} is invalid; use high, normal or low")
+    return prio
+
+
+def check_request_id(request_id: str | None) -> None:
+    if request_id and len(request_id) > MAX_REQUEST_ID:
+        raise ConfigurationError(
+            f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID}"
+        )
 
 
 # -- when attempts end: losers reaped, and the error that says what was tried ---------

@@ -31,6 +31,7 @@ from ..settings import ReachSettings
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
 from .config import ConfigSink, config_bucket
+from .gather import Gathered, gather
 from .inbox import Inbox, Reply
 from .metrics import ClientMetrics
 from .table import RoutingTable
@@ -51,7 +52,7 @@ class ClientStats:
     background_failures: int = 0  # background coroutines that crashed (logged; loops restart)
     watch_errors: int = 0  # failures inside the routing-table or config watch
     table_rebuilds: int = 0  # routing-table watches (re)built
-    attempts_cancelled: int = 0  # attempts cut short: hedge losers, caller timeouts
+    attempts_cancelled: int = 0  # attempts cut short: hedge losers, caller timeouts, gathers
     heartbeats_clamped: int = 0  # records whose heartbeat numbers were out of range
     records_ignored: int = 0  # agent records that did not decode or named another key
     config_ignored: int = 0  # config keys whose value could not be used
@@ -367,6 +368,49 @@ class Client:
             hedge=hedge,
             max_attempts=max_attempts,
             idempotent=idempotent,
+        )
+
+    async def gather(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        min_replies: int | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
+        response_type: Any = None,
+        request_id: str | None = None,
+    ) -> Gathered:
+        """Ask every live instance of ``capability`` at once, each on its direct subject,
+        and return one outcome per instance: a :class:`Gathered` mapping each agent id to
+        its :class:`Reply` or to the ``ReachError`` that request would have raised.
+
+        Asked: every instance in the routing table that a request could go to (UP; DEGRADED
+        too unless priority is high) in the same major ``version`` with all
+        ``required_tags``. PAUSED, UNKNOWN and DOWN instances are not asked (they take no
+        new work, or may be gone): ``Gathered.skipped`` names them.
+
+        Returns when every instance has answered or failed, when ``min_replies`` have
+        answered (the others are cancelled: ``Gathered.unanswered``), or at the deadline
+        ``timeout`` (default ``REACH_TIMEOUT_MS``): an instance silent until then has a
+        ``RequestTimeout``. Nothing is retried. Raises only for bad arguments
+        (``ConfigurationError``), when no instance can be asked (``CapabilityNotFound``,
+        saying why), or when the routing table does not load within half the deadline
+        (``RequestTimeout``).
+        """
+        return await gather(
+            self._requests,
+            capability,
+            payload,
+            timeout=timeout,
+            min_replies=min_replies,
+            priority=priority,
+            version=version,
+            required_tags=required_tags,
+            response_type=response_type,
+            request_id=request_id,
         )
 
     # -- broadcast ---------------------------------------------------------------------

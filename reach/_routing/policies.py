@@ -74,14 +74,11 @@ def major(version: str) -> str:
     return version.split(".", 1)[0]
 
 
-def reject_reason(
-    record: AgentRecord,
-    capability: str,
-    version: str | None,
-    tags: Sequence[str],
-    priority: Priority,
+def mismatch(
+    record: AgentRecord, capability: str, version: str | None, tags: Sequence[str]
 ) -> str | None:
-    """Why this instance may not take the request, or None when it may."""
+    """Why this instance does not serve what was asked (capability, major version, tags),
+    whatever its status; None when it does."""
     cap = capability_of(record, capability)
     if cap is None:
         return "does not offer it"
@@ -90,11 +87,52 @@ def reject_reason(
     missing = [t for t in tags if t not in record.info.tags]
     if missing:
         return f"lacks tag {missing[0]!r}"
+    return None
+
+
+def unroutable(record: AgentRecord, priority: Priority) -> str | None:
+    """Why this instance's status keeps new work of ``priority`` away, or None."""
     if record.status == Status.UP:
         return None
     if record.status == Status.DEGRADED:
         return "is DEGRADED (high priority needs UP)" if priority is Priority.HIGH else None
     return f"is {record.status.value}"
+
+
+def reject_reason(
+    record: AgentRecord,
+    capability: str,
+    version: str | None,
+    tags: Sequence[str],
+    priority: Priority,
+) -> str | None:
+    """Why this instance may not take the request, or None when it may."""
+    return mismatch(record, capability, version, tags) or unroutable(record, priority)
+
+
+def fan_out(
+    records: Iterable[AgentRecord],
+    capability: str,
+    version: str | None,
+    tags: Sequence[str],
+    priority: Priority,
+) -> tuple[list[str], dict[str, str]]:
+    """Who a gather asks, by agent id: every instance that may take the request (as for
+    a request: UP, or DEGRADED below high priority); and, with why, those that serve what
+    was asked but whose status keeps them out (PAUSED, UNKNOWN, DOWN, or DEGRADED at high
+    priority). Instances of another version or without the tags are in neither."""
+    asked: list[str] = []
+    skipped: dict[str, str] = {}
+    for r in records:
+        if mismatch(r, capability, version, tags) is not None:
+            continue
+        why = unroutable(r, priority)
+        if why is None:
+            asked.append(r.info.agent_id)
+        else:
+            skipped[r.info.agent_id] = why
+    asked.sort()
+    return asked, dict(sorted(skipped.items()))
 
 
 def eligible(

@@ -33,3 +33,5 @@ class ATTR:
     POLICY = "reach.routing_policy"
     PRIORITY = "reach.priority"
     TASK_ID = "reach.task_id"
+    ASKED = "reach.gather.asked"  # instances a gather sent to
+    ANSWERED = "reach.gather.answered"  # of them, those that answered

@@ -37,6 +37,7 @@ def test_public_api_is_pinned():
             "DeadLetter",
             "DeadLetterNotFound",
             "ClientStats",
+            "Gathered",
             "HandlerFailed",
             "InvalidReply",
             "NotReplayable",

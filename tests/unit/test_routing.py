@@ -1,7 +1,7 @@
 import pytest
 
 from reach import Priority, Status
-from reach._routing import eligible, explain_miss, rank, reject_reason, score
+from reach._routing import eligible, explain_miss, fan_out, rank, reject_reason, score
 from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat
 
 H, N = Priority.HIGH, Priority.NORMAL
@@ -49,6 +49,25 @@ def test_version_is_same_major_and_tags_are_all_of():
     assert reject_reason(r, "geo.lookup", "1.0", ["eu", "gpu"], N) is None
     assert reject_reason(r, "geo.lookup", "2", (), N) == "offers version 1.4, not 2.x"
     assert reject_reason(r, "geo.lookup", None, ["eu", "fast"], N) == "lacks tag 'fast'"
+
+
+def test_a_gather_asks_every_routable_instance_and_names_those_its_status_keeps_out():
+    records = [
+        rec("up", tags=["eu"]),
+        rec("deg", Status.DEGRADED, tags=["eu"]),
+        rec("paused", Status.PAUSED, tags=["eu"]),
+        rec("unknown", Status.UNKNOWN, tags=["eu"]),
+        rec("down", Status.DOWN, tags=["eu"]),
+        rec("us", tags=["us"]),  # without the tag: neither asked nor skipped
+        rec("v2", tags=["eu"], version="2.0"),  # another major version: neither
+    ]
+    asked, skipped = fan_out(records, "geo.lookup", "1.1", ["eu"], N)
+    assert asked == ["deg", "up"]
+    assert skipped == {"down": "is DOWN", "paused": "is PAUSED", "unknown": "is UNKNOWN"}
+    asked, skipped = fan_out(records, "geo.lookup", "1.1", ["eu"], H)
+    assert asked == ["up"]
+    assert skipped["deg"] == "is DEGRADED (high priority needs UP)"
+    assert fan_out(records, "geo.lookup", None, ["gpu"], N) == ([], {})
 
 
 def test_explain_miss_counts_what_exists():
