@@ -1,9 +1,10 @@
-"""The client: a facade (``client``) over the request path (``attempts`` -> ``inbox``),
-broadcast (``topics``) and two watched buckets, the routing table (``table``) and the
-routing configuration (``config``), both followed by ``reach._kv.BucketMirror``."""
+"""The client: a facade (``client``) over the request path (``attempts`` -> the muxed
+``reach._inbox``), broadcast (``topics``) and two watched buckets, the routing table
+(``table``) and the routing configuration (``config``), both followed by
+``reach._kv.BucketMirror``."""
 
+from .._inbox import Reply
 from .client import Client, ClientStats
-from .inbox import Reply
 from .topics import TopicMessage, TopicSubscription
 
 __all__ = ["Client", "ClientStats", "Reply", "TopicMessage", "TopicSubscription"]
