@@ -6,9 +6,10 @@ and every publish to a flusher task that writes on its next turn. For a request 
 two task switches on each side, before any work, on top of the task that does the work.
 
 - ``subscribe_direct``: the message goes to a plain function as nats-py reads it, in its
-  reading task. The client's reply inbox and an agent's intake only look at the message
-  and hand it on (a future, the workers' queue), which is what a subscription task would
-  do a turn later. The function must not block nor raise: what it raises is logged and
+  reading task. The request inbox (a client's replies, and those of the JetStream API
+  calls of durable tasks) and an agent's intake only look at the message and hand it on
+  (a future, the workers' queue), which is what a subscription task would do a turn
+  later. The function must not block nor raise: what it raises is logged and
   counted in ``failures``, never allowed into nats-py's reading loop. reach reads these
   messages itself (``_read_messages``, ``read_headers``), where nats-py's parser hands
   them over: nats-py takes a coroutine for the headers, and counts each message into and
@@ -37,8 +38,8 @@ So they are fenced three ways:
 Off, every function here takes nats-py's public path (``publish`` returns False,
 ``subscribe_direct`` subscribes with a callback, ``write_through`` does nothing); CI runs
 the request-path tests a second time so. The replaced reader is per connection: on a
-connection reach made, its other subscriptions (JetStream's, a user's on ``client.nc``)
-still go nats-py's way, through one coroutine call more per message.
+connection reach made, its other subscriptions (JetStream's watches and pulls, a user's
+on ``client.nc``) still go nats-py's way, through one coroutine call more per message.
 (``tests/integration/test_delivery.py`` and ``tests/unit/test_read_headers.py`` hold
 them to the installed nats-py.)
 """

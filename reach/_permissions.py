@@ -8,9 +8,10 @@ other half. It counts the violations, logs each subject once, keeps the refused 
 (bounded) and tells its listeners, so the parts that wait on the server can turn the
 refusal into :class:`reach.Unauthorized` at once:
 
-- the request inbox and the JetStream API inbox wake their pending calls with ``Recheck``;
-  the call whose subject was refused raises Unauthorized, the others wait on (nothing is
-  added to a request's path: the work happens only when a violation arrives);
+- the request inbox (``reach._inbox``: a client's requests, durable tasks' JetStream API
+  calls) wakes its pending calls with ``Recheck``; the call whose subject was refused
+  raises Unauthorized, the others wait on (nothing is added to a request's path: the work
+  happens only when a violation arrives);
 - an Agent or Registry start fails with Unauthorized when a subscription it made was
   refused (the server's ``-ERR`` arrives before the PONG of the flush that ends a start);
 - ``Client.flush()`` raises it for publishes refused since the last flush, and a

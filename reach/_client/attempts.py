@@ -19,6 +19,7 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
+from .._inbox import Inbox, Reply
 from .._nats import TRANSIENT, is_no_responders
 from .._routing import (
     FAILOVER,
@@ -43,7 +44,7 @@ from ..errors import (
 )
 from ..settings import ReachSettings
 from ..wire import Header, Priority
-from .inbox import Call, Inbox, Reply
+from .call import Call
 from .metrics import ClientMetrics
 from .spans import traced_attempt
 

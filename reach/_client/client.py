@@ -3,7 +3,7 @@ tasks (submit, follow, list, dead letters and replay) and writes to the routing 
 
 Background work (the routing-table and config watches, their watchdog and rebuilds) lives
 in ``watches``, under one ``Background``; ``close()`` cancels and awaits it. The request
-path is in ``attempts`` and ``inbox``; routing state is the pure ``reach._routing``.
+path is in ``attempts`` and ``reach._inbox``; routing state is the pure ``reach._routing``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import msgspec
 from nats.aio.client import Client as NatsConnection
 from nats.js.kv import KeyValue
 
+from .._inbox import Inbox, Reply
 from .._nats import close_nats, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
 from .._subjects import MAX_NAME, Subjects, validate_capability
@@ -32,7 +33,6 @@ from ..wire import AgentRecord, Priority
 from .attempts import Requester
 from .config import ConfigSink, config_bucket
 from .gather import Gathered, gather
-from .inbox import Inbox, Reply
 from .metrics import ClientMetrics
 from .table import RoutingTable
 from .topics import TopicSubscription, publish, subscribe
@@ -156,6 +156,7 @@ class Client:
             self._unsource = self.telemetry.add_source(self._metrics.collect)
         self._watches.reopen()
         await self._inbox.open(nc)
+        await flush_nats(nc)  # the reply inbox's interest is the server's before we start
 
     async def on_reconnect(self) -> None:
         """Rebuild the watches (nats-py's own can stay silent for ~15 s after a reconnect),

@@ -27,13 +27,14 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Tracer
 
 from .._codec import encode_payload
+from .._inbox import Reply
 from .._nats import HEADROOM, fits, too_large
 from .._routing import Policy, explain_miss, fan_out
 from .._telemetry import ATTR
 from ..errors import CapabilityNotFound, ConfigurationError, NotStarted, ReachError, RemoteError
 from ..wire import Priority
 from .attempts import Requester, check_request_id, priority_of, reap
-from .inbox import Call, Reply
+from .call import Call
 
 __all__ = ["GATHER", "Gathered", "gather"]
 

@@ -8,10 +8,11 @@ import asyncio
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from .._inbox import Inbox, Reply
 from .._telemetry import ATTR
 from ..errors import RemoteError
 from ..wire import Header
-from .inbox import Call, Inbox, Reply
+from .call import Call
 
 __all__ = ["traced_attempt"]
 

@@ -1,5 +1,12 @@
-"""The muxed reply inbox: one wildcard subscription for every reply, and the send of one
-attempt. This is the hot path; keep it free of per-request extras."""
+"""The muxed request inbox of one connection: one wildcard subscription for every reply,
+a counter for the tokens, and one timer for every deadline.
+
+Two kinds of request wait here. ``send`` is one attempt of a client's request (the hot
+path; keep it free of per-request extras): its answer is checked for who sent it, decoded,
+and its failures become ``ReachError``s. ``request`` is ``nc.request`` on this inbox, for
+the JetStream API calls of durable tasks: the raw reply, or nats-py's own errors. Both
+share the timer and the one check of a refused publish (``_recheck``).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +15,29 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
-from .._codec import decoder_for, error_from_reply
-from .._delivery import publish, publish_by_nats, subscribe_direct
-from .._nats import (
+from ._codec import decoder_for, error_from_reply
+from ._delivery import publish, publish_by_nats, subscribe_direct
+from ._nats import (
     CONNECTION_LOST,
     HEADROOM,
     TOO_LARGE,
     TRANSIENT,
     fits,
-    flush_nats,
     permissions_of,
     too_large,
 )
-from .._permissions import Permissions, Recheck, Violation, rearm, unauthorized
-from .._routing import LOST, Policy, TableView
-from ..errors import (
+from ._permissions import Permissions, Recheck, Violation, rearm, unauthorized
+from ._routing import LOST
+from .errors import (
     AgentUnavailable,
     CapabilityNotFound,
     ConnectionFailed,
@@ -38,11 +45,11 @@ from ..errors import (
     NotStarted,
     RemoteError,
     RequestTimeout,
+    Unauthorized,
 )
-from ..wire import Header, Priority
-from .metrics import CapCells
+from .wire import Header
 
-__all__ = ["Call", "Inbox", "Reply"]
+__all__ = ["Asked", "Inbox", "Reply"]
 
 log = logging.getLogger("reach.client")
 
@@ -59,21 +66,13 @@ class Reply:
     duration_ms: float | None = None
 
 
-@dataclass(slots=True)  # not frozen: a frozen init costs ~1 µs per request
-class Call:
-    """What stays the same across the attempts of one request."""
+class Asked(Protocol):
+    """What ``send`` reads of a request (the client's ``Call``)."""
 
     capability: str
     data: bytes
     request_id: str | None
     response_type: Any
-    affinity_key: str | None
-    version: str | None
-    tags: tuple[str, ...]
-    priority: Priority
-    policy: Policy
-    table: TableView | None  # None: the queue group
-    cells: CapCells | None = None  # metrics; None when they are off
 
 
 #: One timer for the inbox times out pending requests, set for the soonest deadline (a
@@ -88,9 +87,11 @@ class Inbox:
     """Replies for one connection. The reply subject, less ``_INBOX.``, is the request id,
     so a request needs no Reach-Request-Id header (each header costs a parse on both sides);
     the inbox is unique per connection, so a counter makes it unique per request.
-    Deadlines wait in a heap for one timer, set for the soonest."""
+    Deadlines wait in a heap for one timer, set for the soonest. ``url`` is named in
+    ``ConnectionFailed``; ``agent_prefix`` starts the agents' direct subjects (``send``
+    reads who answered from them)."""
 
-    def __init__(self, url: str, agent_prefix: str) -> None:
+    def __init__(self, url: str = "", agent_prefix: str = "") -> None:
         self.url = url
         self.nc: NatsConnection | None = None
         self.pending: dict[str, asyncio.Future[Msg]] = {}
@@ -112,6 +113,8 @@ class Inbox:
         self.lossy: set[str] = set()
 
     async def open(self, nc: NatsConnection) -> None:
+        """Subscribe on ``nc`` (its owner flushes: the server has our interest before any
+        reply, as a publish on the same connection comes after the subscription)."""
         # Requests still waiting on a previous connection (closed under the client) can
         # never be answered on this new inbox; and a timer set on another loop never fires.
         self._fail_pending("the connection closed while waiting for the answer")
@@ -121,7 +124,6 @@ class Inbox:
         if permissions is not None:
             permissions.listen(self._on_violation)
         self._sub = await subscribe_direct(nc, self._prefix + "*", self._on_reply)
-        await flush_nats(nc)
 
     @property
     def deadlines(self) -> int:
@@ -206,6 +208,30 @@ class Inbox:
             return via[len(self._agent_subjects) :].partition(".")[0]
         return ""
 
+    def _enter(self, wait: float) -> tuple[str, asyncio.Future[Msg]]:
+        """A new token and its pending future, due in ``wait`` seconds: its deadline joins
+        the heap, and the timer comes forward when it is the soonest."""
+        self._seq += 1
+        token = str(self._seq)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
+        pending = self.pending
+        pending[token] = fut
+        now = loop.time()
+        due = now + wait
+        deadlines = self._deadlines
+        heapq.heappush(deadlines, (due, token))
+        if len(deadlines) > 2 * len(pending) + 64:  # mostly ended attempts: drop them
+            self._deadlines = deadlines = [d for d in deadlines if d[1] in pending]
+            heapq.heapify(deadlines)
+        sweeper = self._sweeper
+        set_for = _NEVER if sweeper is None else sweeper.when()
+        if due < set_for:  # sooner than any other: the timer comes forward
+            at = max(due, now + _SWEEP)
+            if at < set_for:
+                self._arm(loop, at)
+        return token, fut
+
     def _sweep(self) -> None:
         """Time out what is due, and set the timer for the soonest deadline left."""
         self._sweeper = None
@@ -252,7 +278,7 @@ class Inbox:
 
     async def send(
         self,
-        call: Call,
+        call: Asked,
         subject: str,
         headers: dict[str, str],
         wait: float,
@@ -271,31 +297,13 @@ class Inbox:
             nc, call.data, headers
         ):
             raise too_large(nc, len(call.data), f"{capability!r} (with its headers)")
-        self._seq += 1
-        token = str(self._seq)
+        token, fut = self._enter(wait)
         reply_to = self._prefix + token
         rid = request_id or reply_to[7:]
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Msg] = loop.create_future()
-        self.pending[token] = fut
         if agent_id is not None:
             self.expect[token] = subject
         if lossy:
             self.lossy.add(token)
-        now = loop.time()
-        due = now + wait
-        deadlines = self._deadlines
-        heapq.heappush(deadlines, (due, token))
-        if len(deadlines) > 2 * len(self.pending) + 64:  # mostly ended attempts: drop them
-            pending = self.pending
-            self._deadlines = deadlines = [d for d in deadlines if d[1] in pending]
-            heapq.heapify(deadlines)
-        sweeper = self._sweeper
-        set_for = _NEVER if sweeper is None else sweeper.when()
-        if due < set_for:  # sooner than any other: the timer comes forward
-            at = max(due, now + _SWEEP)
-            if at < set_for:
-                self._arm(loop, at)
         started = time.perf_counter()
         reconnects = nc.stats["reconnects"]
         try:
@@ -316,27 +324,28 @@ class Inbox:
                     url=self.url,
                 ) from None
             if nc.stats["reconnects"] != reconnects:
-                lost = RequestTimeout(
-                    f"{capability!r} got no answer within {wait:.3g}s: the connection to NATS"
-                    " was lost and restored meanwhile",
-                    capability=capability,
-                    agent_id=agent_id or "",
-                    request_id=rid,
+                lost = _no_answer(
+                    capability,
+                    wait,
+                    agent_id,
+                    rid,
+                    ": the connection to NATS was lost and restored meanwhile",
                 )
                 lost.outcome = LOST  # fail over at once; the instance learns nothing
                 raise lost from None
-            raise RequestTimeout(
-                f"{capability!r} got no answer within {wait:.3g}s",
-                capability=capability,
-                agent_id=agent_id or "",
-                request_id=rid,
-            ) from None
+            raise _no_answer(capability, wait, agent_id, rid) from None
         except CONNECTION_LOST as exc:
             raise ConnectionFailed(f"not connected to NATS: {exc}", url=self.url) from exc
         except TOO_LARGE:
             raise too_large(nc, len(call.data), repr(capability)) from None
         except Recheck as exc:
-            msg = await self._recheck(exc, subject, wait, call, agent_id, rid)
+            try:
+                msg = await self._recheck(exc, subject, capability)
+            except Unauthorized as err:
+                err.agent_id, err.request_id = agent_id or "", rid
+                raise
+            except TimeoutError:
+                raise _no_answer(capability, wait, agent_id, rid) from None
         finally:
             del self.pending[token]
             if agent_id is not None:
@@ -368,37 +377,67 @@ class Inbox:
                     duration = None
         return Reply(value, msg.data, served_by, rid, latency_ms, duration)
 
-    async def _recheck(
+    async def request(
         self,
-        exc: Recheck,
         subject: str,
-        wait: float,
-        call: Call,
-        agent_id: str | None,
-        rid: str,
+        payload: bytes,
+        timeout: float,
+        headers: dict[str, str] | None = None,
     ) -> Msg:
+        """``nc.request`` on this inbox: the reply, or what ``nc.request`` raises (nats-py's
+        ``TimeoutError``, ``NoRespondersError``, ``ConnectionClosedError`` once the inbox
+        is closed, and whatever its publish raises); ``Unauthorized`` when the server
+        refused this very publish. For the JetStream API (``_tasks.jsapi``), whose callers
+        catch nats-py's errors and tell a refused call from a slow server."""
+        nc = self.nc
+        if nc is None:
+            raise nats.errors.ConnectionClosedError
+        token, fut = self._enter(timeout)
+        reply_to = self._prefix + token
+        try:
+            alone = len(self.pending) == 1
+            if not publish(nc, subject, payload, reply_to, headers, alone=alone):
+                await publish_by_nats(nc, subject, payload, reply_to, headers, alone=alone)
+            try:
+                msg = await fut
+            except Recheck as exc:
+                msg = await self._recheck(exc, subject)
+        except TimeoutError:  # the sweep's
+            raise nats.errors.TimeoutError from None
+        except ConnectionFailed:  # the inbox closed (or opened again) under the request
+            raise nats.errors.ConnectionClosedError from None
+        finally:
+            del self.pending[token]
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+            raise nats.errors.NoRespondersError
+        return msg
+
+    async def _recheck(self, exc: Recheck, subject: str, capability: str = "") -> Msg:
         """A publish was refused while this call waited: Unauthorized if it was this
-        call's, else wait on for the reply in the time left."""
+        call's, else wait on for the reply in the time left (the deadline stays in the heap:
+        other refusals never extend a call; when it comes, TimeoutError)."""
         own = subject.lower()
         while True:
             if exc.violation.subject == own:
                 conn = self._permissions.name if self._permissions is not None else ""
-                err = unauthorized(exc.violation, conn, capability=call.capability)
-                err.agent_id, err.request_id = agent_id or "", rid
-                raise err from None
+                raise unauthorized(exc.violation, conn, capability=capability) from None
             fut = exc.fresh  # pending in its place: the sweep times it out when due
             try:
                 result: Msg = await fut
                 return result
             except Recheck as again:
                 exc = again
-            except TimeoutError:
-                raise RequestTimeout(
-                    f"{call.capability!r} got no answer within {wait:.3g}s",
-                    capability=call.capability,
-                    agent_id=agent_id or "",
-                    request_id=rid,
-                ) from None
+
+
+def _no_answer(
+    capability: str, wait: float, agent_id: str | None, rid: str, why: str = ""
+) -> RequestTimeout:
+    return RequestTimeout(
+        f"{capability!r} got no answer within {wait:.3g}s{why}",
+        capability=capability,
+        agent_id=agent_id or "",
+        request_id=rid,
+    )
 
 
 def _no_responders(capability: str, agent_id: str | None, rid: str) -> RemoteError:
