@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-from . import ErrorBody, Priority
+from .messages import ErrorBody, Priority
 
 __all__ = [
     "FINAL",
