@@ -119,7 +119,7 @@ class JsApi:
             finally:
                 timer.cancel()
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
         """A JetStream publish; the stream sequence, or nats-py's APIError on refusal."""
         msg = await self.request(subject, data, headers)
         ack = _ack_decoder.decode(msg.data)
