@@ -378,7 +378,7 @@ class Agent:
             nc: NatsConnection | None = None
             try:
                 nc = await connect_nats(
-                    self.settings, self._url, self.agent_id, reconnected=self._client.on_reconnect
+                    self.settings, self._url, self.agent_id, reconnected=self._reconnected
                 )
                 self._nc = nc
                 await self._client._adopt(nc)
@@ -420,6 +420,10 @@ class Agent:
                 check_refused(nc, f"agent {self.agent_id} start", exc)  # the cause, if it was
                 raise
         log.info("agent %s serving %s", self.agent_id, self._serving_what())
+
+    async def _reconnected(self) -> None:
+        await self._client.on_reconnect()
+        self._durable_topics.reconnected()
 
     def _serving_what(self) -> str:
         """What the start log says it serves: capabilities by request, then tasks

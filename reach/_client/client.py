@@ -410,7 +410,12 @@ class Client:
         each message carries its ``seq`` and ``time``. ``NotStored`` when no stream keeps
         topics yet."""
         return await subscribe(
-            self.nc, self.subjects, self.url, topic, since, self._durable if since else None
+            self.nc,
+            self.subjects,
+            self.url,
+            topic,
+            since,
+            self._durable if since is not None else None,
         )
 
     async def flush(self) -> None:

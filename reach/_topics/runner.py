@@ -236,6 +236,14 @@ class TopicRunner:
                 await self._hand_back(s, msg)
         return False
 
+    def reconnected(self) -> None:
+        """The connection is back: pull again now (the open requests went with the old
+        one), not when they would have expired."""
+        for s in self._subs:
+            if s.puller is not None:
+                s.puller.lost()
+            s.wake.set()
+
     async def close(self) -> None:
         """After the owner's background coroutines are cancelled: drop the subscriptions."""
         self.fetching = False
