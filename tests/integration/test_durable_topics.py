@@ -358,7 +358,8 @@ async def test_publish_listen_since_and_topics_init_from_the_command_line(settin
     assert json.loads(out)["streams"][0].endswith("_TOPICS")
     code, out, err = await reach_cli(settings, "publish", "sensor.hall", '{"n": 1}', "--durable")
     assert (code, out.strip()) == (0, "1"), err
-    code, out, err = await reach_cli(settings, "listen", "sensor.>", "--since", "1h", "--count", "1")
+    listen = ("listen", "sensor.>", "--since", "1h", "--count", "1")
+    code, out, err = await reach_cli(settings, *listen)
     assert code == 0, err
     line = json.loads(out)
     assert (line["topic"], line["data"], line["seq"]) == ("sensor.hall", {"n": 1}, 1)
