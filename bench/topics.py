@@ -32,14 +32,25 @@ import argparse
 import asyncio
 import contextlib
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import nats
-from _fleet import Children, closed_loop, defaults, pct, shown
+from _fleet import (
+    Children,
+    closed_loop,
+    defaults,
+    interleaved,
+    median_ratio,
+    parse_rounds,
+    rate_table,
+    round_parser,
+    round_setup,
+    shown,
+    summary,
+)
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 from request_reply import SIZE
@@ -210,67 +221,21 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         for name in names:
             for n in levels:
                 await closed_loop(calls[name], args.warmup, n)
-        per_round: list[dict[str, dict[str, float]]] = []
-        lat: dict[str, dict[str, list[float]]] = {name: {} for name in names}
-        for r in range(args.rounds):
-            rates: dict[str, dict[str, float]] = {name: {} for name in names}
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for n in levels:
-                for name in order:
-                    rate, values = await closed_loop(calls[name], args.seconds, n)
-                    rates[name][str(n)] = rate
-                    lat[name].setdefault(str(n), []).extend(values)
-            per_round.append(rates)
+        per_round, lat = await interleaved(calls, levels, args.rounds, args.seconds)
     out["levels"] = levels
     out["rounds"] = per_round
-    out["variants"] = {
-        name: {
-            n: {
-                "rate": statistics.median(r[name][n] for r in per_round),
-                "p50_ms": pct(values, 0.5),
-                "p99_ms": pct(values, 0.99),
-            }
-            for n, values in by_level.items()
-        }
-        for name, by_level in lat.items()
-    }
+    out["variants"] = summary(per_round, lat)
     pairs = [("reach", "bare"), ("reach-ordered", "bare"), ("reach-ordered", "reach")]
     out["ratios"] = {
-        f"{a} / {b}": {
-            str(n): statistics.median(r[a][str(n)] / r[b][str(n)] for r in per_round)
-            for n in levels
-        }
+        f"{a} / {b}": {str(n): median_ratio(per_round, a, b, str(n)) for n in levels}
         for a, b in pairs
         if a in names and b in names
     }
     return out
 
 
-def table(out: dict[str, Any]) -> str:
-    levels = [str(n) for n in out["levels"]]
-    head = "| variant | " + " | ".join(f"{n} in flight msgs/s | p50 / p99 ms" for n in levels)
-    rows = [head + " |", "|---" * (1 + 2 * len(levels)) + "|"]
-    for name, by_level in out["variants"].items():
-        cells = []
-        for n in levels:
-            s = by_level[n]
-            cells += [f"{s['rate']:,.0f}", f"{s['p50_ms']:.2f} / {s['p99_ms']:.2f}"]
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    for name, by_level in out["ratios"].items():
-        cells = []
-        for n in levels:
-            cells += [f"**{by_level[n]:.2f}x**", ""]
-        rows.append(f"| **{name}** | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds x 1 s, short warm-up")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--inflight", type=int, default=64)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser = round_parser(__doc__, VARIANTS)
     parser.add_argument(
         "--fsync",
         choices=["always", "default"],
@@ -281,15 +246,7 @@ def main() -> int:
     parser.add_argument(
         "--topic-concurrency", type=int, help="the agent's topic_concurrency (default: 0)"
     )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown or not args.variants:
-        parser.error(f"--variants: choose among {', '.join(VARIANTS)} (got {unknown or 'none'})")
-    args.warmup = 0.5
-    if args.quick:
-        args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
+    args = parse_rounds(parser, VARIANTS)
     with tempfile.TemporaryDirectory(prefix="reach-bench-topics-") as data:
         config = config_with_store(CONFIG, Path(data)) if args.fsync == "always" else None
         # -m -1: the shipped config's fixed monitoring port may be taken; any free one will do.
@@ -302,19 +259,16 @@ def main() -> int:
                 children.add(run_agent, url, args.topic_concurrency)
             with children:
                 out = asyncio.run(measure(args, url))
-    out["setup"] = {
-        "rounds": args.rounds,
-        "seconds": args.seconds,
-        "inflight": args.inflight,
-        "variants": args.variants,
-        "payload_bytes": SIZE,
-        "fsync": args.fsync,
-        "agent_settings": shown(
+    out["setup"] = round_setup(
+        args,
+        payload_bytes=SIZE,
+        fsync=args.fsync,
+        agent_settings=shown(
             defaults(url)
             if args.topic_concurrency is None
             else defaults(url, topic_concurrency=args.topic_concurrency)
         ),
-    }
+    )
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -330,7 +284,7 @@ def main() -> int:
         f" {args.seconds:g} s"
     )
     print()
-    print(table(out))
+    print(rate_table(out, "msgs"))
     return 0
 
 

@@ -65,13 +65,7 @@ class DurableTopics:
                 try:
                     await api.open()
                     store = TopicStore(nc.jetstream(), self.subjects, self.settings, api)
-                    await patiently(
-                        nc,
-                        f"durable topics (stream {self.stream})",
-                        store.ensure,
-                        until=time.monotonic() + self.settings.task_patience,
-                        stopped=lambda: self._closed,
-                    )
+                    await self._ensure(nc, store)
                 except Exception as exc:
                     await api.close()
                     check_refused(nc, "durable topics", exc, since=mark)
@@ -92,14 +86,18 @@ class DurableTopics:
                 return await store.publish(subject, data, headers)
             except nats.errors.NoRespondersError:
                 store.ready = False  # deleted meanwhile, or JetStream restarting
-                await patiently(
-                    nc,
-                    f"durable topics (stream {self.stream})",
-                    store.ensure,
-                    until=time.monotonic() + self.settings.task_patience,
-                    stopped=lambda: self._closed,
-                )
+                await self._ensure(nc, store)
                 return await store.publish(subject, data, headers)
+
+    async def _ensure(self, nc: NatsConnection, store: TopicStore) -> None:
+        """The streams made when missing, waiting up to ``task_patience`` for JetStream."""
+        await patiently(
+            nc,
+            f"durable topics (stream {self.stream})",
+            store.ensure,
+            until=time.monotonic() + self.settings.task_patience,
+            stopped=lambda: self._closed,
+        )
 
     @contextmanager
     def _stored(self, topic: str) -> Iterator[None]:
@@ -157,7 +155,7 @@ class DurableTopics:
         then live ones as they are stored, one stream in sequence order (no gap or
         duplicate where history meets live: both come from the stream). ``NotStored``
         (``no_stream``) when nothing keeps topics yet."""
-        config = ConsumerConfig(idle_heartbeat=_HEARTBEAT, headers_only=False)
+        config = ConsumerConfig(idle_heartbeat=_HEARTBEAT)
         if isinstance(since, int):
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = since
