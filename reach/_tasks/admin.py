@@ -10,7 +10,9 @@ A replay publishes the dead letter's TaskSubmit again under a new task id, with
 ``replay_of`` naming the old one and the same idempotency key (which is pointed at the new
 task), then deletes the dead letter. The new id is derived from the dead letter, so a replay
 repeated after a crash, or run twice at once, makes one task, not two. An undelivered
-callback is not a task: it is not replayed (its result is in the task's record).
+callback is not a task: it is not replayed (its result is in the task's record), nor is a
+durable topic's message (kind ``topic``): ``reach._topics`` replays those, reading them with
+``dead_letter_at`` as here.
 """
 
 from __future__ import annotations

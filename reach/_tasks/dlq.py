@@ -7,6 +7,10 @@ many attempts it had (``dlq.<kind>.<task_id>.<attempts>``), nothing else: an age
 resends it after a crash and a registry handling the task's max-deliveries advisory make
 the same id for the same task, so the stream keeps one copy (within its duplicate window).
 Only a message with no task id falls back to its stream sequence.
+
+Durable topics (``reach._topics``) write their dead letters here too, as kind ``topic``, on
+a subject and with a message id of their own (``dlq.$topic.<topic>``,
+``dlq.topic.<consumer>.<sequence>``).
 """
 
 from __future__ import annotations
