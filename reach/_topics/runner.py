@@ -184,6 +184,14 @@ class TopicRunner:
                 until=until,
                 stopped=stopped,
             )
+            log.info(
+                "agent %s: durable topic %s%s on consumer %s of %s",
+                self.agent_id,
+                decl.pattern,
+                " (ordered)" if decl.ordered else "",
+                name,
+                store.stream,
+            )
             limit = 1 if decl.ordered else self.concurrency
             self._subs.append(_Sub(decl, name, limit, 0 if decl.ordered else limit))
         await self._open()
