@@ -49,7 +49,7 @@ from .._tasks.jsapi import JsApi
 from .._tasks.model import TaskHandler
 from .._tasks.pull import Puller
 from .._tasks.states import retry_delay
-from ..errors import RemoteError
+from ..errors import ConfigurationError, RemoteError
 from ..settings import ReachSettings
 from ..wire.tasks import TaskAttempt
 from .store import TopicStore
@@ -175,6 +175,12 @@ class TopicRunner:
         self._store, self._owner, self._nc = store, owner, nc
         self._subs = []
         for decl in self.decls.values():
+            if not store.keeps(decl.pattern):  # a stream made by hand, narrower
+                raise ConfigurationError(
+                    f"{what}: stream {store.stream} does not keep durable topic"
+                    f" {decl.pattern!r} (its subjects: {', '.join(store.stored)}); add"
+                    f" {self.subjects.topic(decl.pattern)} to it, or subscribe plainly"
+                )
             name = await patiently(
                 nc,
                 f"{what}: consumer of topic {decl.pattern}",

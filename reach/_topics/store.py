@@ -46,13 +46,25 @@ from .._tasks.jsapi import JsApi
 from .._tasks.store import add_dlq_stream, add_stream, dlq_stream_name
 from ..settings import ReachSettings
 
-__all__ = ["TopicStore", "consumer_name", "stream_name"]
+__all__ = ["TopicStore", "consumer_name", "covers", "stream_name"]
 
 _READABLE = str.maketrans({".": "_", "*": "any", ">": "all"})
 
 
 def stream_name(subjects: Subjects) -> str:
     return f"{subjects.prefix.replace('.', '_').upper()}_TOPICS"
+
+
+def covers(wide: str, narrow: str) -> bool:
+    """Whether every subject ``narrow`` matches is matched by ``wide`` (both may hold
+    ``*`` and ``>``)."""
+    w, n = wide.split("."), narrow.split(".")
+    for i, token in enumerate(w):
+        if token == ">":
+            return len(n) > i
+        if i >= len(n) or n[i] == ">" or (token != "*" and token != n[i]):
+            return False
+    return len(w) == len(n)
 
 
 def consumer_name(group: str, pattern: str) -> str:
@@ -80,6 +92,13 @@ class TopicStore:
         self.stream = stream_name(subjects)
         self.dlq_stream = dlq_stream_name(subjects)
         self.ready = False
+        #: the stream's subjects as it is (made here, or by hand), once ``ensure`` ran
+        self.stored: list[str] = []
+
+    def keeps(self, pattern: str) -> bool:
+        """Whether the stream stores every topic ``pattern`` matches."""
+        subject = self.subjects.topic(pattern)
+        return any(covers(s, subject) for s in self.stored)
 
     async def ensure(self) -> None:
         """Create the topics stream and the DLQ stream when missing (idempotent)."""
@@ -102,6 +121,8 @@ class TopicStore:
             ),
         )
         await add_dlq_stream(self.js, self.subjects, s)
+        info = await self.js.stream_info(self.stream)
+        self.stored = list(info.config.subjects or [])
         self.ready = True
 
     async def ensure_consumer(self, group: str, pattern: str, *, ordered: bool) -> str:

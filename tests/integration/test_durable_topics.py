@@ -330,6 +330,26 @@ async def test_not_stored_says_why(settings):
         )
 
 
+async def test_a_durable_subscription_outside_a_hand_made_stream_is_refused_at_start(settings):
+    nc = await nats.connect(settings.nats_url)
+    try:
+        prefix = settings.subject_prefix
+        await nc.jetstream().add_stream(
+            StreamConfig(
+                name=f"{prefix.upper()}_TOPICS",
+                subjects=[f"{prefix}.topic.kept.>", f"{prefix}.topicredo.>"],
+            )
+        )
+    finally:
+        await nc.close()
+    agent = sensor_alarm(settings, [])  # sensor.> is not kept
+    with pytest.raises(ConfigurationError, match=r"does not keep durable topic 'sensor\.>'"):
+        await agent.start()
+    kept = sensor_alarm(settings, [], pattern="kept.*")
+    async with kept:  # inside the stream's subjects: fine
+        assert kept.topic_cells()["kept.*"].delivered == 0
+
+
 async def test_not_stored_without_jetstream():
     async with NatsServer(jetstream=False) as server:
         settings = ReachSettings(nats_url=server.url, task_patience=0.5)

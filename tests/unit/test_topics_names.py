@@ -9,7 +9,7 @@ import pytest
 from reach import Agent, ConfigurationError, NotStored, ReachError
 from reach._cli_topics import parse_since
 from reach._subjects import Subjects
-from reach._topics import consumer_name
+from reach._topics.store import consumer_name, covers
 
 
 def test_consumer_names_are_valid_readable_and_one_to_one():
@@ -85,3 +85,24 @@ def test_topic_dead_letters_and_replays_have_subjects_no_capability_can_take():
     assert s.topic_redo("alarm-sensor_all-0123456789ab", "sensor.a") == (
         "reach.topicredo.alarm-sensor_all-0123456789ab.sensor.a"
     )
+
+
+@pytest.mark.parametrize(
+    ("wide", "narrow", "expected"),
+    [
+        ("r.topic.>", "r.topic.sensor.>", True),
+        ("r.topic.>", "r.topic.a", True),
+        ("r.topic.>", "r.topic", False),
+        ("r.topic.kept.>", "r.topic.sensor.>", False),
+        ("r.topic.kept.>", "r.topic.kept.*", True),
+        ("r.topic.kept.>", "r.topic.*.x", False),
+        ("r.topic.*", "r.topic.a", True),
+        ("r.topic.*", "r.topic.*", True),
+        ("r.topic.*", "r.topic.>", False),
+        ("r.topic.*", "r.topic.a.b", False),
+        ("r.topic.a", "r.topic.a", True),
+        ("r.topic.a", "r.topic.*", False),
+    ],
+)
+def test_covers_says_whether_a_subject_filter_holds_another(wide, narrow, expected):
+    assert covers(wide, narrow) is expected
