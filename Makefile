@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
 	$(PY) bench/tasks.py
+	$(PY) bench/topics.py
 	$(PY) bench/gateway.py
 
 # chaos.run bounds each scenario and the suite itself (a FAIL line names what waited);

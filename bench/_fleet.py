@@ -6,11 +6,13 @@ puts ``bench/`` on the path).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import reach
@@ -174,3 +176,125 @@ async def open_loop(fn: Call, rate: float, seconds: float) -> list[float]:
         await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
     await asyncio.gather(*tasks)
     return lat
+
+
+# -- interleaved rounds: what a round measured, summed up and shown ---------------------------
+
+#: per round, per variant, per number in flight (as text): messages or tasks per second
+Rounds = list[dict[str, dict[str, float]]]
+
+
+Latencies = dict[str, dict[str, list[float]]]
+
+
+async def interleaved(
+    calls: dict[str, Call],
+    levels: list[int],
+    rounds: int,
+    seconds: float,
+    *,
+    runs: Callable[[str, int], bool] = lambda name, n: True,
+    before: Callable[[str], Awaitable[None]] | None = None,
+    tolerated: Callable[[int, str, int, Exception], bool] = lambda r, name, n, exc: False,
+) -> tuple[Rounds, Latencies]:
+    """Each variant that ``runs`` at each number in flight, ``seconds`` each, once a round,
+    the variants' order rotated each round (so none is always first after a change of
+    level); the rates by round and every latency. ``before(name)`` runs before each run; a
+    run that raises ends the bench unless ``tolerated(round, name, n, exc)`` (then it is
+    left out of that round)."""
+    names = list(calls)
+    per_round: Rounds = []
+    lat: Latencies = {name: {} for name in names}
+    for r in range(rounds):
+        rates: dict[str, dict[str, float]] = {name: {} for name in names}
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in levels:
+            for name in (v for v in order if runs(v, n)):
+                if before is not None:
+                    await before(name)
+                try:
+                    rate, values = await closed_loop(calls[name], seconds, n)
+                except Exception as exc:
+                    if not tolerated(r, name, n, exc):
+                        raise
+                    continue
+                rates[name][str(n)] = rate
+                lat[name].setdefault(str(n), []).extend(values)
+        per_round.append(rates)
+    return per_round, lat
+
+
+def median_ratio(rounds: Rounds, a: str, b: str, n: str) -> float | None:
+    """Median over the rounds that measured both at ``n`` in flight; None if none did."""
+    values = [r[a][n] / r[b][n] for r in rounds if n in r[a] and n in r[b]]
+    return statistics.median(values) if values else None
+
+
+def summary(rounds: Rounds, lat: Latencies) -> dict[str, Any]:
+    """Per variant and number in flight: the median rate over the rounds that measured it,
+    and the p50 and p99 of every latency seen."""
+    return {
+        name: {
+            n: {
+                "rate": statistics.median(r[name][n] for r in rounds if n in r[name]),
+                "p50_ms": pct(values, 0.5),
+                "p99_ms": pct(values, 0.99),
+            }
+            for n, values in by_level.items()
+        }
+        for name, by_level in lat.items()
+    }
+
+
+def rate_table(out: dict[str, Any], unit: str) -> str:
+    """``out["variants"]`` (``summary``) and ``out["ratios"]`` as a Markdown table, a rate
+    column (``unit``/s) and a latency column per number in flight (``out["levels"]``)."""
+    levels = [str(n) for n in out["levels"]]
+    head = "| variant | " + " | ".join(f"{n} in flight {unit}/s | p50 / p99 ms" for n in levels)
+    rows = [head + " |", "|---" * (1 + 2 * len(levels)) + "|"]
+    for name, by_level in out["variants"].items():
+        cells = []
+        for n in levels:
+            s = by_level.get(n)
+            cells += (
+                [f"{s['rate']:,.0f}", f"{s['p50_ms']:.2f} / {s['p99_ms']:.2f}"] if s else ["", ""]
+            )
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, by_level in out["ratios"].items():
+        cells = []
+        for n in levels:
+            cells += [f"**{by_level[n]:.2f}x**" if by_level[n] is not None else "", ""]
+        rows.append(f"| **{name}** | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def round_parser(doc: str, variants: Sequence[str]) -> argparse.ArgumentParser:
+    """The options every interleaved-rounds bench takes: --quick, --rounds, --seconds,
+    --inflight, --variants (of ``variants``) and --json; add more, then ``parse_rounds``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds x 1 s, short warm-up")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--inflight", type=int, default=64)
+    parser.add_argument("--variants", default=",".join(variants))
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def parse_rounds(parser: argparse.ArgumentParser, variants: Sequence[str]) -> argparse.Namespace:
+    """The arguments, ``variants`` a list (each one known), ``warmup`` set, --quick applied."""
+    args = parser.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(args.variants) - set(variants)
+    if unknown or not args.variants:
+        parser.error(f"--variants: choose among {', '.join(variants)} (got {unknown or 'none'})")
+    args.warmup = 0.5
+    if args.quick:
+        args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
+    return args
+
+
+def round_setup(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """What a rounds bench reports of how it ran: its round options, and ``more``."""
+    keys = ("rounds", "seconds", "inflight", "variants")
+    return {**{k: getattr(args, k) for k in keys}, **more}

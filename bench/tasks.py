@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import statistics
 import sys
 import tempfile
 import uuid
@@ -42,7 +41,21 @@ from typing import Any
 
 import msgspec
 import nats
-from _fleet import Call, Children, closed_loop, defaults, pct, shown, whole_fleet
+from _fleet import (
+    Call,
+    Children,
+    closed_loop,
+    defaults,
+    interleaved,
+    median_ratio,
+    parse_rounds,
+    rate_table,
+    round_parser,
+    round_setup,
+    shown,
+    summary,
+    whole_fleet,
+)
 from _tasks_baselines import (
     TASKIQ_POLL,
     BareSubmitter,
@@ -198,12 +211,6 @@ def runs_at(name: str, n: int, taskiq_level: int | None) -> bool:
     return name != "taskiq" or n in (1, taskiq_level)
 
 
-def median_ratio(rounds: list[dict[str, dict[str, float]]], a: str, b: str, n: str) -> float | None:
-    """Median over the rounds that measured both at ``n`` in flight; None if none did."""
-    values = [r[a][n] / r[b][n] for r in rounds if n in r[a] and n in r[b]]
-    return statistics.median(values) if values else None
-
-
 async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"failures": [], "taskiq": {}}
     async with contextlib.AsyncExitStack() as stack:
@@ -220,41 +227,31 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 if name != "taskiq" and runs_at(name, n, taskiq_level):
                     await closed_loop(fn, args.warmup, n)
         names = list(calls)
-        per_round: list[dict[str, dict[str, float]]] = []
-        lat: dict[str, dict[str, list[float]]] = {name: {} for name in names}
-        for r in range(args.rounds):
-            rates: dict[str, dict[str, float]] = {name: {} for name in names}
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for n in levels:
-                for name in (v for v in order if runs_at(v, n, taskiq_level)):
-                    if name == "taskiq" and taskiq is not None:
-                        await taskiq.settle()
-                    try:
-                        rate, values = await closed_loop(calls[name], args.seconds, n)
-                    except Exception as exc:
-                        if name != "taskiq":
-                            raise
-                        out["failures"].append(f"round {r}, taskiq x{n}: {reason(exc)}")
-                        continue
-                    rates[name][str(n)] = rate
-                    lat[name].setdefault(str(n), []).extend(values)
-            per_round.append(rates)
+
+        async def settle(name: str) -> None:
+            if name == "taskiq" and taskiq is not None:
+                await taskiq.settle()
+
+        def tolerated(r: int, name: str, n: int, exc: Exception) -> bool:
+            if name == "taskiq":
+                out["failures"].append(f"round {r}, taskiq x{n}: {reason(exc)}")
+            return name == "taskiq"
+
+        per_round, lat = await interleaved(
+            calls,
+            levels,
+            args.rounds,
+            args.seconds,
+            runs=lambda name, n: runs_at(name, n, taskiq_level),
+            before=settle,
+            tolerated=tolerated,
+        )
         if taskiq is not None:
             out["taskiq"]["stuck_consumers"] = taskiq.stuck
 
     out["levels"] = levels
     out["rounds"] = per_round
-    out["variants"] = {
-        name: {
-            n: {
-                "rate": statistics.median(r[name][n] for r in per_round if n in r[name]),
-                "p50_ms": pct(values, 0.5),
-                "p99_ms": pct(values, 0.99),
-            }
-            for n, values in by_level.items()
-        }
-        for name, by_level in lat.items()
-    }
+    out["variants"] = summary(per_round, lat)
     out["ratios"] = {
         f"{a} / {b}": {str(n): median_ratio(per_round, a, b, str(n)) for n in levels}
         for a in ("reach", "reach+key")
@@ -272,26 +269,6 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 v["reach+key"]["1"]["p50_ms"] - v["reach"]["1"]["p50_ms"]
             )
     return out
-
-
-def table(out: dict[str, Any]) -> str:
-    levels = [str(n) for n in out["levels"]]
-    head = "| variant | " + " | ".join(f"{n} in flight tasks/s | p50 / p99 ms" for n in levels)
-    rows = [head + " |", "|---" * (1 + 2 * len(levels)) + "|"]
-    for name, by_level in out["variants"].items():
-        cells = []
-        for n in levels:
-            s = by_level.get(n)
-            cells += (
-                [f"{s['rate']:,.0f}", f"{s['p50_ms']:.2f} / {s['p99_ms']:.2f}"] if s else ["", ""]
-            )
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    for name, by_level in out["ratios"].items():
-        cells = []
-        for n in levels:
-            cells += [f"**{by_level[n]:.2f}x**" if by_level[n] is not None else "", ""]
-        rows.append(f"| **{name}** | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
 
 
 def report(out: dict[str, Any], args: argparse.Namespace, url: str) -> None:
@@ -324,28 +301,15 @@ def report(out: dict[str, Any], args: argparse.Namespace, url: str) -> None:
     for failure in out["failures"]:
         print(f"FAILED {failure}")
     print()
-    print(table(out))
+    print(rate_table(out, "tasks"))
     for what, ms in out.get("added_latency_ms", {}).items():
         print(f"added latency, {what}: {ms:+.2f} ms")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds x 1 s, short warm-up")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--inflight", type=int, default=64)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser = round_parser(__doc__, VARIANTS)
     parser.add_argument("--max-concurrency", type=int, help="the reach agent's max_concurrency")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown or not args.variants:
-        parser.error(f"--variants: choose among {', '.join(VARIANTS)} (got {unknown or 'none'})")
-    args.warmup = 0.5
-    if args.quick:
-        args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
+    args = parse_rounds(parser, VARIANTS)
     with tempfile.TemporaryDirectory(prefix="reach-bench-tasks-") as data:
         config = config_with_store(CONFIG, Path(data))
         # -m -1: the shipped config's fixed monitoring port may be taken; any free one will do.
@@ -354,15 +318,12 @@ def main() -> int:
             with Workers(url, args):
                 out = asyncio.run(measure(args, url))
     kw = {} if args.max_concurrency is None else {"max_concurrency": args.max_concurrency}
-    out["setup"] = {
-        "rounds": args.rounds,
-        "seconds": args.seconds,
-        "inflight": args.inflight,
-        "variants": args.variants,
-        "payload_bytes": SIZE,
-        "taskiq_poll_s": TASKIQ_POLL,
-        "agent_settings": shown(defaults(url, **kw)),
-    }
+    out["setup"] = round_setup(
+        args,
+        payload_bytes=SIZE,
+        taskiq_poll_s=TASKIQ_POLL,
+        agent_settings=shown(defaults(url, **kw)),
+    )
     if args.json:
         print(json.dumps(out, indent=2))
     else:

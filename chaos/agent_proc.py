@@ -5,7 +5,8 @@
 Serves ``chaos.echo`` (answers at once, naming itself), ``chaos.slow`` (sleeps ``slow_ms``,
 default 0, then answers) and the durable task ``chaos.job``, whose every execution first
 creates ``RUNS_DIR/<task_id>.<attempt>.<pid>``: a scenario counts executions, duplicates
-included.
+included. With ``CHAOS_DURABLE_TOPIC=1`` in its environment it also subscribes durably to
+``chaos.report.>``, and each report it handles creates ``RUNS_DIR/r<n>.<count>.<pid>``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def build(agent_id: str, runs: Path, slow_ms: int) -> reach.Agent:
         (runs / f"{ctx.task_id}.{ctx.attempt}.{pid}").touch()
         await asyncio.sleep(req.get("ms", 20) / 1000)
         return {"by": agent_id, "n": req.get("n")}
+
+    if os.environ.get("CHAOS_DURABLE_TOPIC") == "1":
+        handled = iter(range(1 << 62))
+
+        @agent.on_topic("chaos.report.>", durable=True)
+        async def report(body: dict[str, Any]) -> None:
+            (runs / f"r{body['n']}.{next(handled)}.{pid}").touch()
 
     return agent
 

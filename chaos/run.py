@@ -40,6 +40,7 @@ SCENARIOS = [
     "rolling_restart",  # 7
     "slow_handlers",  # 8
     "partition",  # 9
+    "durable_topics",  # 10
 ]
 
 

@@ -56,6 +56,8 @@ def _letter_json(dl: DeadLetter) -> dict[str, Any]:
         "seq": dl.seq,
         "task_id": dl.task_id,
         "capability": dl.capability,
+        "topic": dl.topic,
+        "group": dl.group,
         "kind": dl.kind,
         "reason": dl.reason,
         "error": dl.error,
@@ -248,7 +250,7 @@ def _dlq_seq(text: str) -> int:
 
 async def _dlq_list(args: argparse.Namespace, settings: ReachSettings) -> int:
     async with Client(settings=settings, name=_NAME) as client:
-        letters = await client.dead_letters(args.capability, limit=args.limit)
+        letters = await client.dead_letters(args.capability, limit=args.limit, topic=args.topic)
     if args.json:
         _dump([_letter_json(d) for d in letters])
         return 0
@@ -259,7 +261,7 @@ async def _dlq_list(args: argparse.Namespace, settings: ReachSettings) -> int:
         [
             str(d.seq),
             d.task_id or "-",
-            d.capability,
+            d.capability or f"{d.topic} ({d.group})",
             d.kind,
             d.reason,
             str(len(d.attempts)),
@@ -268,7 +270,7 @@ async def _dlq_list(args: argparse.Namespace, settings: ReachSettings) -> int:
         ]
         for d in letters
     ]
-    header = ["SEQ", "TASK", "CAPABILITY", "KIND", "REASON", "ATTEMPTS", "TIME", "ERROR"]
+    header = ["SEQ", "TASK", "CAPABILITY/TOPIC", "KIND", "REASON", "ATTEMPTS", "TIME", "ERROR"]
     print(table(rows, header))
     return 0
 
@@ -282,7 +284,8 @@ async def _dlq_show(args: argparse.Namespace, settings: ReachSettings) -> int:
     for key, text in (
         ("seq", str(dl.seq)),
         ("task", dl.task_id or "-"),
-        ("capability", dl.capability),
+        ("capability", dl.capability or "-"),
+        *([("topic", dl.topic), ("agent", dl.group or "-")] if dl.kind == "topic" else []),
         ("kind", dl.kind),
         ("reason", dl.reason),
         ("error", dl.error or "-"),
@@ -309,6 +312,16 @@ async def _dlq_replay(args: argparse.Namespace, settings: ReachSettings) -> int:
         print("error: bad_request: give a SEQ or --capability C (one of them)", file=sys.stderr)
         return 2
     async with Client(settings=settings, name=_NAME) as client:
+        if args.seq is not None and (dl := await client.dead_letter(args.seq)).kind == "topic":
+            seq = await client.replay_topic(args.seq)
+            to = f"agent {dl.group}'s subscription" if dl.group else "every subscriber"
+            print(
+                f"# dead letter {args.seq} (topic {dl.topic}) delivered again to {to}"
+                f" as message {seq}",
+                file=sys.stderr,
+            )
+            print(seq)
+            return 0
         if args.seq is not None:
             ref = await client.replay(args.seq)
             print(f"# dead letter {args.seq} replayed as task {ref.task_id}", file=sys.stderr)
@@ -378,6 +391,7 @@ def add_task_commands(
     dlq = p.add_subparsers(dest="dlq_command", required=True)
     p = with_url(dlq.add_parser("list", help="dead letters, newest first"))
     p.add_argument("--capability", default=None)
+    p.add_argument("--topic", default=None, help="those of durable topic T (wildcards allowed)")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_dlq_list, is_async=True)
@@ -385,7 +399,13 @@ def add_task_commands(
     p.add_argument("seq", type=_dlq_seq, metavar="SEQ", help="its SEQ in 'reach dlq list'")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_dlq_show, is_async=True)
-    p = with_url(dlq.add_parser("replay", help="run dead letters again as new tasks"))
+    p = with_url(
+        dlq.add_parser(
+            "replay",
+            help="run dead letters again as new tasks; a topic message goes again to the"
+            " agent name that gave up on it",
+        )
+    )
     p.add_argument(
         "seq", type=_dlq_seq, nargs="?", default=None, metavar="SEQ", help="from 'reach dlq list'"
     )

@@ -100,6 +100,16 @@ class Subjects:
         """The topic name a broadcast subject carries."""
         return subject[len(self.prefix) + len(".topic.") :]
 
+    def topic_redo(self, consumer: str, topic: str) -> str:
+        """A dead-lettered topic message replayed to the one durable consumer that gave
+        up on it (stream ``REACH_TOPICS``): only that agent name's subscription sees it."""
+        return f"{self.prefix}.topicredo.{consumer}.{topic}"
+
+    def topic_dlq(self, topic: str) -> str:
+        """Where a durable topic message's dead letter goes (stream ``REACH_DLQ``); the
+        ``$`` keeps it apart from every capability's ``dlq.<capability>``."""
+        return f"{self.prefix}.dlq.$topic.{topic}"
+
     def registry(self, verb: str) -> str:
         """The registry's queries (``route``, ``list``); also the old register and
         deregister subjects without an id, which registries still answer."""

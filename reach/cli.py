@@ -1,6 +1,7 @@
-"""The ``reach`` command: run a local server, call, publish, listen, and the demo; the
-durable-task commands (submit, tasks, dlq) live in ``_cli_tasks``, ``run`` (an agent from an
-import path) in ``_cli_run`` and ``examples`` in ``_cli_examples``."""
+"""The ``reach`` command: run a local server, call, and the demo; the durable-task
+commands (submit, tasks, dlq) live in ``_cli_tasks``, the topic ones (publish, listen,
+topics) in ``_cli_topics``, ``run`` (an agent from an import path) in ``_cli_run`` and
+``examples`` in ``_cli_examples``."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ._cli_gateway import add_gateway_commands
 from ._cli_run import add_run_command
 from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
+from ._cli_topics import add_topic_commands
 from ._cli_up import up
 from ._cli_wrap import add_wrap_commands
 from ._client import Client, Gathered
@@ -106,34 +108,6 @@ def _print_gathered(gathered: Gathered, verbose: bool) -> int:
     for agent_id, text in sorted(lines):
         print(f"{agent_id:<{width}}  {text}")
     return 1 if gathered.errors else 0
-
-
-async def _publish(args: argparse.Namespace, settings: ReachSettings) -> int:
-    payload = _read_payload(args.payload)
-    async with Client(settings=settings, name="reach-cli") as client:
-        await client.publish(args.topic, payload)
-        await client.flush()
-    return 0
-
-
-async def _listen(args: argparse.Namespace, settings: ReachSettings) -> int:
-    async with Client(settings=settings, name="reach-cli") as client:
-        sub = await client.subscribe(args.topic)
-        print(f"# listening on {args.topic}", file=sys.stderr, flush=True)
-        count = 0
-        async with sub:
-            async for msg in sub:
-                try:
-                    value: Any = msgspec.json.decode(msg.data) if msg.data else None
-                except msgspec.DecodeError:
-                    value = msg.data.decode("utf-8", "replace")
-                print(
-                    json.dumps({"topic": msg.topic, "data": value}, ensure_ascii=False), flush=True
-                )
-                count += 1
-                if args.count and count >= args.count:
-                    break
-    return 0
 
 
 async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
@@ -311,15 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="say who answered")
     p.set_defaults(run=_call, is_async=True)
 
-    p = with_url(sub.add_parser("publish", help="broadcast a JSON payload on a topic"))
-    p.add_argument("topic")
-    p.add_argument("payload", nargs="?", default="null", help=PAYLOAD_HELP)
-    p.set_defaults(run=_publish, is_async=True)
-
-    p = with_url(sub.add_parser("listen", help="print every broadcast on a topic as JSON lines"))
-    p.add_argument("topic", help="topic, wildcards allowed (order.*, order.>)")
-    p.add_argument("--count", type=int, default=0, help="exit after this many messages")
-    p.set_defaults(run=_listen, is_async=True)
+    add_topic_commands(sub, with_url)  # publish, listen, topics
 
     p = sub.add_parser("up", help="run local nats-server(s) and a registry until Ctrl-C")
     p.add_argument("--config", default=None, help="default ./nats-server.conf, else the shipped")

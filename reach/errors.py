@@ -9,6 +9,7 @@
     ├── TaskNotFound               no task has this id (never had, or its record expired)
     ├── CorruptRecord              corrupt_record: a stored task record that does not decode
     ├── DeadLetterNotFound         no dead letter at this DLQ sequence
+    ├── NotStored                  not_stored: a durable publish the server did not confirm
     └── RemoteError                an answer (or lack of one) from the other side, by wire code
         ├── BadRequest             bad_request: the payload or headers were invalid
         ├── Unauthorized           unauthorized
@@ -64,6 +65,7 @@ __all__ = [
     "InvalidReply",
     "NotReplayable",
     "NotStarted",
+    "NotStored",
     "PayloadTooLarge",
     "ReachError",
     "RemoteError",
@@ -181,6 +183,31 @@ class DeadLetterNotFound(ReachError, LookupError):
 class NotReplayable(ConfigurationError):
     """A dead letter that cannot become a task again (an undelivered callback, or a message
     that never decoded); it stays in the DLQ."""
+
+
+class NotStored(ReachError):
+    """A durable publish (``publish(..., durable=True)``) the server did not confirm, or
+    topic history that is not there. ``reason`` says which, each with its own fix:
+
+    - ``no_stream``: no stream stores the topic (``REACH_TOPICS`` missing, or made by hand
+      without this topic's subject);
+    - ``jetstream_unavailable``: JetStream did not answer (off, or between leaders for
+      longer than ``task_patience``);
+    - ``timeout``: no acknowledgement in time: the message **may** be stored; publishing it
+      again may store it twice (durable subscribers are at-least-once anyway);
+    - ``refused``: the stream refused it (a limit);
+    - ``disconnected``: not connected to NATS.
+    """
+
+    code = "not_stored"
+    retryable = True
+
+    def __init__(self, message: str, *, topic: str = "", reason: str = "") -> None:
+        self.topic = topic
+        self.reason = reason
+        if reason == "refused":
+            self.retryable = False
+        super().__init__(message)
 
 
 class RemoteError(ReachError):

@@ -101,6 +101,28 @@ class ReachSettings(BaseSettings):
     task_patience: float = Field(default=30.0, gt=0, le=90)
     #: replicas of task streams and buckets; 0: ``replicas``
     task_replicas: int = Field(default=0, ge=0, le=5)
+    # -- durable topics --------------------------------------------------------------------
+    #: how long stream ``REACH_TOPICS`` keeps a topic message (its max age; 7 days), and the
+    #: most bytes it holds (1 GiB; the oldest go first): the window of ``since`` replays, and
+    #: how long a durable subscriber may be away without missing anything
+    topic_retention: float = Field(default=7 * 86400.0, gt=0)
+    topic_max_bytes: int = Field(default=1 << 30, gt=0)
+    #: seconds before a durable topic message whose instance went silent is redelivered; a
+    #: running handler's message is kept with in_progress() every third of it
+    topic_ack_wait: float = Field(default=30.0, ge=1)
+    #: deliveries of one message to one agent name before it goes to the DLQ (a handler that
+    #: raised, timed out, or an instance that died holding it)
+    topic_max_deliver: int = Field(default=5, ge=1, le=100)
+    #: backoff of a redelivery after a handler raised (exponential, jitter in [d/2, d])
+    topic_retry_base: float = Field(default=1.0, ge=0)
+    topic_retry_cap: float = Field(default=60.0, ge=0)
+    #: seconds a durable topic handler may run; then it is cancelled and counts as failed
+    topic_timeout: float = Field(default=60.0, gt=0)
+    #: durable topic messages one instance handles at once, per subscription; 0:
+    #: max_concurrency (an ``ordered`` subscription handles one at a time)
+    topic_concurrency: int = Field(default=0, ge=0)
+    #: seconds between samples of a durable subscription's consumer lag (for metrics)
+    topic_lag_interval: float = Field(default=15.0, gt=0)
     # -- deployment ------------------------------------------------------------------------
     #: replicas of every stream and KV bucket Reach creates (3 on a 3-node cluster: R3)
     replicas: int = Field(default=1, ge=1, le=5)

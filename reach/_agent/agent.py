@@ -36,6 +36,7 @@ from .._tasks import TaskDecl, TaskRunner, TaskStats
 from .._tasks.states import check_timeout
 from .._telemetry import configure_logging, configure_tracing
 from .._telemetry.core import Attachment, Telemetry
+from .._topics import TopicCells, TopicDecl, TopicRunner
 from ..errors import ConfigurationError, ReachError
 from ..settings import ReachSettings
 from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Priority, Status
@@ -137,6 +138,14 @@ class Agent:
         )
         self._tasks.on_exit = self._handler_exit
         self._tasks.on_stuck = lambda n: self._workers.tasks_stuck(n)
+        self._durable_topics = TopicRunner(
+            name,
+            self.agent_id,
+            self.settings,
+            self.subjects,
+            self.settings.topic_concurrency or self.max_concurrency,
+        )
+        self._durable_topics.on_exit = self._handler_exit
         self._exit: BaseException | None = None  # a handler's SystemExit, for serve_forever
         self._serving = False
         self._nc: NatsConnection | None = None
@@ -233,14 +242,35 @@ class Agent:
 
         return register
 
-    def on_topic(self, topic: str) -> Callable[[Handler], Handler]:
-        """Receive every broadcast on ``topic`` (wildcards allowed), on every instance."""
+    def on_topic(
+        self, topic: str, *, durable: bool = False, ordered: bool = False
+    ) -> Callable[[Handler], Handler]:
+        """Receive every broadcast on ``topic`` (wildcards allowed), on every instance.
+
+        ``durable=True``: every message stored in stream ``REACH_TOPICS`` while the
+        subscription exists reaches this agent *name* at least once, on one of its
+        instances (they share a JetStream consumer), also when all of them were away or
+        restarting; the message is acknowledged when the handler returns, redelivered
+        with backoff when it raises, and dead-lettered after ``REACH_TOPIC_MAX_DELIVER``
+        deliveries. ``ordered=True`` (durable only): one message at a time for the
+        name, so each topic's messages are handled in the order they were stored."""
         validate_topic(topic, wildcards=True)
         if self._life.running:
             raise ConfigurationError("add topic handlers before the agent starts")
+        if ordered and not durable:
+            raise ConfigurationError(
+                f"on_topic({topic!r}, ordered=True) needs durable=True: a plain topic is"
+                " already delivered in order to each instance"
+            )
+        if durable and topic in self._durable_topics.decls:
+            raise ConfigurationError(f"topic {topic!r} already has a durable handler")
 
         def register(fn: Handler) -> Handler:
-            self._topics.append(TopicSpec(topic, inspect_handler(fn, f"topic {topic!r}")))
+            spec = inspect_handler(fn, f"topic {topic!r}")
+            if durable:
+                self._durable_topics.decls[topic] = TopicDecl(topic, spec, ordered)
+            else:
+                self._topics.append(TopicSpec(topic, spec))
             return fn
 
         return register
@@ -326,6 +356,11 @@ class Agent:
         """Task attempts by (capability, outcome)."""
         return dict(self._tasks.outcomes)
 
+    def topic_cells(self) -> dict[str, TopicCells]:
+        """Per durable topic pattern, what this instance's subscription did (delivered,
+        acked, redelivered, failed, dead-lettered, and the name's lag as last sampled)."""
+        return self._durable_topics.cells()
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def _status_changed(self, status: Status) -> None:
@@ -343,7 +378,7 @@ class Agent:
             nc: NatsConnection | None = None
             try:
                 nc = await connect_nats(
-                    self.settings, self._url, self.agent_id, reconnected=self._client.on_reconnect
+                    self.settings, self._url, self.agent_id, reconnected=self._reconnected
                 )
                 self._nc = nc
                 await self._client._adopt(nc)
@@ -372,6 +407,7 @@ class Agent:
                 await self._tasks.start(
                     nc, self._work, self._client, self.tags, lambda: self._stopping is not None
                 )
+                await self._durable_topics.start(nc, self._work, lambda: self._stopping is not None)
                 await flush_nats(nc)
                 self._life.started()
                 # One registration attempt now (no-responders answers at once when no
@@ -384,6 +420,10 @@ class Agent:
                 check_refused(nc, f"agent {self.agent_id} start", exc)  # the cause, if it was
                 raise
         log.info("agent %s serving %s", self.agent_id, self._serving_what())
+
+    async def _reconnected(self) -> None:
+        await self._client.on_reconnect()
+        self._durable_topics.reconnected()
 
     def _serving_what(self) -> str:
         """What the start log says it serves: capabilities by request, then tasks
@@ -421,6 +461,7 @@ class Agent:
             if self._life.pause(by) and self._nc is not None:
                 await self._subs.leave_queues(self._nc)
                 await self._tasks.pause()
+                await self._durable_topics.pause()
 
     async def _resume(self, by: Pause) -> None:
         async with self._control_lock:
@@ -433,6 +474,7 @@ class Agent:
             await self._subs.join_queues(nc, self._caps)
             await flush_nats(nc)
             await self._tasks.resume()
+            await self._durable_topics.resume()
             # A drain that began meanwhile refuses this; it leaves the queues next.
             self._life.resume(by)
 
@@ -474,11 +516,12 @@ class Agent:
                     await self._subs.leave_queues(self._nc)
             if graceful:
                 self._drain_began()
-                idle, tasks_done = await asyncio.gather(
+                idle, tasks_done, topics_done = await asyncio.gather(
                     self._workers.wait_idle(self.drain_timeout),
                     self._tasks.drain(self.drain_timeout),
+                    self._durable_topics.drain(self.drain_timeout),
                 )
-                if not (idle and tasks_done):
+                if not (idle and tasks_done and topics_done):
                     log.warning(
                         "agent %s: in-flight work outlived drain_timeout (%ss)",
                         self.agent_id,
@@ -500,6 +543,7 @@ class Agent:
             await self._presence.stop()
             await self._workers.close(self._work)
             await self._tasks.close()
+            await self._durable_topics.close()
             if deregister and self._presence.registered:
                 await self._presence.deregister()
             self._presence.attach(None)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from .._tasks import TaskStats
 from .._telemetry import Emitter
+from .._topics import TopicCells
 from ..wire import Priority, Status
 from .model import AgentCells, AgentStats
 
@@ -36,6 +37,8 @@ class Observed(Protocol):
     def queue_lengths(self) -> dict[Priority, int]: ...
 
     def task_outcomes(self) -> dict[tuple[str, str], int]: ...
+
+    def topic_cells(self) -> dict[str, TopicCells]: ...
 
 
 def agent_source(agent: Observed) -> Callable[[Emitter], None]:
@@ -69,5 +72,16 @@ def agent_source(agent: Observed) -> Callable[[Emitter], None]:
         out.gauge("reach_agent_tasks_running", (name,), t.running)
         out.gauge("reach_agent_handlers_stuck", (name, "request"), s.stuck)
         out.gauge("reach_agent_handlers_stuck", (name, "task"), t.stuck)
+        for pattern, c in agent.topic_cells().items():
+            key = (name, pattern)
+            out.counter("reach_agent_topic_deliveries", key, c.delivered)
+            out.counter("reach_agent_topic_acked", key, c.acked)
+            out.counter("reach_agent_topic_redeliveries", key, c.redelivered)
+            out.counter("reach_agent_topic_failures", key, c.failed)
+            out.counter("reach_agent_topic_dead_lettered", key, c.dead_lettered)
+            if c.lag is not None:
+                out.gauge("reach_agent_topic_lag", key, c.lag)
+            if c.ack_pending is not None:
+                out.gauge("reach_agent_topic_ack_pending", key, c.ack_pending)
 
     return collect

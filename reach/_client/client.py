@@ -27,7 +27,14 @@ from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, TaskSubmit, a
 from .._tasks.admin import DeadLetter
 from .._tasks.faults import task_errors
 from .._telemetry.core import Telemetry
-from ..errors import CapabilityNotFound, ConfigurationError, NotStarted, TaskNotFound
+from .._topics import DurableTopics, Since
+from ..errors import (
+    CapabilityNotFound,
+    ConfigurationError,
+    NotReplayable,
+    NotStarted,
+    TaskNotFound,
+)
 from ..settings import ReachSettings
 from ..wire import AgentRecord, Priority
 from .attempts import Requester
@@ -100,6 +107,7 @@ class Client:
             name or "reach-client", self.settings, self.subjects, self._table, self._config
         )
         self._tasks = Tasks(self.settings, self.subjects, name or "reach-client")
+        self._durable = DurableTopics(self.settings, self.subjects)
         self._metrics = ClientMetrics(self._router) if self.telemetry.metrics else None
         self._tasks.tracer = self.telemetry.tracer
         if self._metrics is not None:
@@ -265,6 +273,7 @@ class Client:
             self._unsource = None
         await self._watches.close()
         await self._tasks.close()
+        await self._durable.close()
         self._requests.table = None
         nc, self._nc = self._nc, None
         await self._inbox.close(unsubscribe=not self._owns_nc)
@@ -416,13 +425,43 @@ class Client:
 
     # -- broadcast ---------------------------------------------------------------------
 
-    async def publish(self, topic: str, payload: Any = None) -> None:
-        """Broadcast ``payload`` to every subscriber of ``topic``."""
-        await publish(self.nc, self.subjects, self.name, self.url, topic, payload)
+    async def publish(self, topic: str, payload: Any = None, *, durable: bool = False) -> int:
+        """Broadcast ``payload`` to every subscriber of ``topic``.
 
-    async def subscribe(self, topic: str) -> TopicSubscription:
-        """Receive every broadcast on ``topic`` (``*`` and ``>`` allowed); flushed on return."""
-        return await subscribe(self.nc, self.subjects, self.url, topic)
+        ``durable=True`` returns once the server has stored it in stream
+        ``REACH_TOPICS`` (made on first use), so every durable subscriber gets it however
+        long it is away (within ``REACH_TOPIC_RETENTION``); its sequence there is
+        returned (0 for a plain broadcast). ``NotStored`` says why it was not confirmed
+        (no stream, JetStream unavailable, a timeout: then it may be stored)."""
+        sequence = await publish(
+            self.nc,
+            self.subjects,
+            self.name,
+            self.url,
+            topic,
+            payload,
+            self._durable if durable else None,
+        )
+        if durable and self._metrics is not None:
+            self._metrics.published(topic)
+        return sequence
+
+    async def subscribe(self, topic: str, *, since: Since | None = None) -> TopicSubscription:
+        """Receive every broadcast on ``topic`` (``*`` and ``>`` allowed); flushed on return.
+
+        ``since`` (a datetime, a timedelta before now, or a sequence in the topics
+        stream) first reads what the stream kept from there, then live messages as they
+        are stored, in order, with no gap and no duplicate where one meets the other;
+        each message carries its ``seq`` and ``time``. ``NotStored`` when no stream keeps
+        topics yet."""
+        return await subscribe(
+            self.nc,
+            self.subjects,
+            self.url,
+            topic,
+            since,
+            self._durable if since is not None else None,
+        )
 
     async def flush(self) -> None:
         """Wait until the server has everything this client sent (e.g. after publish);
@@ -572,12 +611,13 @@ class Client:
             return await admin.list_records(store, state=state, capability=capability, limit=limit)
 
     async def dead_letters(
-        self, capability: str | None = None, limit: int = 100
+        self, capability: str | None = None, limit: int = 100, *, topic: str | None = None
     ) -> list[DeadLetter]:
-        """Dead letters (of ``capability``; None: all), newest first, at most ``limit``."""
+        """Dead letters (of ``capability``, or of durable ``topic``, wildcards allowed;
+        None: all), newest first, at most ``limit``."""
         with task_errors("list dead letters"):
             store = await self._tasks.ready(self.nc)
-            return await admin.dead_letters(store, capability, limit)
+            return await admin.dead_letters(store, capability, limit, topic=topic)
 
     async def dead_letter(self, seq: int) -> DeadLetter:
         """The dead letter at DLQ sequence ``seq``; ``DeadLetterNotFound`` if there is none."""
@@ -595,6 +635,20 @@ class Client:
             dl = await admin.dead_letter_at(store, seq)
             task_id = await admin.replay(store, seq, notify=self._tasks.notify)
         return TaskRef(self._tasks, task_id, dl.capability)
+
+    async def replay_topic(self, seq: int) -> int:
+        """Deliver dead letter ``seq`` of a durable topic again, to the agent name whose
+        subscription gave up on it (the other names handled it already), then remove it
+        from the DLQ; its new sequence in the topics stream. ``NotReplayable`` for a
+        letter that is not a topic's (``replay`` runs a task's)."""
+        with task_errors(f"replay of dead letter {seq}"):
+            dl = await admin.dead_letter_at(await self._tasks.ready(self.nc), seq)
+            if dl.kind != "topic":
+                raise NotReplayable(
+                    f"dead letter {seq} is a {dl.kind}'s, not a topic message's:"
+                    " use replay() (reach dlq replay does either)"
+                )
+            return await self._durable.replay(self.nc, dl)
 
     async def replay_capability(self, capability: str) -> list[TaskRef]:
         """Replay every dead letter of ``capability``, oldest first; those that cannot be

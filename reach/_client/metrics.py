@@ -67,6 +67,7 @@ class ClientMetrics:
         self.caps: dict[str, CapCells] = {}
         self.tasks_submitted: dict[tuple[str, str], int] = {}
         self.tasks_finished: dict[tuple[str, str], int] = {}
+        self.topics_published: dict[str, int] = {}
 
     def cap(self, capability: str) -> CapCells:
         cells = self.caps.get(capability)
@@ -86,6 +87,13 @@ class ClientMetrics:
     def submitted(self, capability: str, priority: str) -> None:
         key = (self._bounded(capability, self.tasks_submitted), priority)
         self.tasks_submitted[key] = self.tasks_submitted.get(key, 0) + 1
+
+    def published(self, topic: str) -> None:
+        """A durable publish the server stored; past ``_MAX_CAPS`` topics, "_other"."""
+        counts = self.topics_published
+        if topic not in counts and len(counts) >= _MAX_CAPS:
+            topic = "_other"
+        counts[topic] = counts.get(topic, 0) + 1
 
     def task_final(self, rec: TaskRecord) -> None:
         """The final record of a task this client submitted reached it."""
@@ -116,3 +124,5 @@ class ClientMetrics:
             out.counter("reach_client_tasks_submitted", (cap, prio), n)
         for (cap, state), n in list(self.tasks_finished.items()):
             out.counter("reach_client_tasks_finished", (cap, state), n)
+        for topic, n in list(self.topics_published.items()):
+            out.counter("reach_client_topic_published", (topic,), n)

@@ -10,7 +10,9 @@ A replay publishes the dead letter's TaskSubmit again under a new task id, with
 ``replay_of`` naming the old one and the same idempotency key (which is pointed at the new
 task), then deletes the dead letter. The new id is derived from the dead letter, so a replay
 repeated after a crash, or run twice at once, makes one task, not two. An undelivered
-callback is not a task: it is not replayed (its result is in the task's record).
+callback is not a task: it is not replayed (its result is in the task's record), nor is a
+durable topic's message (kind ``topic``): ``reach._topics`` replays those, reading them with
+``dead_letter_at`` as here.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .._kv import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
 from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
-from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_KIND, DLQ_REASON, TASK_ID
+from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_GROUP, DLQ_KIND, DLQ_REASON, TASK_ID
 from .store import AGENT_HEADER, STATE_HEADER, TaskStore, idem_key, pending_record
 from .submit import publish_task
 
@@ -78,9 +80,19 @@ class DeadLetter:
     time: datetime.datetime | None = None
     headers: dict[str, str] = field(default_factory=dict)
     data: bytes = b""
+    #: a durable topic's letter (``kind`` "topic"): its topic, and the agent name whose
+    #: subscription gave up on it (``capability`` is empty)
+    topic: str = ""
+    group: str = ""
 
     def submit(self) -> TaskSubmit:
         """The task to run again; ``NotReplayable`` saying why when there is none."""
+        if self.kind == "topic":
+            raise NotReplayable(
+                f"dead letter {self.seq} is a message of topic {self.topic!r} that agent"
+                f" {self.group!r} gave up on, not a task: replay it with"
+                f" 'reach dlq replay {self.seq}' (client.replay_topic)"
+            )
         if self.kind != "task":
             raise NotReplayable(
                 f"dead letter {self.seq} is an undelivered {self.kind} of task {self.task_id}, "
@@ -305,11 +317,15 @@ def _dead_letter(
     except msgspec.DecodeError:
         attempts = []  # cut short to fit a header
     error = headers.get(DLQ_ERROR, "")
+    name = subject[len(store.subjects.dlq("")) :]
+    topic = name[len("$topic.") :] if subject.startswith(store.subjects.topic_dlq("")) else ""
     return DeadLetter(
         seq=seq,
         task_id=headers.get(TASK_ID, ""),
-        capability=subject[len(store.subjects.dlq("")) :],
-        kind=headers.get(DLQ_KIND, "task"),
+        capability="" if topic else name,
+        topic=topic,
+        group=headers.get(DLQ_GROUP, ""),
+        kind=headers.get(DLQ_KIND, "topic" if topic else "task"),
         reason=headers.get(DLQ_REASON, ""),
         error="" if error == "-" else error,
         attempts=attempts,
@@ -334,17 +350,20 @@ async def dead_letter_at(store: TaskStore, seq: int) -> DeadLetter:
     return _dead_letter(store, seq, subject, headers, bytes(msg.data or b""), msg.time)
 
 
-async def _dlq_seqs(store: TaskStore, capability: str | None) -> list[int]:
-    subject = store.subjects.dlq(capability or ">")
+async def _dlq_seqs(
+    store: TaskStore, capability: str | None, topic: str | None = None
+) -> list[int]:
+    subject = store.subjects.topic_dlq(topic) if topic else store.subjects.dlq(capability or ">")
     return [s.seq for s in await scan(store.js, store.dlq_stream, subject, last_per_subject=False)]
 
 
 async def dead_letters(
-    store: TaskStore, capability: str | None = None, limit: int = 100
+    store: TaskStore, capability: str | None = None, limit: int = 100, *, topic: str | None = None
 ) -> list[DeadLetter]:
-    """Dead letters (of ``capability``; None: all), newest first, at most ``limit``."""
+    """Dead letters (of ``capability``, or of durable topic ``topic``, wildcards allowed;
+    None: all), newest first, at most ``limit``."""
     out: list[DeadLetter] = []
-    for seq in sorted(await _dlq_seqs(store, capability), reverse=True):
+    for seq in sorted(await _dlq_seqs(store, capability, topic), reverse=True):
         if len(out) >= limit:
             break
         try:

@@ -7,26 +7,58 @@ many attempts it had (``dlq.<kind>.<task_id>.<attempts>``), nothing else: an age
 resends it after a crash and a registry handling the task's max-deliveries advisory make
 the same id for the same task, so the stream keeps one copy (within its duplicate window).
 Only a message with no task id falls back to its stream sequence.
+
+Durable topics (``reach._topics``) write their dead letters here too, as kind ``topic``, on
+a subject and with a message id of their own (``dlq.$topic.<topic>``,
+``dlq.topic.<consumer>.<sequence>``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import msgspec
+from nats.js import JetStreamContext
 
+from .._subjects import Subjects
 from ..wire.tasks import TaskAttempt
-from .store import TaskStore
 
-__all__ = ["DLQ_ATTEMPTS", "DLQ_ERROR", "DLQ_KIND", "DLQ_REASON", "TASK_ID", "dead_letter"]
+__all__ = [
+    "DLQ_ATTEMPTS",
+    "DLQ_CONSUMER",
+    "DLQ_ERROR",
+    "DLQ_GROUP",
+    "DLQ_KIND",
+    "DLQ_REASON",
+    "DLQ_SEQ",
+    "TASK_ID",
+    "DlqWriter",
+    "dead_letter",
+]
 
 TASK_ID = "Reach-Task-Id"
 DLQ_REASON = "Reach-Dlq-Reason"
 DLQ_ERROR = "Reach-Dlq-Error"
 DLQ_ATTEMPTS = "Reach-Dlq-Attempts"
 DLQ_KIND = "Reach-Dlq-Kind"
+#: a durable topic's letter (kind ``topic``): the agent name whose subscription gave up on
+#: it, that subscription's consumer (a replay goes to it alone), and the message's sequence
+#: in the topics stream
+DLQ_GROUP = "Reach-Dlq-Group"
+DLQ_CONSUMER = "Reach-Dlq-Consumer"
+DLQ_SEQ = "Reach-Dlq-Seq"
 _MAX_HEADER = 2000
 _attempts_encoder = msgspec.json.Encoder()
+
+
+class DlqWriter(Protocol):
+    """What a dead letter is written with: a task store, or a durable topics' store."""
+
+    @property
+    def js(self) -> JetStreamContext: ...
+    @property
+    def subjects(self) -> Subjects: ...
 
 
 def _one_line(text: str) -> str:
@@ -46,7 +78,7 @@ def _attempts_header(attempts: Sequence[TaskAttempt]) -> str:
 
 
 async def dead_letter(
-    store: TaskStore,
+    store: DlqWriter,
     *,
     capability: str,
     task_id: str,
@@ -57,11 +89,16 @@ async def dead_letter(
     attempts: Sequence[TaskAttempt] = (),
     kind: str = "task",
     seq: int = 0,
+    subject: str = "",
+    msg_id: str = "",
 ) -> int:
     """Publish one dead letter and wait for the stream's ack; its DLQ sequence. ``seq``
-    (the task message's stream sequence) names a letter only when ``task_id`` is empty."""
+    (the task message's stream sequence) names a letter only when ``task_id`` is empty.
+    ``subject`` and ``msg_id`` replace the task's (``dlq.<capability>``, ``dlq.<kind>.
+    <task_id>.<attempts>``) for a letter that is not a task's (a durable topic's)."""
     hdrs = {k: v for k, v in (headers or {}).items() if not k.startswith("Nats-")}
-    msg_id = f"dlq.{kind}.{task_id}.{len(attempts)}" if task_id else f"dlq.{kind}.unknown.{seq}"
+    if not msg_id:
+        msg_id = f"dlq.{kind}.{task_id}.{len(attempts)}" if task_id else f"dlq.{kind}.unknown.{seq}"
     hdrs.update(
         {
             "Nats-Msg-Id": msg_id,
@@ -72,5 +109,6 @@ async def dead_letter(
             DLQ_ATTEMPTS: _attempts_header(attempts),
         }
     )
-    ack = await store.js.publish(store.subjects.dlq(capability or "unknown"), data, headers=hdrs)
+    subject = subject or store.subjects.dlq(capability or "unknown")
+    ack = await store.js.publish(subject, data, headers=hdrs)
     return int(ack.seq)

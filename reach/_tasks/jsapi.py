@@ -58,7 +58,7 @@ class JsApi:
     ) -> Msg:
         return await self._inbox.request(subject, data, self.timeout, headers)
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
         """A JetStream publish; the stream sequence, or nats-py's APIError on refusal."""
         msg = await self.request(subject, data, headers)
         ack = _ack_decoder.decode(msg.data)

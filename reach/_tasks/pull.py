@@ -61,6 +61,11 @@ class Puller:
             except TRANSIENT as exc:
                 log.debug("pull %s: unsubscribe: %s", self.consumer, exc)
 
+    def lost(self) -> None:
+        """The connection was lost (and is back): so is the open request, whose end
+        would never come; the next ``probe`` or ``linger`` opens another at once."""
+        self._end()
+
     @property
     def idle(self) -> bool:
         """No request is open (or the open one is long overdue: the server lost it)."""

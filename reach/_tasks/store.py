@@ -37,7 +37,16 @@ from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
 from .jsapi import JsApi
 from .states import advance
 
-__all__ = ["UNDECODABLE", "Conflict", "TaskStore", "consumer_name", "idem_key"]
+__all__ = [
+    "UNDECODABLE",
+    "Conflict",
+    "TaskStore",
+    "add_dlq_stream",
+    "add_stream",
+    "consumer_name",
+    "dlq_stream_name",
+    "idem_key",
+]
 
 #: the error code of a record replaced because it did not decode, and its dead letter's reason
 UNDECODABLE = "undecodable"
@@ -151,7 +160,7 @@ class TaskStore:
         self.settings = settings
         upper = subjects.prefix.replace(".", "_").upper()
         self.stream = f"{upper}_TASKS"
-        self.dlq_stream = f"{upper}_DLQ"
+        self.dlq_stream = dlq_stream_name(subjects)
         #: max-deliveries advisories of the task stream, kept until a registry handles them
         self.events_stream = f"{upper}_TASK_EVENTS"
         self.bucket = subjects.bucket("tasks")
@@ -167,7 +176,7 @@ class TaskStore:
         if self._ready:
             return
         js, s, replicas = self.js, self.settings, self.settings.stream_replicas
-        await _add_stream(
+        await add_stream(
             js,
             StreamConfig(
                 name=self.stream,
@@ -179,19 +188,8 @@ class TaskStore:
                 description="Agent-Reach durable tasks: reach.task.<id>.<cap>.<priority>",
             ),
         )
-        await _add_stream(
-            js,
-            StreamConfig(
-                name=self.dlq_stream,
-                subjects=[f"{self.subjects.prefix}.dlq.>"],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                num_replicas=replicas,
-                max_age=s.dlq_retention,
-                description="Agent-Reach dead letters: tasks that failed for good",
-            ),
-        )
-        await _add_stream(
+        await add_dlq_stream(js, self.subjects, s)
+        await add_stream(
             js,
             StreamConfig(
                 name=self.events_stream,
@@ -413,7 +411,30 @@ class TaskStore:
         return _Got(raw.data or b"", raw.headers or {}, int(raw.seq or 0))
 
 
-async def _add_stream(js: JetStreamContext, config: StreamConfig) -> None:
+def dlq_stream_name(subjects: Subjects) -> str:
+    return f"{subjects.prefix.replace('.', '_').upper()}_DLQ"
+
+
+async def add_dlq_stream(js: JetStreamContext, subjects: Subjects, settings: ReachSettings) -> str:
+    """The dead-letter stream (of tasks, their callbacks, and durable topics), made when
+    missing; its name."""
+    name = dlq_stream_name(subjects)
+    await add_stream(
+        js,
+        StreamConfig(
+            name=name,
+            subjects=[f"{subjects.prefix}.dlq.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=settings.stream_replicas,
+            max_age=settings.dlq_retention,
+            description="Agent-Reach dead letters: tasks and topic messages that failed for good",
+        ),
+    )
+    return name
+
+
+async def add_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create a stream, or leave an existing one as it is (another process made it; if
     with fewer replicas than asked, ``check_replicas`` says so). Looked up first: where
     streams are made at deploy time (``reach tasks init``), users need no right to create

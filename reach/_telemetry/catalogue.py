@@ -70,6 +70,11 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "Durable tasks this client saw end, by final state.",
         ("capability", "state"),
     ),
+    "reach_client_topic_published": Spec(
+        "counter",
+        "Durable topic messages this client published and the server stored.",
+        ("topic",),
+    ),
     # -- agents
     "reach_agent_info": Spec(
         "gauge",
@@ -129,6 +134,38 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "Handlers that ignored their cancellation and still run, by kind (request, task);"
         " a task handler holds its slot and claim until it returns.",
         ("agent", "kind"),
+    ),
+    "reach_agent_topic_deliveries": Spec(
+        "counter",
+        "Durable topic messages delivered to this instance (redeliveries included), by"
+        " agent name and subscribed pattern.",
+        ("agent", "topic"),
+    ),
+    "reach_agent_topic_acked": Spec(
+        "counter", "Durable topic messages handled and acknowledged.", ("agent", "topic")
+    ),
+    "reach_agent_topic_redeliveries": Spec(
+        "counter", "Durable topic deliveries that were not a message's first.", ("agent", "topic")
+    ),
+    "reach_agent_topic_failures": Spec(
+        "counter",
+        "Durable topic handler runs that raised or ran over topic_timeout (each message is"
+        " redelivered with backoff, or dead-lettered on its last delivery).",
+        ("agent", "topic"),
+    ),
+    "reach_agent_topic_dead_lettered": Spec(
+        "counter", "Durable topic messages this instance moved to the DLQ.", ("agent", "topic")
+    ),
+    "reach_agent_topic_lag": Spec(
+        "gauge",
+        "Messages stored for the agent name's durable subscription and not yet delivered"
+        " (the consumer's num_pending, sampled every topic_lag_interval).",
+        ("agent", "topic"),
+    ),
+    "reach_agent_topic_ack_pending": Spec(
+        "gauge",
+        "Durable topic messages delivered to the agent name and not yet settled (sampled).",
+        ("agent", "topic"),
     ),
     # -- registry
     "reach_registry_agents": Spec(

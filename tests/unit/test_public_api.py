@@ -42,6 +42,7 @@ def test_public_api_is_pinned():
             "InvalidReply",
             "NotReplayable",
             "NotStarted",
+            "NotStored",
             "PayloadTooLarge",
             "Priority",
             "ReachError",
