@@ -49,6 +49,12 @@ class JsErrorCode(IntEnum):
     WRONG_LAST_SEQUENCE = 10071
     #: JSStreamWrongLastSequenceConstantErr, "wrong last sequence"
     WRONG_LAST_SEQUENCE_CONSTANT = 10164
+    #: JSSequenceNotFoundErrF, "sequence {seq} not found" (a delete of a message gone)
+    SEQUENCE_NOT_FOUND = 10043
+    #: JSStreamMsgDeleteFailedF, "{err}": "no message found" for a message gone
+    MSG_DELETE_FAILED = 10057
+    #: JSStreamNameExistErr, "stream name already in use with a different configuration"
+    STREAM_NAME_EXIST = 10058
 
 
 #: The refusals that mean "someone wrote the key since the revision you named".

@@ -28,7 +28,7 @@ from nats.js.api import (
 )
 
 from .. import _kv
-from .._kv import KV_OP, MARKER_REASON, Conflict, bind_bucket, check_replicas
+from .._kv import KV_OP, MARKER_REASON, Conflict, JsErrorCode, bind_bucket, check_replicas
 from .._subjects import Subjects
 from ..errors import CorruptRecord
 from ..settings import ReachSettings
@@ -64,6 +64,16 @@ def consumer_name(capability: str, priority: Priority) -> str:
     readable, and one-to-one (``rep_x`` and ``rep.x`` must not share one), by a hash."""
     digest = hashlib.blake2b(capability.encode(), digest_size=6).hexdigest()
     return f"{capability.replace('.', '_')[:64]}-{digest}-{priority}"
+
+
+def _gone(exc: nats.js.errors.APIError) -> bool:
+    """A delete refused because the message is gone (acked or deleted since it was
+    found): the server says so with a 400 or a 500, not a 404."""
+    if exc.err_code == JsErrorCode.SEQUENCE_NOT_FOUND:
+        return True
+    return exc.err_code == JsErrorCode.MSG_DELETE_FAILED and "no message found" in (
+        exc.description or ""
+    )
 
 
 def idem_key(kind: str, key: str) -> str:
@@ -375,6 +385,10 @@ class TaskStore:
             await self.js.delete_msg(self.stream, seq)
         except nats.js.errors.NotFoundError:
             return False
+        except nats.js.errors.APIError as exc:
+            if not _gone(exc):
+                raise
+            return False
         return True
 
     async def message_exists(self, seq: int) -> bool:
@@ -452,7 +466,7 @@ async def add_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
     except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != 10058:  # stream name already in use with another config
+        if exc.err_code != JsErrorCode.STREAM_NAME_EXIST:
             raise
         wanted = config.num_replicas or 1
         if config.name and wanted > 1:

@@ -385,6 +385,22 @@ async def test_a_cancel_takes_the_message_of_a_waiting_task_out_of_the_work_queu
         assert (await retrying.status()).state is S.CANCELLED
 
 
+async def test_a_message_acked_between_its_lookup_and_its_removal_is_already_gone(
+    settings: ReachSettings,
+):
+    """A cancel finds the task's message, an agent acks it (the work queue drops it), then
+    the cancel removes it: the server answers 400 "sequence not found", which means gone,
+    not a task store out of reach (the model test found a cancel failing so)."""
+    async with Client(settings=settings) as client:
+        store = await ready_store(client, settings)
+        ref = await client.submit(CAP, {"n": 1})
+        seq = await store.message_of(ref.task_id)
+        assert seq
+        assert await store.delete_message(seq)  # as an ack would
+        assert not await store.delete_message(seq)  # the cancel's removal, after it
+        assert not await store.delete_message(seq + 100)  # a sequence past the stream's
+
+
 async def test_a_cancel_that_stopped_before_removing_the_message_is_finished_by_the_sweep(
     settings: ReachSettings,
 ):
