@@ -393,12 +393,13 @@ async def test_a_message_acked_between_its_lookup_and_its_removal_is_already_gon
     not a task store out of reach (the model test found a cancel failing so)."""
     async with Client(settings=settings) as client:
         store = await ready_store(client, settings)
-        ref = await client.submit(CAP, {"n": 1})
-        seq = await store.message_of(ref.task_id)
-        assert seq
-        assert await store.delete_message(seq)  # as an ack would
-        assert not await store.delete_message(seq)  # the cancel's removal, after it
-        assert not await store.delete_message(seq + 100)  # a sequence past the stream's
+        # the first message is one before the last; the second, the last
+        refs = [await client.submit(CAP, {"n": n}) for n in (1, 2)]
+        for ref in refs:
+            seq = await store.message_of(ref.task_id)
+            assert seq
+            assert await store.delete_message(seq)  # as an ack would
+            assert not await store.delete_message(seq)  # the cancel's removal, after it
 
 
 async def test_a_cancel_that_stopped_before_removing_the_message_is_finished_by_the_sweep(
