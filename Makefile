@@ -47,6 +47,7 @@ test: lint typecheck docs pytest
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,fast,edge,bench]'
 	$(PY) bench/request_reply.py
+	$(PY) bench/streams.py
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
 	$(PY) bench/tasks.py

@@ -142,14 +142,18 @@ class Outflows:
         self.stats = stats
         self.open: dict[str, Outflow] = {}
         self.nc: NatsConnection
-        self._nuid = NUID()
+        self._seq = 0
+        #: tokens differ from those of an earlier run of this agent id, so a late word
+        #: from an old stream's caller reaches no stream of this one
+        self._run = NUID().next().decode()[:8]
         self._armed = asyncio.Event()
 
     def start(self, nc: NatsConnection) -> None:
         self.nc = nc
 
     def open_for(self, job: Job, task: asyncio.Task[Any]) -> Outflow:
-        token = self._nuid.next().decode()
+        self._seq += 1
+        token = f"{self._run}{self._seq}"  # unique: the subject names the agent
         flow = Outflow(self, token, job, task, job.window)
         self.open[token] = flow
         job.chunks = 0

@@ -108,7 +108,9 @@ class Flow:
             frames.extend(kept)
         frames.appendleft(first)
         self.token = token
-        self.control = first.reply
+        hdrs = first.headers
+        if hdrs and (Header.CHUNK in hdrs or Header.END in hdrs):
+            self.control = first.reply  # (a whole answer's names its direct subject)
 
     def deliver(self, msg: Msg) -> None:
         if self.control and msg.reply != self.control:
@@ -190,21 +192,25 @@ class Streams:
             if sink is flow:
                 del self.inbox.streams[flow.token]
 
-    async def send(self, flow: Flow, body: bytes) -> None:
-        """To the agent's stream subject, now (a credit may be what the agent waits for)."""
+    async def send(self, flow: Flow, body: bytes, *, now: bool = True) -> None:
+        """To the agent's stream subject: written at once (``now``), or with what else
+        goes out on this turn of the loop."""
         nc = self.inbox.nc
         if nc is None or not flow.control:
             return
         flow.sent_at = asyncio.get_running_loop().time()
         try:
-            if not publish(nc, flow.control, body, alone=True):
-                await publish_by_nats(nc, flow.control, body, "", None, alone=True)
+            if not publish(nc, flow.control, body, alone=now):
+                await publish_by_nats(nc, flow.control, body, "", None, alone=now)
         except TRANSIENT as exc:  # the agent's patience ends the stream, or its frames do
             log.debug("stream %s: message to the agent lost: %s", flow.token, exc)
 
     async def grant(self, flow: Flow) -> None:
+        """Give back the credit owed. Half a window at a time, the agent still has the
+        other half: the credit joins what this turn of the loop writes. Only a caller
+        that owes the whole window (a window of 1) has an agent waiting for it now."""
         owed, flow.owed = flow.owed, 0
-        await self.send(flow, _encode(StreamCredit(credit=owed)))
+        await self.send(flow, _encode(StreamCredit(credit=owed)), now=owed >= flow.window)
 
     async def cancel(self, flow: Flow) -> None:
         self.forget(flow)

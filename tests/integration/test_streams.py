@@ -124,7 +124,7 @@ def settings(nats_server):
 
 
 async def test_chunks_arrive_in_order_then_the_end(settings):
-    async with llm(settings), Client(settings=settings) as client:
+    async with llm(settings) as agent, Client(settings=settings) as client:
         stream = client.stream(CAP, Prompt(n=500), response_type=Token, window=8)
         tokens = [t.i async for t in stream]
         assert tokens == list(range(500))
@@ -132,6 +132,11 @@ async def test_chunks_arrive_in_order_then_the_end(settings):
         assert stream.request_id
         # a capability that does not stream gives its answer as the one chunk
         assert [c async for c in client.stream("chat.plain", {"n": 4})] == [{"n": 4}]
+        plain = client.stream("chat.plain", {"n": 5})
+        assert await anext(plain) == {"n": 5}
+        await plain.aclose()  # nothing to cancel: nothing goes to its direct subject
+        await client.request("chat.plain", {"n": 6})  # after anything sent before it
+        assert agent.stats.invalid == 0
         # an empty stream ends at once
         assert [c async for c in client.stream(CAP, Prompt(n=0))] == []
         assert client.footprint()["pending"] == 0
