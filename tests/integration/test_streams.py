@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from reach import (
 )
 from reach.testing import eventually
 from tests.integration.registry_wire import fast_settings
+from tests.integration.test_cli_tasks import reach_cli
 from tests.integration.test_registry import wait_status
 
 CAP = "chat.complete"
@@ -384,3 +387,44 @@ async def test_a_plain_nats_caller_follows_the_protocol(settings):
             await sub.unsubscribe()
         finally:
             await nc.close()
+
+
+async def test_reach_call_stream_prints_each_chunk_as_it_arrives(settings):
+    gate = asyncio.Event()
+    agent = Agent("teller", settings=settings)
+
+    @agent.capability("story.tell")
+    async def tell(req: Any) -> AsyncIterator[str]:
+        yield "once"
+        await gate.wait()
+        yield "upon"
+        yield "a time"
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    env |= {"REACH_NATS_URL": settings.nats_url, "REACH_SUBJECT_PREFIX": settings.subject_prefix}
+    async with agent, llm(settings):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "reach.cli",
+            "call",
+            "--stream",
+            "-v",
+            "story.tell",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):
+            first = await proc.stdout.readline()  # printed while the handler waits
+            gate.set()
+            rest, err = await proc.communicate()
+        code, out, err_b = await reach_cli(settings, "call", "--stream", "chat.broken", "{}")
+    assert first == b'"once"\n'
+    assert rest.decode().splitlines() == ['"upon"', '"a time"']
+    assert proc.returncode == 0, err
+    assert "3 chunk(s)" in err.decode()
+    # a stream that fails after some chunks: them, then the error, and exit status 1
+    assert [json.loads(line)["i"] for line in out.splitlines()] == [0, 1]
+    assert (code, err_b.splitlines()[-1].split(":")[:2]) == (1, ["error", " failed"])
