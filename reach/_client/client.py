@@ -236,6 +236,7 @@ class Client:
             **self._router.footprint(),
             "capabilities.checked": self._requests.checked,
             "pending": len(self._inbox.pending),
+            "streams": len(self._inbox.streams),
             "deadlines": self._inbox.deadlines,
             "background": len(self._watches.owner),
         }

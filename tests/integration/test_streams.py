@@ -142,7 +142,9 @@ async def test_chunks_arrive_in_order_then_the_end(settings):
         assert agent.stats.invalid == 0
         # an empty stream ends at once
         assert [c async for c in client.stream(CAP, Prompt(n=0))] == []
-        assert client.footprint()["pending"] == 0
+        sizes = client.footprint()
+        assert (sizes["pending"], sizes["streams"]) == (0, 0)
+        assert not client._streams.open
 
 
 async def test_the_handler_sees_the_total_deadline_in_ctx_remaining(settings):
