@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 REQUEST_PATH_TESTS := tests/integration/test_requests.py tests/integration/test_slow_handlers.py \
 	tests/integration/test_deadlines_under_churn.py tests/integration/test_client_hardening.py \
 	tests/integration/test_spoofed_replies.py tests/integration/test_request_headers_size.py \
-	tests/integration/test_resilience.py tests/integration/test_auth.py tests/integration/test_agent_faults.py
+	tests/integration/test_resilience.py tests/integration/test_auth.py tests/integration/test_agent_faults.py \
+	tests/integration/test_streams.py
 
 .PHONY: test-no-shortcuts demo test lint typecheck docs pytest bench schemas clean chaos chaos-short soak
 

@@ -71,6 +71,7 @@ class Flow:
 
     __slots__ = (
         "control",
+        "ended",
         "error",
         "frames",
         "ignored",
@@ -94,6 +95,8 @@ class Flow:
         #: the agent's stream subject (the first frame's reply-to): credit and cancel go
         #: there, and a later frame naming another is not this stream's (dropped, counted)
         self.control = ""
+        #: the stream's last frame (its end, an error) has come: the agent is done with it
+        self.ended = False
         self.owed = 0
         self.sent_at = 0.0  # loop time of the last message to the agent
         self.ignored = 0
@@ -111,11 +114,15 @@ class Flow:
         hdrs = first.headers
         if hdrs and (Header.CHUNK in hdrs or Header.END in hdrs):
             self.control = first.reply  # (a whole answer's names its direct subject)
+        self.ended = not hdrs or Header.CHUNK not in hdrs
 
     def deliver(self, msg: Msg) -> None:
         if self.control and msg.reply != self.control:
             self.ignored += 1  # not from the instance that streams to us
             return
+        hdrs = msg.headers
+        if not hdrs or Header.CHUNK not in hdrs:
+            self.ended = True  # nothing to grant or keep alive any more
         frames = self.frames
         frames.append(msg)
         if len(frames) > self.limit and self.error is None:
@@ -196,7 +203,7 @@ class Streams:
         """To the agent's stream subject: written at once (``now``), or with what else
         goes out on this turn of the loop."""
         nc = self.inbox.nc
-        if nc is None or not flow.control:
+        if nc is None or not flow.control or flow.ended:
             return
         flow.sent_at = asyncio.get_running_loop().time()
         try:
@@ -481,7 +488,8 @@ class Stream:
         flow = self._flow
         if flow is not None and not self._over:
             self._over = True
-            self._streams.dropped(flow)
+            with contextlib.suppress(RuntimeError):  # (its loop closed: nothing to tell)
+                self._streams.dropped(flow)
 
 
 class _Names(TypedDict):

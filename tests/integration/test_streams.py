@@ -37,6 +37,7 @@ from reach.testing import eventually
 from tests.integration.registry_wire import fast_settings
 from tests.integration.test_cli_tasks import reach_cli
 from tests.integration.test_registry import wait_status
+from tests.integration.test_telemetry import tracing
 
 CAP = "chat.complete"
 
@@ -430,3 +431,23 @@ async def test_reach_call_stream_prints_each_chunk_as_it_arrives(settings):
     # a stream that fails after some chunks: them, then the error, and exit status 1
     assert [json.loads(line)["i"] for line in out.splitlines()] == [0, 1]
     assert (code, err_b.splitlines()[-1].split(":")[:2]) == (1, ["error", " failed"])
+
+
+async def test_a_traced_stream_is_one_send_span_and_one_process_span(settings):
+    provider, exporter, _ = tracing()
+    telemetry = Telemetry(tracer_provider=provider)
+    async with (
+        llm(settings, telemetry=telemetry),
+        Client(settings=settings, telemetry=telemetry) as client,
+    ):
+        assert [t.i async for t in client.stream(CAP, Prompt(n=3), response_type=Token)] == [
+            0,
+            1,
+            2,
+        ]
+        await eventually(lambda: len(exporter.get_finished_spans()) >= 2)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    send, process = spans[f"send {CAP}"], spans[f"process {CAP}"]
+    assert process.parent is not None
+    assert process.parent.span_id == send.context.span_id  # the handler's run, in the trace
+    assert process.attributes["reach.outcome"] == "ok"
