@@ -350,12 +350,43 @@ class Stream:
     async def _next(self, flow: Flow) -> Any:
         if self._unary:
             raise StopAsyncIteration  # a whole answer, given already
+        frames = flow.frames
+        if frames and flow.error is None:
+            msg = frames.popleft()  # here already: no wait, no timer
+        else:
+            msg = await self._wait(flow)
+        hdrs = msg.headers
+        if hdrs:
+            number = hdrs.get(Header.CHUNK)
+            if number is not None:
+                value = self._chunk(flow, msg, number)
+                if flow.owed >= flow.threshold:
+                    await self._streams.grant(flow)
+                return value
+            if Header.SERVICE_ERROR_CODE in hdrs:
+                self._check_count(hdrs.get(Header.END))
+                raise _Told(self._error(msg, hdrs))
+            end = hdrs.get(Header.END)
+            if end is not None:
+                self._check_count(end)
+                raise StopAsyncIteration
+        if self._unary is None and self.chunks == 0:
+            # No stream headers on the first frame: the capability does not stream (or an
+            # older agent answered); its answer is the one chunk.
+            self._unary = True
+            self.chunks = 1
+            return self._value(msg)
+        raise self._broken("lost", "a frame that is neither a chunk nor the end came")
+
+    async def _wait(self, flow: Flow) -> Msg:
+        """The next frame, within the idle timeout and the total one; what ended the
+        stream otherwise."""
         loop = asyncio.get_running_loop()
         wait = self._idle
         if self._deadline is not None:
             wait = min(wait, self._deadline - loop.time())
         try:
-            msg = await flow.next_frame(max(wait, 0.0))
+            return await flow.next_frame(max(wait, 0.0))
         except TimeoutError:
             if self._deadline is not None and loop.time() >= self._deadline:
                 raise RequestTimeout(
@@ -372,35 +403,14 @@ class Stream:
             ) from None
         except ReachError as exc:  # the connection went (the inbox said so)
             raise self._broken("connection_lost", exc.message) from exc
-        hdrs = msg.headers
-        if hdrs:
-            number = hdrs.get(Header.CHUNK)
-            if number is not None:
-                return await self._chunk(flow, msg, number)
-            if Header.SERVICE_ERROR_CODE in hdrs:
-                self._check_count(hdrs.get(Header.END))
-                raise _Told(self._error(msg, hdrs))
-            end = hdrs.get(Header.END)
-            if end is not None:
-                self._check_count(end)
-                raise StopAsyncIteration
-        if self._unary is None and self.chunks == 0:
-            # No stream headers on the first frame: the capability does not stream (or an
-            # older agent answered); its answer is the one chunk.
-            self._unary = True
-            self.chunks = 1
-            return self._value(msg)
-        raise self._broken("lost", "a frame that is neither a chunk nor the end came")
 
-    async def _chunk(self, flow: Flow, msg: Msg, number: str) -> Any:
+    def _chunk(self, flow: Flow, msg: Msg, number: str) -> Any:
         self._unary = False
         expected = self.chunks + 1
         if number != str(expected):
             raise self._broken("lost", f"chunk {expected} never came (chunk {number} did)")
         self.chunks = expected
         flow.owed += 1
-        if flow.owed >= flow.threshold:
-            await self._streams.grant(flow)
         return self._value(msg)
 
     def _value(self, msg: Msg) -> Any:
