@@ -273,6 +273,8 @@ class Stream:
         options: dict[str, Any],
     ) -> None:
         """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
+        self._flow: Flow | None = None  # (first: __del__ reads it, even after a refusal)
+        self._over = False
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
             raise ConfigurationError(f"window must be 1..{MAX_WINDOW} chunks, got {window!r}")
         wait = streams.requests.default_timeout if timeout is None else timeout
@@ -293,10 +295,8 @@ class Stream:
         self._options = options
         self._decode = decoder_for(Any if response_type is None else response_type)
         self._response_type = response_type
-        self._flow: Flow | None = None
         self._deadline: float | None = None
         self._unary: bool | None = None  # the first frame was a whole (non-streamed) answer
-        self._over = False
 
     # -- iteration -------------------------------------------------------------------
 

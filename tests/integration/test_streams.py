@@ -21,8 +21,10 @@ import pytest
 from chaos.proxy import Proxy
 from reach import (
     Agent,
+    AgentUnavailable,
     BadRequest,
     Client,
+    ConfigurationError,
     Context,
     HandlerFailed,
     Registry,
@@ -143,6 +145,11 @@ async def test_chunks_arrive_in_order_then_the_end(settings):
         assert agent.stats.invalid == 0
         # an empty stream ends at once
         assert [c async for c in client.stream(CAP, Prompt(n=0))] == []
+        # a direct call: that instance only, never substituted
+        direct = client.stream(CAP, Prompt(n=2), agent_id="llm-1", response_type=Token)
+        assert [t.i async for t in direct] == [0, 1]
+        with pytest.raises(AgentUnavailable):
+            await anext(client.stream(CAP, Prompt(n=2), agent_id="llm-9"))
         sizes = client.footprint()
         assert (sizes["pending"], sizes["streams"]) == (0, 0)
         assert not client._streams.open
@@ -451,3 +458,12 @@ async def test_a_traced_stream_is_one_send_span_and_one_process_span(settings):
     assert process.parent is not None
     assert process.parent.span_id == send.context.span_id  # the handler's run, in the trace
     assert process.attributes["reach.outcome"] == "ok"
+
+
+async def test_bad_arguments_are_refused_before_anything_is_sent(settings):
+    async with Client(settings=settings) as client:
+        for bad in ({"window": 0}, {"window": 1025}, {"timeout": 0}, {"total_timeout": -1}):
+            with pytest.raises(ConfigurationError):
+                client.stream(CAP, **bad)
+        with pytest.raises(ValueError, match="capability"):  # as a request says
+            await anext(client.stream("Not A Capability"))
