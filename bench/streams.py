@@ -37,7 +37,16 @@ from typing import Any
 
 import msgspec
 import nats
-from _fleet import Children, defaults, pct, shown, whole_fleet
+from _fleet import (
+    Children,
+    defaults,
+    pct,
+    rounds_parser,
+    run_registry,
+    settle,
+    shown,
+    whole_fleet,
+)
 
 import reach
 from reach.testing import NatsServer
@@ -48,15 +57,6 @@ RAW_CREDIT = "bench.raw.credit."
 
 
 # -- child processes: the registry, and one instance (a reach agent + a raw responder) ------
-
-
-def run_registry(url: str, ready: Any, stop: Any) -> None:
-    async def main() -> None:
-        async with reach.Registry(settings=defaults(url)):
-            ready.set()
-            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-
-    asyncio.run(main())
 
 
 class RawStreamer:
@@ -285,19 +285,11 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds x 1 s, short warm-up")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--inflight", type=int, default=8)
+    parser = rounds_parser(__doc__, inflight=8)
     parser.add_argument("--chunks", type=int, default=200, help="chunks per stream")
     parser.add_argument("--chunk", type=int, default=64, help="bytes per chunk")
     parser.add_argument("--window", type=int, default=16, help="chunks granted ahead")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    args.warmup = 0.5
-    if args.quick:
-        args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
+    args = settle(parser.parse_args())
     with NatsServer() as server, Fleet(server.url, args.chunk):
         out = asyncio.run(measure(args, server.url))
     out["setup"] = {
