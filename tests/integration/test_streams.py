@@ -467,3 +467,25 @@ async def test_bad_arguments_are_refused_before_anything_is_sent(settings):
                 client.stream(CAP, **bad)
         with pytest.raises(ValueError, match="capability"):  # as a request says
             await anext(client.stream("Not A Capability"))
+
+
+async def test_a_lost_connection_breaks_a_started_stream(settings):
+    """Frames sent while the caller reconnects are lost: its started streams end at once
+    with StreamBroken (connection_lost), and the handler is stopped."""
+    seen = Seen()
+    proxy = await Proxy(settings.nats_url).start()
+    try:
+        async with (
+            llm(settings, seen=seen),
+            Client(proxy.url, settings=settings) as client,
+        ):
+            stream = client.stream("chat.slow", Prompt(), timeout=30)
+            assert (await anext(stream))["i"] == 0
+            proxy.cut()
+            with pytest.raises(StreamBroken) as info:
+                await anext(stream)
+            await eventually(seen.ended.is_set, timeout=10)
+    finally:
+        await proxy.close()
+    assert (info.value.reason, info.value.chunks) == ("connection_lost", 1)
+    assert seen.how == "cancelled"
