@@ -9,7 +9,7 @@ REQUEST_PATH_TESTS := tests/integration/test_requests.py tests/integration/test_
 	tests/integration/test_deadlines_under_churn.py tests/integration/test_client_hardening.py \
 	tests/integration/test_spoofed_replies.py tests/integration/test_request_headers_size.py \
 	tests/integration/test_resilience.py tests/integration/test_auth.py tests/integration/test_agent_faults.py \
-	tests/integration/test_task_errors.py
+	tests/integration/test_task_errors.py tests/integration/test_streams.py
 
 .PHONY: test-no-shortcuts demo test lint typecheck docs pytest bench schemas clean chaos chaos-short soak
 
@@ -48,6 +48,7 @@ test: lint typecheck docs pytest
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,fast,edge,bench]'
 	$(PY) bench/request_reply.py
+	$(PY) bench/streams.py
 	$(PY) bench/registry_scale.py
 	$(PY) bench/routing.py all
 	$(PY) bench/tasks.py

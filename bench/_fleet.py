@@ -125,6 +125,36 @@ class Children:
                 proc.join()
 
 
+def run_registry(url: str, ready: Any, stop: Any) -> None:
+    """A child process: a registry on the defaults until told to stop."""
+
+    async def main() -> None:
+        async with reach.Registry(settings=defaults(url)):
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    asyncio.run(main())
+
+
+def rounds_parser(doc: str, *, inflight: int) -> argparse.ArgumentParser:
+    """The options every interleaved-rounds bench takes; ``settle`` applies ``--quick``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds x 1 s, short warm-up")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--inflight", type=int, default=inflight)
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def settle(args: argparse.Namespace) -> argparse.Namespace:
+    """``--quick``: 3 rounds x 1 s and a short warm-up (else 0.5 s of warm-up)."""
+    args.warmup = 0.5
+    if args.quick:
+        args.rounds, args.seconds, args.warmup = 3, 1.0, 0.3
+    return args
+
+
 async def whole_fleet(client: reach.Client, n: int, capability: str = "bench.work") -> None:
     """Wait until the client's routing table holds all n instances, UP."""
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import httpx
 import msgspec
-from _fleet import Call, Children, clean_environ, closed_loop, defaults, pct
+from _fleet import Call, Children, clean_environ, closed_loop, defaults, pct, run_registry
 
 import reach
 from reach.testing import NatsServer, eventually
@@ -68,15 +68,6 @@ def payload() -> bytes:
     body = msgspec.json.encode(value)
     assert len(body) == SIZE
     return body
-
-
-def run_registry(url: str, ready: Any, stop: Any) -> None:
-    async def main() -> None:
-        async with reach.Registry(settings=defaults(url)):
-            ready.set()
-            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-
-    asyncio.run(main())
 
 
 def run_instance(url: str, index: int, ready: Any, stop: Any) -> None:

@@ -54,7 +54,7 @@ from typing import Any
 
 import msgspec
 import nats
-from _fleet import Call, Children, closed_loop, defaults, pct, shown
+from _fleet import Call, Children, closed_loop, defaults, pct, run_registry, shown
 
 import reach
 from reach.testing import NatsServer, eventually
@@ -96,15 +96,6 @@ def payload() -> bytes:
 
 
 # -- child processes: the registry, and two instances (a reach agent + a raw responder) ----
-
-
-def run_registry(url: str, ready: Any, stop: Any) -> None:
-    async def main() -> None:
-        async with reach.Registry(settings=defaults(url)):
-            ready.set()
-            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-
-    asyncio.run(main())
 
 
 def run_instance(url: str, index: int, served: Any, ready: Any, stop: Any) -> None:

@@ -7,6 +7,7 @@ from ._client import Client as Client
 from ._client import ClientStats as ClientStats
 from ._client import Gathered as Gathered
 from ._client import Reply as Reply
+from ._client import Stream as Stream
 from ._client import TopicMessage as TopicMessage
 from ._client import TopicSubscription as TopicSubscription
 from ._handlers import TaskContext as TaskContext
@@ -40,6 +41,7 @@ from .errors import (
     RemoteError,
     RequestTimeout,
     ResourceExhausted,
+    StreamBroken,
     TaskNotFound,
     Unauthorized,
 )
@@ -89,6 +91,8 @@ __all__ = [
     "RequestTimeout",
     "ResourceExhausted",
     "Status",
+    "Stream",
+    "StreamBroken",
     "TaskAttempt",
     "TaskContext",
     "TaskNotFound",

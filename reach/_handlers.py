@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from ._client import Client
 
 Handler = Callable[..., Awaitable[Any]]
+#: what a capability may be: a ``Handler``, or an async generator of its reply's chunks
+Capable = Callable[..., Awaitable[Any] | AsyncIterator[Any]]
 
 
 @dataclass(slots=True)
@@ -45,16 +47,24 @@ class Context:
 
 @dataclass(slots=True)
 class HandlerSpec:
-    """A handler with the decoder for its payload parameter and whether it takes a Context."""
+    """A handler with the decoder for its payload parameter and whether it takes a Context.
+    ``streams``: an async generator, whose items are the chunks of a streaming reply."""
 
-    fn: Handler
+    fn: Callable[..., Any]  # a Handler, or (``streams``) an async generator function
     decode: PayloadDecoder
     wants_context: bool
+    streams: bool = False
 
 
-def inspect_handler(fn: Handler, what: str) -> HandlerSpec:
-    """Read the payload type from the first parameter's annotation (bytes, dict, Struct...)."""
-    if not inspect.iscoroutinefunction(fn):
+def inspect_handler(fn: Capable, what: str, *, may_stream: bool = False) -> HandlerSpec:
+    """Read the payload type from the first parameter's annotation (bytes, dict, Struct...).
+    ``may_stream``: an async generator is accepted too (a capability's streaming reply)."""
+    streams = inspect.isasyncgenfunction(fn)
+    if streams and not may_stream:
+        raise TypeError(
+            f"{what} handler {fn!r} is an async generator: only a capability may stream"
+        )
+    if not streams and not inspect.iscoroutinefunction(fn):
         raise TypeError(f"{what} handler {fn!r} must be an async function")
     params = list(inspect.signature(fn).parameters.values())
     if not params or len(params) > 2:
@@ -70,7 +80,7 @@ def inspect_handler(fn: Handler, what: str) -> HandlerSpec:
         raise TypeError(
             f"{what} handler {fn.__name__}: payload type {payload_type!r} is not decodable: {exc}"
         ) from exc
-    return HandlerSpec(fn, decode, len(params) == 2)
+    return HandlerSpec(fn, decode, len(params) == 2, streams)
 
 
 @dataclass(slots=True)

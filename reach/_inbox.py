@@ -43,13 +43,14 @@ from .errors import (
     ConnectionFailed,
     InvalidReply,
     NotStarted,
+    ReachError,
     RemoteError,
     RequestTimeout,
     Unauthorized,
 )
 from .wire import Header
 
-__all__ = ["Asked", "Inbox", "Reply"]
+__all__ = ["Asked", "Inbox", "Reply", "StreamSink"]
 
 log = logging.getLogger("reach.client")
 
@@ -64,6 +65,21 @@ class Reply:
     request_id: str
     latency_ms: float
     duration_ms: float | None = None
+
+
+class StreamSink(Protocol):
+    """Where the frames of a streaming reply go (``reach._client.stream``): a stream's
+    token stays in the inbox after its first frame, and every later message on it is
+    handed over, in order, in nats-py's reading task."""
+
+    def opened(self, token: str, first: Msg) -> None:
+        """The first frame, an answer (not an error): the stream is this token's."""
+
+    def deliver(self, msg: Msg) -> None:
+        """A frame after the first (it must not block nor raise)."""
+
+    def fail(self, error: BaseException) -> None:
+        """Nothing more can come: the connection was closed or lost and restored."""
 
 
 class Asked(Protocol):
@@ -111,6 +127,8 @@ class Inbox:
         self.ignored = 0
         #: tokens of attempts whose work may run twice: ended at once by a reconnect
         self.lossy: set[str] = set()
+        #: tokens of open streams: their frames after the first go to their sink
+        self.streams: dict[str, StreamSink] = {}
 
     async def open(self, nc: NatsConnection) -> None:
         """Subscribe on ``nc`` (its owner flushes: the server has our interest before any
@@ -167,12 +185,16 @@ class Inbox:
                 )
                 lost.outcome = LOST
                 fut.set_exception(lost)
+        self._fail_streams(ConnectionFailed("the connection to NATS was lost and restored"))
 
     def _on_reply(self, msg: Msg) -> None:
         """In nats-py's reading task (``subscribe_direct``): settle the future, no more."""
         token = msg.subject[len(self._prefix) :]
         fut = self.pending.get(token)
         if fut is None or fut.done():
+            sink = self.streams.get(token)  # a stream's frames after its first
+            if sink is not None:
+                sink.deliver(msg)
             return
         asked = self.expect.get(token)
         if asked is not None and msg.reply != asked and self._impostor(msg, asked):
@@ -262,6 +284,14 @@ class Inbox:
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(ConnectionFailed(why, url=self.url))
+        self._fail_streams(ConnectionFailed(why, url=self.url))
+
+    def _fail_streams(self, error: ReachError) -> None:
+        """Frames sent meanwhile may be lost: every open stream ends now."""
+        sinks = list(self.streams.values())
+        self.streams.clear()
+        for sink in sinks:
+            sink.fail(error)
 
     async def close(self, *, unsubscribe: bool) -> None:
         """Fail every pending request; drop the subscription on a connection we keep."""
@@ -286,9 +316,12 @@ class Inbox:
         *,
         measure: bool = False,
         lossy: bool = False,
+        stream: StreamSink | None = None,
     ) -> Reply:
         """``measure``: the headers may be large (a trace's baggage), so the size check
-        counts them whatever the payload's size; the client's own headers are bounded."""
+        counts them whatever the payload's size; the client's own headers are bounded.
+        ``stream``: a streaming call; its frames after the first go to the sink, and the
+        first, when it is not an error, is handed to it rather than decoded."""
         nc = self.nc
         if nc is None or nc.is_closed:
             raise NotStarted("client is not connected; use 'async with Client(...)' first")
@@ -304,6 +337,8 @@ class Inbox:
             self.expect[token] = subject
         if lossy:
             self.lossy.add(token)
+        if stream is not None:
+            self.streams[token] = stream
         started = time.perf_counter()
         reconnects = nc.stats["reconnects"]
         try:
@@ -352,20 +387,29 @@ class Inbox:
                 del self.expect[token]
             if lossy:
                 self.lossy.discard(token)
+            if stream is not None:
+                # back below if the first frame is an answer (no await between: no frame
+                # can come meanwhile); any other way, the stream is over for this token
+                self.streams.pop(token, None)
         latency_ms = (time.perf_counter() - started) * 1000
         hdrs = msg.headers
         if hdrs and not msg.data and hdrs.get("Status") == "503":
             raise _no_responders(capability, agent_id, rid)
         if hdrs and Header.SERVICE_ERROR_CODE in hdrs:
             raise error_from_reply(msg.data, hdrs, capability=capability, request_id=rid)
-        try:
-            value = decoder_for(Any if response_type is None else response_type)(msg.data)
-        except msgspec.DecodeError as exc:
-            raise InvalidReply(
-                f"{capability}: reply does not match {response_type!r}: {exc}",
-                capability=capability,
-                request_id=rid,
-            ) from exc
+        if stream is not None:
+            value = None
+            self.streams[token] = stream
+            stream.opened(token, msg)
+        else:
+            try:
+                value = decoder_for(Any if response_type is None else response_type)(msg.data)
+            except msgspec.DecodeError as exc:
+                raise InvalidReply(
+                    f"{capability}: reply does not match {response_type!r}: {exc}",
+                    capability=capability,
+                    request_id=rid,
+                ) from exc
         served_by = agent_id if agent_id is not None and msg.reply == subject else ""
         served_by, duration = served_by or self._sender(msg), None
         if hdrs:

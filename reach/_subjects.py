@@ -90,6 +90,11 @@ class Subjects:
     def ctl(self, agent_id: str) -> str:
         return f"{self.prefix}.agent.{agent_id}.$ctl"
 
+    def streams(self, agent_id: str) -> str:
+        """Where an agent hears the callers of its streams (credit, keepalive, cancel):
+        ``<prefix>.agent.<id>.$stream.<stream id>``; this is the subject's stem."""
+        return f"{self.prefix}.agent.{agent_id}.$stream."
+
     def heartbeat(self, agent_id: str) -> str:
         return f"{self.prefix}.hb.{agent_id}"
 

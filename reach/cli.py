@@ -39,7 +39,7 @@ from ._nats import redact
 from ._registry import Registry
 from ._runtime import run_async
 from ._telemetry import configure_logging, configure_tracing
-from .errors import AgentUnavailable, ReachError, RequestTimeout
+from .errors import AgentUnavailable, ConfigurationError, ReachError, RequestTimeout
 from .settings import ReachSettings
 from .wire import AgentEvent, AgentRecord, Control, ControlReply, Priority, Status
 
@@ -59,6 +59,10 @@ def _settings(args: argparse.Namespace) -> ReachSettings:
 
 async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     payload = _read_payload(args.payload)
+    if args.stream:
+        if args.all:
+            raise ConfigurationError("--stream asks one instance: not with --all")
+        return await _stream(args, settings, payload)
     wait = args.timeout if args.timeout is not None else settings.timeout_ms / 1000
     # A backstop: connecting, the call's own deadline and closing each have their bound;
     # should one ever fail, the command still ends, saying so, instead of waiting forever.
@@ -89,6 +93,30 @@ async def _call(args: argparse.Namespace, settings: ReachSettings) -> int:
     _print_value(reply.data)
     if args.verbose:
         print(f"# served by {reply.agent_id or '?'} in {reply.latency_ms:.1f} ms", file=sys.stderr)
+    return 0
+
+
+async def _stream(args: argparse.Namespace, settings: ReachSettings, payload: Any) -> int:
+    """``reach call --stream``: each chunk as one line of JSON as it arrives (``--timeout``
+    bounds the wait for each); the error of a stream that fails after some, after them."""
+    async with Client(settings=settings, name="reach-cli") as client:
+        stream = client.stream(
+            args.capability,
+            payload,
+            timeout=args.timeout,
+            priority=args.priority,
+            agent_id=args.agent,
+            response_type=bytes,
+        )
+        async with stream:
+            async for chunk in stream:
+                print(json.dumps(_json_or_text(chunk), ensure_ascii=False), flush=True)
+    if args.verbose:
+        print(
+            f"# streamed by {stream.agent_id or '?'}: {stream.chunks} chunk(s), the first in"
+            f" {stream.latency_ms:.1f} ms",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -278,7 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ask every live instance at once; one line each: its answer or its error",
     )
-    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="a streaming capability: print each chunk as one line of JSON as it arrives",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="seconds (--stream: for each chunk)")
     p.add_argument(
         "--priority", default="normal", type=str.lower, choices=[x.value for x in Priority]
     )

@@ -20,7 +20,10 @@
         ├── CircuitOpen            circuit_open
         ├── HandlerFailed          failed: the handler raised; not retried
         ├── InvalidReply           the answer did not decode as the type asked for
-        └── Cancelled              cancelled
+        ├── Cancelled              cancelled
+        └── StreamBroken           stream_broken: a stream ended after its first chunk
+                                   without its end (no failover then); ``chunks`` says
+                                   how many arrived
 
 Each error keeps its structured fields (``code``, ``retryable``, ``capability``,
 ``agent_id``, ``request_id``) so callers branch on data, not on message text.
@@ -71,6 +74,7 @@ __all__ = [
     "RemoteError",
     "RequestTimeout",
     "ResourceExhausted",
+    "StreamBroken",
     "TaskNotFound",
     "Unauthorized",
     "error_for_code",
@@ -298,6 +302,35 @@ class InvalidReply(RemoteError):
 class Cancelled(RemoteError):
     code = "cancelled"
     status = 499
+
+
+class StreamBroken(RemoteError):
+    """A stream that had started (its first chunk arrived) ended without its end frame:
+    no frame within the caller's idle timeout, a chunk lost on the way, the connection to
+    NATS lost, or the agent stopping (``agent_unavailable``). A started stream is never
+    failed over silently: the caller decides whether to ask again. ``chunks`` is how many
+    chunks the caller received; ``reason`` is the code of what broke it (``timeout``,
+    ``lost``, ``connection_lost``, ``agent_unavailable``, ``overrun``). A client-side
+    code, as ``connection_failed`` is: no agent sends it."""
+
+    code = "stream_broken"
+    retryable = True
+    status = 502
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        chunks: int,
+        reason: str,
+        capability: str = "",
+        agent_id: str = "",
+        request_id: str = "",
+    ) -> None:
+        self.chunks = chunks
+        self.reason = reason
+        super().__init__(message, capability=capability, agent_id=agent_id, request_id=request_id)
+        self.outcome = self.code
 
 
 _BY_CODE: dict[str, type[RemoteError]] = {

@@ -28,6 +28,8 @@ TYPES = {
     "route-reply": wire.RouteReply,
     "task-submit": wire.TaskSubmit,
     "task-record": wire.TaskRecord,
+    "stream-credit": wire.StreamCredit,
+    "stream-cancel": wire.StreamCancel,
 }
 
 

@@ -21,14 +21,14 @@ import logging
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 from nats.nuid import NUID
 
 from .._background import Background
 from .._client import Client
 from .._codec import now_ms
-from .._handlers import Handler, TaskContext, inspect_handler
+from .._handlers import Capable, Handler, TaskContext, inspect_handler
 from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
 from .._runtime import on_stop_signals, run_async
 from .._subjects import validate_agent_id, validate_capability, validate_topic
@@ -53,6 +53,8 @@ from .workers import Workers
 __all__ = ["Agent"]
 
 log = logging.getLogger("reach.agent")
+
+C = TypeVar("C", bound=Capable)
 
 
 class Agent:
@@ -182,6 +184,7 @@ class Agent:
             # DEGRADED by timeouts ends when the timeout window (10 s) and three heartbeats
             # have passed without a new one
             timeout_quiet=max(TIMEOUT_WINDOW, 3 * self.settings.heartbeat_interval),
+            streams=self.subjects.streams(self.agent_id),
         )
         self._intake = Intake(self.agent_id, self._workers, self._life, self.stats)
 
@@ -196,14 +199,19 @@ class Agent:
 
     def capability(
         self, name: str, *, version: str = "1.0.0", description: str = ""
-    ) -> Callable[[Handler], Handler]:
-        """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``."""
+    ) -> Callable[[C], C]:
+        """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``,
+        or with an async generator ``(payload[, ctx])`` whose items are the chunks of a
+        streaming reply (``client.stream``): each ``yield`` waits while the caller has
+        the window of chunks it allowed still to read."""
         self._check_open(name, "capabilities")
 
-        def register(fn: Handler) -> Handler:
+        def register(fn: C) -> C:
             self._check_open(name, "capabilities")
-            spec = inspect_handler(fn, f"capability {name!r}")
-            info = CapabilityInfo(name=name, version=version, description=description)
+            spec = inspect_handler(fn, f"capability {name!r}", may_stream=True)
+            info = CapabilityInfo(
+                name=name, version=version, description=description, streams=spec.streams
+            )
             cells = AgentCells() if self.telemetry.metrics else None  # None: metrics are off
             self._caps[name] = Served(info, spec, cells=cells)
             return fn
@@ -394,6 +402,11 @@ class Agent:
                     self._intake.handler_for,
                     ControlListeners(self, nc),
                     on_event=self._presence.on_event,
+                    streams=(
+                        self._workers.outflows.on_control
+                        if any(c.spec.streams for c in self._caps.values())
+                        else None
+                    ),
                     topics=[
                         (
                             t.pattern,

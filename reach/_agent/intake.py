@@ -18,6 +18,7 @@ from .._subjects import Subjects
 from ..wire import Header, Priority
 from .lifecycle import Lifecycle
 from .model import AgentStats, Job, Served, TopicSpec
+from .streaming import MAX_WINDOW
 from .workers import Workers
 
 __all__ = ["Intake"]
@@ -116,6 +117,7 @@ class Intake:
         priority = _NORMAL
         deadline: int | None = None
         request_id = ""
+        window = 0
         hdrs = msg.headers
         if hdrs:
             request_id = hdrs.get(Header.REQUEST_ID, "")
@@ -136,6 +138,18 @@ class Intake:
                 if deadline <= now_ms():
                     self.stats.expired += 1
                     return None
+            raw_window = hdrs.get(Header.STREAM_WINDOW)
+            if raw_window is not None and cap.spec.streams:
+                window = _window(raw_window)
+                if not window:
+                    return self._bad_header(
+                        f"{Header.STREAM_WINDOW} {raw_window!r}: use 1..{MAX_WINDOW} chunks"
+                    )
+        if cap.spec.streams and not window:
+            return self._bad_header(
+                f"{cap.info.name!r} streams its answer: ask with a {Header.STREAM_WINDOW}"
+                " header (client.stream)"
+            )
         if not request_id:
             # Without Reach-Request-Id the reply subject names the request (PROTOCOL.md).
             request_id = msg.reply.removeprefix("_INBOX.")
@@ -155,7 +169,7 @@ class Intake:
             self._refused("paused")
             return "agent_unavailable", f"agent {self.agent_id} is {life.state.lower()}"
         workers = self.workers
-        if not workers.admit(Job(msg, cap, priority, deadline, request_id)):
+        if not workers.admit(Job(msg, cap, priority, deadline, request_id, window=window)):
             self.stats.rejected += 1
             self._refused("full")
             return (
@@ -172,6 +186,15 @@ class Intake:
         self.stats.invalid += 1
         self._refused("bad_header")
         return "bad_request", reason
+
+
+def _window(raw: str) -> int:
+    """A stream's first window, 0 when it is not one of 1..MAX_WINDOW."""
+    try:
+        window = int(raw)
+    except ValueError:
+        return 0
+    return window if 1 <= window <= MAX_WINDOW else 0
 
 
 def _cost(reply: str, message: str) -> int:

@@ -70,6 +70,14 @@ class Job:
     expired: bool = False  # the deadline watch cancelled its handler
     abandoned: bool = False  # ...which ignored that; answered, and its worker replaced
     answered: bool = False  # a reply went out (a stop arriving during it adds none)
+    #: a streaming request: the caller's first window (0: not a stream)
+    window: int = 0
+    #: chunks sent (-1: no stream started); the last frame says how many
+    chunks: int = -1
+    #: the stream's subject: every frame's reply-to, where its caller speaks
+    via: str = ""
+    #: why the stream's handler was cancelled: its caller's cancel, or its silence
+    cut: str = ""
 
     def context(self, agent_id: str, client: Client) -> Context:
         """What the handler sees of this request (built only for handlers that ask)."""
@@ -123,3 +131,11 @@ class AgentStats:
     #: refusals never sent (past the sending queue's bound under a flood, or still queued
     #: when the agent stopped): their callers wait for their timeout
     unsent_refusals: int = 0
+    #: streaming replies started; stopped by their caller's cancel; stopped because their
+    #: caller went silent; times a handler waited at ``yield`` for its caller's credit;
+    #: credit messages heard (keepalives included)
+    streams: int = 0
+    streams_cancelled: int = 0
+    streams_silent: int = 0
+    stream_waits: int = 0
+    stream_credits: int = 0

@@ -44,10 +44,14 @@ class Subscriptions:
         *,
         on_event: Callback,
         topics: list[tuple[str, Callback]],
+        streams: Deliver | None = None,
     ) -> None:
         """Direct subjects, queue groups, ``$ping``, ``$ctl``, the agent's own registry
-        events, ``$SRV`` and topics (``topics``: pattern and callback)."""
+        events, ``$SRV`` and topics (``topics``: pattern and callback); with ``streams``,
+        what the callers of its streams say (``<prefix>.agent.<id>.$stream.*``)."""
         s, agent_id = self.subjects, self.agent_id
+        if streams is not None:  # before the capabilities: a caller speaks at the 1st chunk
+            self._others.append(await subscribe_direct(nc, s.streams(agent_id) + "*", streams))
         for name, cap in caps.items():
             cap.direct = s.agent(agent_id, name)
             cap.handler = handler_for(cap)

@@ -34,6 +34,7 @@ from ..wire import Header
 from .lifecycle import TIMEOUT_WINDOW, Lifecycle, Reason, TimeoutWatch
 from .model import AgentStats, Job
 from .scheduler import WorkQueue
+from .streaming import CUT_CANCEL, PATIENCE, Outflows
 
 if TYPE_CHECKING:
     from .._client import Client
@@ -63,7 +64,9 @@ class Workers:
         reply_headers: bool,
         on_exit: Callable[[BaseException], bool],
         timeout_quiet: float = TIMEOUT_WINDOW,
+        streams: str = "",
     ) -> None:
+        """``streams``: the stem of the agent's stream subjects (``Subjects.streams``)."""
         self.agent_id = agent_id
         self.stats = stats
         self.queue: WorkQueue[Job] = WorkQueue(max_queue)
@@ -91,13 +94,17 @@ class Workers:
         self._armed = asyncio.Event()
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
         self._stuck_tasks = 0  # the task runner's abandoned handlers, still running
+        #: the streaming replies being sent
+        self.outflows = Outflows(streams, stats)
 
     def start(self, nc: NatsConnection, owner: Background) -> None:
         self._nc = nc
         self._owner = owner
+        self.outflows.start(nc)
         for _ in range(self.max_concurrency):
             owner.keep(self._worker, "worker")
         owner.keep(self._deadline_watch, "deadline-watch")
+        owner.keep(self.outflows.watch, "stream-watch")
 
     async def close(self, owner: Background) -> None:
         """Cancel every worker (in-flight requests are answered ``agent_unavailable``) and
@@ -193,8 +200,8 @@ class Workers:
             except asyncio.CancelledError:
                 # Stopped past drain_timeout: tell the caller instead of leaving it waiting.
                 if not job.answered:
-                    await self.reply_error(
-                        job.msg, "agent_unavailable", "agent stopped while running the request"
+                    await self._send_answer(
+                        job, "agent_unavailable", "agent stopped while running the request"
                     )
                 raise
             except Exception:
@@ -236,26 +243,31 @@ class Workers:
             self._deadlines[task] = job
             if not self._armed.is_set():
                 self._armed.set()
+        fn = cap.spec.fn
+        if job.window:  # a stream: the pump runs the generator, the reply is its end
+            fn, args = self.outflows.open_for(job, task).pump, (fn, *args)
         try:
             if self.tracer is None:
-                result = await cap.spec.fn(*args)
+                result = await fn(*args)
             else:
-                result = await traced_handler(self.tracer, self.agent_id, job, cap.spec.fn, args)
+                result = await traced_handler(self.tracer, self.agent_id, job, fn, args)
             body = encode_payload(result)
         except asyncio.CancelledError:
-            if job.expired:
-                task.uncancel()  # the deadline watch's cancellation, not a stop
+            if job.expired or job.cut:
+                task.uncancel()  # the deadline watch's or the stream's, not a stop
             if task.cancelling():
                 raise  # the agent stops
             if job.abandoned:
                 return  # answered already
             if job.expired:
                 await self._timed_out(job)
+            elif job.cut:
+                await self._cut(job)
             else:
                 await self._failed(job, "cancelled", "handler was cancelled")
             return
         except RemoteError as exc:
-            if job.expired:
+            if job.expired or job.cut:
                 await self._late(job, task)
             else:
                 await self._refused(job, exc)
@@ -273,7 +285,7 @@ class Workers:
                 return
             raise
         except BaseException:
-            if job.expired:
+            if job.expired or job.cut:
                 await self._late(job, task)
             else:
                 await self._failed(job, "failed", "handler failed")
@@ -281,8 +293,9 @@ class Workers:
         finally:
             if job.deadline_ms is not None:
                 self._deadlines.pop(task, None)
-        if job.expired:
-            # The handler ignored the cancellation at its deadline and returned late.
+        if job.expired or job.cut:
+            # The handler ignored the cancellation (its deadline's, its stream's) and
+            # returned late.
             await self._late(job, task)
             return
         if self.timeouts.tripped and self.timeouts.succeeded():
@@ -292,6 +305,10 @@ class Workers:
         headers = None
         if self.reply_headers:
             headers = {Header.AGENT: self.agent_id, Header.DURATION_MS: f"{ms:.3f}"}
+        via = cap.direct
+        if job.chunks >= 0:  # a stream's end: how many chunks, from its subject
+            headers = {**(headers or {}), Header.END: str(job.chunks)}
+            via = job.via
         nc = self._nc
         if (
             headers is not None
@@ -308,8 +325,8 @@ class Workers:
         try:
             # nothing else accepted, so nothing to batch with: out now
             alone = self.outstanding == 1
-            if not publish(nc, msg.reply, body, cap.direct, headers, alone=alone):
-                await publish_by_nats(nc, msg.reply, body, cap.direct, headers, alone=alone)
+            if not publish(nc, msg.reply, body, via, headers, alone=alone):
+                await publish_by_nats(nc, msg.reply, body, via, headers, alone=alone)
         except TRANSIENT as exc:
             if len(body) > nc.max_payload:
                 await self._failed(job, "failed", f"result of {len(body)} bytes is too large")
@@ -318,6 +335,8 @@ class Workers:
         cap.processing_ns += elapsed
         s = self.stats
         s.served += 1
+        if job.chunks >= 0:
+            return  # a stream's length is its caller's reading: not a latency to route by
         s.latency_ewma_ms = (
             ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
         )
@@ -355,8 +374,23 @@ class Workers:
         CancelledError for a stop), and the caller, unless answered already, told
         ``timeout``."""
         task.uncancel()
-        if not job.abandoned:
+        if job.abandoned:
+            return
+        if job.cut:
+            await self._cut(job)
+        else:
             await self._timed_out(job)
+
+    async def _cut(self, job: Job) -> None:
+        """A stream's handler stopped for its caller: by its cancel (nobody reads an
+        answer), or its silence (told, in case it still listens)."""
+        if job.cut == CUT_CANCEL:
+            job.answered = True
+            return
+        self._count_error(job, "the caller went silent")
+        await self._answer(
+            job, "cancelled", f"the caller said nothing for {PATIENCE:g}s: stream stopped"
+        )
 
     async def _timed_out(self, job: Job) -> None:
         if self.timeouts.timed_out(time.monotonic()):
@@ -385,7 +419,24 @@ class Workers:
         job.answered = True
         if job.cap.cells is not None:
             job.cap.cells.error(job.priority, code)
-        await self.reply_error(job.msg, code, message, status=status, retryable=retryable)
+        await self._send_answer(job, code, message, status=status, retryable=retryable)
+
+    async def _send_answer(
+        self, job: Job, code: str, message: str, *, status: int = 500, retryable: bool = False
+    ) -> None:
+        """An error reply; a stream's says how many chunks it sent, from its subject."""
+        if job.chunks < 0:
+            await self.reply_error(job.msg, code, message, status=status, retryable=retryable)
+            return
+        await self.send_error(
+            job.msg.reply,
+            code,
+            message,
+            status=status,
+            retryable=retryable,
+            end=job.chunks,
+            via=job.via,
+        )
 
     async def reply_error(
         self, msg: Any, code: str, message: str, *, status: int = 500, retryable: bool = False
@@ -394,16 +445,27 @@ class Workers:
         await self.send_error(msg.reply, code, message, status=status, retryable=retryable)
 
     async def send_error(
-        self, reply: str, code: str, message: str, *, status: int = 500, retryable: bool = False
+        self,
+        reply: str,
+        code: str,
+        message: str,
+        *,
+        status: int = 500,
+        retryable: bool = False,
+        end: int | None = None,
+        via: str = "",
     ) -> None:
-        """Send an error to the reply subject ``reply`` (nothing when there is none)."""
+        """Send an error to the reply subject ``reply`` (nothing when there is none);
+        ``end``: the last frame of a stream that sent that many chunks, from ``via``."""
         if not reply:
             return
         body, headers = error_reply(
             code, message, self.agent_id, status=status, retryable=retryable
         )
+        if end is not None:
+            headers[Header.END] = str(end)
         try:
-            await self._nc.publish(reply, body, headers=headers)
+            await self._nc.publish(reply, body, reply=via, headers=headers)
         except TRANSIENT as exc:
             log.warning("agent %s: error reply lost: %s", self.agent_id, exc)
 
@@ -435,6 +497,8 @@ class Workers:
                     continue
                 deadline = job.deadline_ms
                 assert deadline is not None
+                if job.cut:
+                    continue  # its stream's caller stopped it already (one cancel each)
                 if not job.expired:
                     job.expired = True
                     task.cancel()

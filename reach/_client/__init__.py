@@ -1,5 +1,6 @@
 """The client: a facade (``client``) over the request path (``attempts`` -> the muxed
-``reach._inbox``), asking every instance at once (``gather``, over ``attempts``),
+``reach._inbox``), asking every instance at once (``gather``, over ``attempts``), streaming replies
+(``stream``, over ``attempts``),
 broadcast (``topics``) and two watched buckets, the routing table
 (``table``) and the routing configuration (``config``), both followed by
 ``reach._kv.BucketMirror``."""
@@ -7,6 +8,15 @@ broadcast (``topics``) and two watched buckets, the routing table
 from .._inbox import Reply
 from .client import Client, ClientStats
 from .gather import Gathered
+from .stream import Stream
 from .topics import TopicMessage, TopicSubscription
 
-__all__ = ["Client", "ClientStats", "Gathered", "Reply", "TopicMessage", "TopicSubscription"]
+__all__ = [
+    "Client",
+    "ClientStats",
+    "Gathered",
+    "Reply",
+    "Stream",
+    "TopicMessage",
+    "TopicSubscription",
+]

@@ -19,7 +19,7 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from .._codec import encode_payload, now_ms
-from .._inbox import Inbox, Reply
+from .._inbox import Inbox, Reply, StreamSink
 from .._nats import TRANSIENT, is_no_responders
 from .._routing import (
     FAILOVER,
@@ -124,7 +124,14 @@ class Requester:
         hedge: bool,
         max_attempts: int | None,
         idempotent: bool = False,
+        stream: StreamSink | None = None,
+        window: int = 0,
+        total: float | None = None,
     ) -> Reply:
+        """One request, attempt after attempt. ``stream``: a streaming call (``window``
+        chunks granted at first), which ends at its first frame: ``timeout`` bounds the
+        time to it, failover included, and ``total`` (None: none) is the deadline the
+        agent is told, for the whole stream."""
         router = self.router
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -176,7 +183,11 @@ class Requester:
             )
         deadline = began + wait  # the routing table's first start came out of it
         limit = 1 if policy is Policy.DIRECT else (max_attempts or self.max_attempts)
-        base = self.headers(deadline - now, prio, request_id)
+        if stream is None:
+            base = self.headers(deadline - now, prio, request_id)
+        else:
+            base = self.headers(None if total is None else total - (now - began), prio, request_id)
+            base[Header.STREAM_WINDOW] = str(window)
         call = Call(
             capability,
             data,
@@ -189,6 +200,7 @@ class Requester:
             policy,
             table,
             cells,
+            stream,
         )
         if cells is not None:
             cells.inflight += 1
@@ -211,10 +223,12 @@ class Requester:
             if cells is not None:
                 cells.finished(policy.value, outcome, loop.time() - now)
 
-    def headers(self, seconds: float, prio: Priority, request_id: str | None) -> dict[str, str]:
+    def headers(
+        self, seconds: float | None, prio: Priority, request_id: str | None
+    ) -> dict[str, str]:
         """The headers every attempt of a request carries: its deadline ``seconds`` from
-        now, and only the others that carry information."""
-        base = {Header.DEADLINE: str(now_ms() + int(seconds * 1000))}
+        now (None: none), and only the others that carry information."""
+        base = {} if seconds is None else {Header.DEADLINE: str(now_ms() + int(seconds * 1000))}
         if prio is not Priority.NORMAL:
             base[Header.PRIORITY] = prio.value
         if self.name:
@@ -446,7 +460,7 @@ class Requester:
         try:
             if self.tracer is None:
                 reply = await self.inbox.send(
-                    call, subject, headers, budget, target, lossy=idempotent
+                    call, subject, headers, budget, target, lossy=idempotent, stream=call.stream
                 )
             else:
                 reply = await traced_attempt(

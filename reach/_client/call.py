@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._inbox import StreamSink
 from .._routing import Policy, TableView
 from ..wire import Priority
 from .metrics import CapCells
@@ -28,3 +29,4 @@ class Call:
     policy: Policy
     table: TableView | None  # None: the queue group
     cells: CapCells | None = None  # metrics; None when they are off
+    stream: StreamSink | None = None  # a streaming call's frames go there

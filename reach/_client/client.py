@@ -41,6 +41,7 @@ from .attempts import Requester
 from .config import ConfigSink, config_bucket
 from .gather import Gathered, gather
 from .metrics import ClientMetrics
+from .stream import WINDOW, Stream, Streams
 from .table import RoutingTable
 from .topics import TopicSubscription, publish, subscribe
 from .watches import Watches
@@ -124,6 +125,7 @@ class Client:
             self._metrics,
             self.telemetry.tracer,
         )
+        self._streams = Streams(self._inbox, self._requests)
 
     @property
     def nc(self) -> NatsConnection:
@@ -163,6 +165,7 @@ class Client:
         if self._metrics is not None and self._unsource is None:
             self._unsource = self.telemetry.add_source(self._metrics.collect)
         self._watches.reopen()
+        self._streams.reopen()
         await self._inbox.open(nc)
         await flush_nats(nc)  # the reply inbox's interest is the server's before we start
 
@@ -242,6 +245,7 @@ class Client:
             **self._router.footprint(),
             "capabilities.checked": self._requests.checked,
             "pending": len(self._inbox.pending),
+            "streams": len(self._inbox.streams),
             "deadlines": self._inbox.deadlines,
             "background": len(self._watches.owner),
         }
@@ -271,6 +275,7 @@ class Client:
         if self._unsource is not None:
             self._unsource()
             self._unsource = None
+        await self._streams.close()
         await self._watches.close()
         await self._tasks.close()
         await self._durable.close()
@@ -378,6 +383,68 @@ class Client:
             hedge=hedge,
             max_attempts=max_attempts,
             idempotent=idempotent,
+        )
+
+    def stream(
+        self,
+        capability: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        total_timeout: float | None = None,
+        window: int = WINDOW,
+        priority: Priority | str = Priority.NORMAL,
+        agent_id: str | None = None,
+        response_type: Any = None,
+        request_id: str | None = None,
+        version: str | None = None,
+        required_tags: Sequence[str] = (),
+        routing: Policy | str | None = None,
+        affinity_key: str | None = None,
+        max_attempts: int | None = None,
+        idempotent: bool = False,
+    ) -> Stream:
+        """Call a capability whose answer comes in chunks (a handler written as an async
+        generator): ``async for chunk in client.stream("chat.complete", prompt): ...``.
+        Each chunk is decoded as ``response_type``. A capability that does not stream
+        gives its whole answer as the one chunk.
+
+        Until the first chunk it is a request: routed, failed over and refused as
+        :meth:`call` says (``agent_id``, ``routing``, ``version``, ``required_tags``,
+        breakers, ``idempotent``). Then it stays with the instance that answered: a
+        stream cut short after its first chunk raises :class:`~reach.StreamBroken`
+        (``chunks`` says how many arrived), never a silent failover. An error the handler
+        raises mid-stream is raised after the chunks before it.
+
+        Time: ``timeout`` (default ``REACH_TIMEOUT_MS``) bounds the wait for the first
+        chunk and for each chunk after it; ``total_timeout`` (None: none) bounds the whole
+        stream, and is the deadline the handler sees in ``ctx.remaining()``.
+
+        Flow control: at most ``window`` chunks are on their way or unread; the handler's
+        ``yield`` waits until the reader takes some. Leaving early (``break``,
+        ``aclose()``, an exception, cancellation) cancels the handler; so does a caller
+        that goes silent (its process gone): the agent stops a stream whose caller sent
+        nothing for ``PATIENCE`` (0.8 s; this client says something every 0.2 s).
+        """
+        return Stream(
+            self._streams,
+            capability,
+            payload,
+            timeout=timeout,
+            total_timeout=total_timeout,
+            window=window,
+            response_type=response_type,
+            options={
+                "priority": priority,
+                "agent_id": agent_id,
+                "request_id": request_id,
+                "version": version,
+                "required_tags": required_tags,
+                "routing": routing,
+                "affinity_key": affinity_key,
+                "max_attempts": max_attempts,
+                "idempotent": idempotent,
+            },
         )
 
     async def gather(

@@ -46,7 +46,14 @@ async def traced_attempt(
         propagate.inject(carrier)
         try:
             reply = await inbox.send(
-                call, subject, carrier, budget, target, measure=True, lossy=lossy
+                call,
+                subject,
+                carrier,
+                budget,
+                target,
+                measure=True,
+                lossy=lossy,
+                stream=call.stream,
             )
         except asyncio.CancelledError:
             span.set_attribute(ATTR.OUTCOME, "cancelled")  # a hedge loser, a caller gone

@@ -52,10 +52,15 @@ class Skill:
     versions: set[str] = field(default_factory=set)
     tags: set[str] = field(default_factory=set)
     description: str = ""
+    #: its calls answer with a stream of chunks (an instance registered it so)
+    streams: bool = False
 
     def to_proto(self) -> AgentSkill:
         how = " or ".join(_HOW[m] for m in MODES if m in self.modes)
+        if self.streams:
+            how += ", answered in chunks (artifact updates when streamed)"
         extra = [f"mode:{m}" for m in MODES if m in self.modes]
+        extra += ["streaming"] if self.streams else []
         extra += [f"version:{v}" for v in sorted(self.versions)]
         return AgentSkill(
             id=self.capability,
@@ -97,6 +102,7 @@ def fleet(records: Iterable[AgentRecord]) -> dict[str, Named]:
                 skill.versions.add(cap.version)
                 skill.tags.update(info.tags)
                 skill.description = cap.description or skill.description
+                skill.streams = skill.streams or (mode == CALL and cap.streams)
     return names
 
 

@@ -34,6 +34,8 @@ from a2a.utils.errors import (
     TaskNotFoundError,
 )
 
+from .._client import Stream
+from .._codec import now_ms
 from ..errors import BadRequest, ConfigurationError, ReachError, RemoteError, TaskNotFound
 from ..wire.tasks import TaskRecord
 from ..wire.tasks import TaskState as S
@@ -155,6 +157,39 @@ def status_of(rec: TaskRecord) -> TaskStatus:
             )
         )
     return status
+
+
+def chunk_status(
+    state: TaskState, note: str = "", task_id: str = "", context_id: str = ""
+) -> TaskStatus:
+    """The status of a streamed call (``ReachRequestHandler.chunks``), now; ``note`` the
+    error of a failed one."""
+    status = TaskStatus(state=state)
+    status.timestamp.FromMilliseconds(now_ms())
+    if note:
+        status.message.CopyFrom(
+            Message(
+                role=Role.ROLE_AGENT,
+                message_id=f"{task_id}.{TaskState.Name(state).lower()}",
+                task_id=task_id,
+                context_id=context_id,
+                parts=[Part(text=note)],
+            )
+        )
+    return status
+
+
+def stream_meta(capability: str, stream: Stream) -> dict[str, Any]:
+    """Reach's view of a streamed call, under ``reach``: who streams, how far it is."""
+    return {
+        "reach": {
+            "capability": capability,
+            "agent_id": stream.agent_id,
+            "request_id": stream.request_id,
+            "chunks": stream.chunks,
+            "latency_ms": round(stream.latency_ms, 3),
+        }
+    }
 
 
 def _artifact(rec: TaskRecord) -> Artifact:

@@ -23,6 +23,7 @@ from a2a.server.context import ServerCallContext
 from a2a.server.events.event_queue import Event
 from a2a.server.request_handlers import validate_request_params
 from a2a.types import (
+    Artifact,
     CancelTaskRequest,
     GetTaskRequest,
     ListTasksRequest,
@@ -32,6 +33,9 @@ from a2a.types import (
     SendMessageRequest,
     SubscribeToTaskRequest,
     Task,
+    TaskArtifactUpdateEvent,
+    TaskState,
+    TaskStatusUpdateEvent,
 )
 from a2a.utils.constants import DEFAULT_LIST_TASKS_PAGE_SIZE
 from a2a.utils.errors import (
@@ -43,13 +47,22 @@ from a2a.utils.errors import (
 from a2a.utils.task import apply_history_length, validate_history_length, validate_page_size
 from starlette.exceptions import HTTPException
 
-from .._client import Client
+from .._client import Client, Stream
 from .._tasks import TaskRecord, TaskRef
-from ..errors import RequestTimeout
+from ..errors import ReachError, RequestTimeout
 from ..wire import Priority
 from ..wire.tasks import TaskState as S
 from .a2a_cards import CALL, MODES, TASK, NotOffered, fleet
-from .a2a_convert import STATES, a2a_errors, events_of, payload_of, result_part, task_of
+from .a2a_convert import (
+    STATES,
+    a2a_errors,
+    chunk_status,
+    events_of,
+    payload_of,
+    result_part,
+    stream_meta,
+    task_of,
+)
 from .auth import OPEN_CALLER, scoped_key
 from .errors import EdgeError
 from .inputs import check_timeout, is_task_id
@@ -76,6 +89,8 @@ class Plan:
     priority: Priority
     idempotency_key: str | None
     context_id: str
+    #: a call whose answer comes in chunks (the skill streams)
+    streams: bool = False
 
 
 def _options(params: SendMessageRequest) -> dict[str, Any]:
@@ -189,6 +204,7 @@ class ReachRequestHandler(NotOffered):
                 else None
             ),
             context_id=msg.context_id,
+            streams=skill.streams and mode == CALL,
         )
 
     def _timeout(self, value: Any, mode: str) -> float | None:
@@ -205,30 +221,96 @@ class ReachRequestHandler(NotOffered):
             raise InvalidParamsError(exc.message) from None
 
     async def call(self, plan: Plan) -> Message:
-        """A request/reply call: the answer is one agent message."""
-        with a2a_errors():
-            reply = await self.client.call(
-                plan.capability,
-                plan.payload,
-                timeout=plan.timeout,
-                priority=plan.priority,
-                response_type=bytes,
-            )
+        """A request/reply call: the answer is one agent message (a streaming skill's
+        chunks are its parts, in order)."""
+        if plan.streams:
+            with a2a_errors():
+                stream = self.open(plan)
+                async with stream:
+                    parts = [result_part(chunk) async for chunk in stream]
+                agent_id, request_id, latency = (
+                    stream.agent_id,
+                    stream.request_id,
+                    stream.latency_ms,
+                )
+        else:
+            with a2a_errors():
+                reply = await self.client.call(
+                    plan.capability,
+                    plan.payload,
+                    timeout=plan.timeout,
+                    priority=plan.priority,
+                    response_type=bytes,
+                )
+            parts = [result_part(reply.data)]
+            agent_id, request_id, latency = reply.agent_id, reply.request_id, reply.latency_ms
         meta = {
             "reach": {
                 "capability": plan.capability,
-                "agent_id": reply.agent_id,
-                "request_id": reply.request_id,
-                "latency_ms": round(reply.latency_ms, 3),
+                "agent_id": agent_id,
+                "request_id": request_id,
+                "latency_ms": round(latency, 3),
             }
         }
         return Message(
             role=Role.ROLE_AGENT,
             message_id=str(uuid.uuid4()),
             context_id=plan.context_id,
-            parts=[result_part(reply.data)],
+            parts=parts,
             metadata=meta,
         )
+
+    def open(self, plan: Plan) -> Stream:
+        return self.client.stream(
+            plan.capability,
+            plan.payload,
+            timeout=plan.timeout,
+            priority=plan.priority,
+            response_type=bytes,
+        )
+
+    async def chunks(self, plan: Plan) -> AsyncGenerator[Event, None]:
+        """A streaming skill's call as a task of the moment: the task (working), one
+        artifact update per chunk as it comes (all appended to the artifact ``result``),
+        then its end: completed, or failed with the error. Nothing is kept: the task id
+        is not one ``GetTask`` knows. An error before the first chunk is the call's own
+        A2A error."""
+        slot = self.streams.slot() if self.streams is not None else nullcontext()
+        stream = self.open(plan)
+        with slot:
+            with a2a_errors():
+                await stream.__aenter__()  # the first frame: until then, a call
+            try:
+                task_id = str(uuid.uuid4())
+                context_id = plan.context_id or task_id
+                yield Task(
+                    id=task_id,
+                    context_id=context_id,
+                    status=chunk_status(TaskState.TASK_STATE_WORKING),
+                    metadata=stream_meta(plan.capability, stream),
+                )
+                try:
+                    async for chunk in stream:
+                        yield TaskArtifactUpdateEvent(
+                            task_id=task_id,
+                            context_id=context_id,
+                            artifact=Artifact(
+                                artifact_id="result", name="result", parts=[result_part(chunk)]
+                            ),
+                            append=stream.chunks > 1,
+                        )
+                except ReachError as exc:
+                    state, note = TaskState.TASK_STATE_FAILED, f"{exc.code}: {exc.message}"
+                else:
+                    state, note = TaskState.TASK_STATE_COMPLETED, ""
+                yield TaskStatusUpdateEvent(
+                    task_id=task_id,
+                    context_id=context_id,
+                    status=chunk_status(state, note, task_id, context_id),
+                    metadata=stream_meta(plan.capability, stream),
+                )
+            finally:
+                await stream.aclose()  # a client gone: the agent stops the handler
 
     async def submit(self, plan: Plan) -> TaskRef:
         with a2a_errors():
@@ -265,6 +347,11 @@ class ReachRequestHandler(NotOffered):
     ) -> AsyncGenerator[Event, None]:
         validate_history_length(params.configuration)
         plan = await self.plan(params, context)
+        if plan.streams:
+            self.room()
+            async for event in self.chunks(plan):
+                yield event
+            return
         if plan.mode == CALL:
             yield await self.call(plan)
             return

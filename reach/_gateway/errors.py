@@ -33,6 +33,7 @@ from ..errors import (
     RemoteError,
     RequestTimeout,
     ResourceExhausted,
+    StreamBroken,
     TaskNotFound,
     Unauthorized,
 )
@@ -61,6 +62,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "agent_unavailable": 503,
     "circuit_open": 503,
     "timeout": 504,
+    # a started stream cut short (client-side code): the upstream failed mid-answer
+    "stream_broken": 502,
     # a stored task record that does not decode: the server's fault, not the caller's
     "corrupt_record": 500,
 }
@@ -138,6 +141,8 @@ def error_body(exc: ReachError) -> dict[str, Any]:
             ]
     if isinstance(exc, TaskNotFound | CorruptRecord):
         out["task_id"] = exc.task_id
+    if isinstance(exc, StreamBroken):
+        out["chunks"] = exc.chunks
     return out
 
 

@@ -11,8 +11,9 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .._routing import Policy
@@ -25,6 +26,7 @@ __all__ = [
     "CallOptions",
     "as_value_error",
     "call_options",
+    "check_body",
     "check_capability",
     "check_tags",
     "check_task_id",
@@ -77,6 +79,33 @@ class CallOptions:
     version: str | None = None
     routing: Policy | None = None
     affinity_key: str | None = None
+
+    def routed(self) -> dict[str, Any]:
+        """The arguments of ``Client.call`` or ``Client.stream`` that choose who answers,
+        and how urgently (``timeout`` apart: the gateway's default fills it)."""
+        return {
+            "priority": self.priority,
+            "agent_id": self.agent_id,
+            "version": self.version,
+            "required_tags": self.tags,
+            "routing": self.routing,
+            "affinity_key": self.affinity_key,
+        }
+
+
+_OCTETS = "application/octet-stream"
+_validate = msgspec.json.Decoder()  # for checking: the decoded value is thrown away
+
+
+def check_body(body: bytes, content_type: str) -> None:
+    """A call's body is JSON, unless it is sent as raw bytes (octet-stream)."""
+    if body and not content_type.startswith(_OCTETS):
+        try:
+            _validate.decode(body)
+        except msgspec.DecodeError as exc:
+            raise bad(
+                f"the body is not JSON ({exc}); send application/octet-stream for raw bytes"
+            ) from None
 
 
 def check_capability(name: str) -> str:

@@ -19,7 +19,7 @@ from starlette.types import Scope as AsgiScope
 from ..errors import ReachError
 from .deps import EdgeDeps
 from .errors import EdgeError, reach_error_response
-from .inputs import HEADERS, bad, call_options, check_capability
+from .inputs import HEADERS, call_options, check_body, check_capability
 from .middleware import EdgeMiddleware
 from .settings import Scope
 
@@ -27,7 +27,6 @@ __all__ = ["OPENAPI_PATHS", "PATH", "CallEndpoint", "CallRoute", "FastPath", "ca
 
 PATH = "/v1/capabilities/{capability}"
 _PREFIX = "/v1/capabilities/"
-_OCTETS = "application/octet-stream"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _WANTED = frozenset({b"authorization", b"content-type", *(h.encode() for h in HEADERS.values())})
 
@@ -166,24 +165,13 @@ class CallEndpoint:
         query = dict(parse_qsl(qs.decode("latin-1"))) if qs else {}
         opts = call_options(query, headers, self.max_timeout)
         body = await _read_body(receive)
-        if body and not headers.get("content-type", "").startswith(_OCTETS):
-            try:
-                _validate.decode(body)
-            except msgspec.DecodeError as exc:
-                raise bad(
-                    f"the body is not JSON ({exc}); send application/octet-stream for raw bytes"
-                ) from None
+        check_body(body, headers.get("content-type", ""))
         reply = await self.client.call(
             capability,
             body,
             timeout=self.deps.timeout(opts.timeout),
-            priority=opts.priority,
-            agent_id=opts.agent_id,
             response_type=bytes,
-            version=opts.version,
-            required_tags=opts.tags,
-            routing=opts.routing,
-            affinity_key=opts.affinity_key,
+            **opts.routed(),
         )
         return answer_body(
             reply.data, reply.agent_id, reply.request_id, reply.latency_ms, reply.duration_ms

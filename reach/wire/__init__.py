@@ -30,6 +30,9 @@ from .messages import (
     RouteQuery,
     RouteReply,
     Status,
+    StreamCancel,
+    StreamControl,
+    StreamCredit,
     Transition,
 )
 from .tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
@@ -58,6 +61,9 @@ __all__ = [
     "RouteQuery",
     "RouteReply",
     "Status",
+    "StreamCancel",
+    "StreamControl",
+    "StreamCredit",
     "TaskAttempt",
     "TaskRecord",
     "TaskState",

@@ -32,6 +32,9 @@ __all__ = [
     "RouteQuery",
     "RouteReply",
     "Status",
+    "StreamCancel",
+    "StreamControl",
+    "StreamCredit",
     "Transition",
 ]
 
@@ -56,6 +59,12 @@ class Header:
     DURATION_MS: Final = "Reach-Duration-Ms"
     SERVICE_ERROR_CODE: Final = "Nats-Service-Error-Code"
     SERVICE_ERROR: Final = "Nats-Service-Error"
+    #: streaming replies (PROTOCOL.md 3.3): the caller's first window, on the request
+    STREAM_WINDOW: Final = "Reach-Stream-Window"
+    #: on a chunk frame: its number, 1 for the first
+    CHUNK: Final = "Reach-Chunk"
+    #: on the last frame (end, or error): how many chunks the stream sent
+    END: Final = "Reach-End"
 
 
 class Status(enum.StrEnum):
@@ -132,6 +141,15 @@ class CapabilityInfo(_Wire, tag="reach.capability", frozen=True, kw_only=True):
     #: semver; routing compares the major only, so "1.0" from older agents is the same 1.x
     version: str = "1.0.0"
     description: str = ""
+    streams: Annotated[
+        bool,
+        msgspec.Meta(
+            description=(
+                "The answer comes as a stream of chunks (PROTOCOL.md 3.3): call it with"
+                " Reach-Stream-Window"
+            )
+        ),
+    ] = False
 
 
 class AgentInfo(_Wire, tag="reach.agent.info", frozen=True, kw_only=True):
@@ -289,3 +307,19 @@ class Candidate(_Wire, tag="reach.registry.candidate", frozen=True, kw_only=True
 class RouteReply(_Wire, tag="reach.registry.route.reply", frozen=True, kw_only=True):
     candidates: list[Candidate] = msgspec.field(default_factory=list)
     reason: str = ""
+
+
+class StreamCredit(_Wire, tag="reach.stream.credit", frozen=True, kw_only=True):
+    """From a streaming caller to the agent's stream subject: ``credit`` more chunks may
+    come. 0 is a keepalive: the caller is still there (PROTOCOL.md 3.3)."""
+
+    credit: int = 0
+
+
+class StreamCancel(_Wire, tag="reach.stream.cancel", frozen=True, kw_only=True):
+    """From a streaming caller to the agent's stream subject: stop now; nothing more is
+    read."""
+
+
+#: what a caller sends to an agent's stream subject
+StreamControl = StreamCredit | StreamCancel

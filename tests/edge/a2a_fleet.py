@@ -33,9 +33,12 @@ class Hold:
     cancelled: list[str] = field(default_factory=list)
     #: text.count runs while this is set (a test clears it to look at a task mid-way)
     counting: asyncio.Event = field(default_factory=asyncio.Event)
+    #: text.story yields its first word, then waits for this before the rest
+    telling: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.counting.set()
+        self.telling.set()
 
 
 @asynccontextmanager
@@ -70,6 +73,16 @@ def helper_agent(settings: ReachSettings, hold: Hold) -> Agent:
     @agent.capability("text.echo", version="1.2", description="Repeat the text n times")
     async def echo(p: EchoIn) -> dict[str, Any]:
         return {"echo": p.text * p.n}
+
+    @agent.capability("text.story", description="Tell the text back a word at a time")
+    async def story(p: dict[str, Any]) -> AsyncIterator[str]:
+        words = p["text"].split()
+        for i, word in enumerate(words):
+            if i == 1:
+                await hold.telling.wait()
+            if word == "boom":
+                raise RuntimeError("the storyteller fell silent")
+            yield word
 
     @agent.capability("text.refuse")
     async def refuse(p: Any) -> None:

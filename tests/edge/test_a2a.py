@@ -106,7 +106,16 @@ async def test_cards_list_the_capabilities_as_skills(fleet, http):
         (f"{fleet.url}/a2a/helper", "0.3"),
     }
     skills = {s.id: s for s in card.skills}
-    assert sorted(skills) == ["text.broken", "text.count", "text.echo", "text.hold", "text.refuse"]
+    assert sorted(skills) == [
+        "text.broken",
+        "text.count",
+        "text.echo",
+        "text.hold",
+        "text.refuse",
+        "text.story",
+    ]
+    assert "streaming" in skills["text.story"].tags
+    assert "streaming" not in skills["text.echo"].tags
     echo = skills["text.echo"]
     assert echo.description == "Repeat the text n times"
     assert list(echo.tags) == ["demo", "text", "mode:call", "version:1.2"]
@@ -184,6 +193,58 @@ async def test_a_durable_task_runs_to_completion_and_get_task_reads_it(fleet, ht
     assert [t.id for t in done.tasks] == [event.task.id]
     assert get_data_parts(done.tasks[0].artifacts[0].parts) == [{"words": 2}]
     assert not (await client.list_tasks(ListTasksRequest(status=T.TASK_STATE_FAILED))).tasks
+
+
+async def test_a_streaming_capability_sends_its_chunks_as_artifact_updates_as_they_come(
+    fleet, http
+):
+    """SendStreamingMessage on a streaming skill: the task (working), an artifact update
+    per chunk while the handler still runs, then completed."""
+    client = await a2a(fleet, http, "helper", streaming=True)
+    fleet.hold.telling.clear()  # the handler waits after its first word
+    request = send([new_text_part("once upon a time")], capability="text.story")
+    async with aclosing(client.send_message(request)) as stream:
+        async with asyncio.timeout(60):
+            first = await anext(stream)
+            update = await anext(stream)
+        # the first word came while the handler was still waiting for the rest
+        assert not fleet.hold.telling.is_set()
+        fleet.hold.telling.set()
+        rest = await collect(stream)
+    assert first.HasField("task")
+    assert first.task.status.state == T.TASK_STATE_WORKING
+    assert first.task.metadata["reach"]["agent_id"].startswith("helper-")
+    updates = [update, *rest[:-1]]
+    assert all(u.HasField("artifact_update") for u in updates)
+    words = [get_message_text(u.artifact_update.artifact) for u in updates]
+    assert words == ["once", "upon", "a", "time"]
+    assert [u.artifact_update.append for u in updates] == [False, True, True, True]
+    assert {u.artifact_update.task_id for u in updates} == {first.task.id}
+    assert {u.artifact_update.artifact.artifact_id for u in updates} == {"result"}
+    last = rest[-1]
+    assert last.HasField("status_update")
+    assert last.status_update.status.state == T.TASK_STATE_COMPLETED
+    assert last.status_update.metadata["reach"]["chunks"] == 4
+
+
+async def test_a_streaming_capability_that_fails_mid_way_ends_the_task_failed(fleet, http):
+    client = await a2a(fleet, http, "helper", streaming=True)
+    request = send([new_text_part("it went boom")], capability="text.story")
+    events = await collect(client.send_message(request))
+    words = [get_message_text(e.artifact_update.artifact) for e in events[1:-1]]
+    assert words == ["it", "went"]
+    end = events[-1].status_update.status
+    assert end.state == T.TASK_STATE_FAILED
+    assert get_message_text(end.message).startswith("failed: text.story: handler failed")
+    assert "fell silent" not in get_message_text(end.message)
+
+
+async def test_a_streaming_capability_without_streaming_is_one_message(fleet, http):
+    client = await a2a(fleet, http, "helper", streaming=False)
+    request = send([new_text_part("three little words")], capability="text.story")
+    [event] = await collect(client.send_message(request))
+    assert event.HasField("message")
+    assert [p.text for p in event.message.parts] == ["three", "little", "words"]
 
 
 async def test_a_durable_task_streams_its_states_from_the_record(fleet, http):
@@ -286,7 +347,7 @@ async def test_an_unknown_task_is_the_sdks_not_found_error(fleet, http):
 
 async def test_errors_map_to_a2a_errors(fleet, http):
     client = await a2a(fleet, http, "helper", streaming=False)
-    with pytest.raises(InvalidParamsError, match="has 5 skills"):
+    with pytest.raises(InvalidParamsError, match="has 6 skills"):
         await collect(client.send_message(send([new_text_part("x")])))
     with pytest.raises(InvalidParamsError, match=r"no skill 'text\.nope'"):
         await collect(client.send_message(send([new_text_part("x")], capability="text.nope")))

@@ -20,6 +20,8 @@ from reach.wire import (
     Heartbeat,
     RegisterReply,
     Registration,
+    StreamCancel,
+    StreamCredit,
 )
 from sdk.gen_schemas import SCHEMAS, render
 
@@ -35,7 +37,11 @@ BODY_TYPES = {
     "agent-event": AgentEvent,
     "control": Control,
     "deregistration": Deregistration,
+    "stream-credit": StreamCredit,
+    "stream-cancel": StreamCancel,
 }
+#: a stream's subject, where its caller speaks (PROTOCOL.md 3.3)
+STREAM_SUBJECT = re.compile(r"reach\.agent\.[A-Za-z0-9_-]+\.\$stream\.[A-Za-z0-9_-]+")
 
 
 def test_schemas_match_wire():
@@ -55,6 +61,10 @@ def test_there_are_vectors_of_every_kind():
         "broadcast",
         "registration",
         "deregistration",
+        "stream-chunk",
+        "stream-end",
+        "stream-credit",
+        "stream-cancel",
     }
 
 
@@ -73,7 +83,12 @@ def test_vector_decodes(path):
             assert v["subject"] == f"reach.registry.register.{decoded.info.agent_id}"
         elif isinstance(decoded, Deregistration):
             assert v["subject"] == f"reach.registry.deregister.{decoded.agent_id}"
+        elif isinstance(decoded, StreamCredit | StreamCancel):
+            assert STREAM_SUBJECT.fullmatch(v["subject"])
     elif kind == "error":
+        if "reply" in v:  # a stream's error frame, from its subject
+            assert STREAM_SUBJECT.fullmatch(v["reply"])
+            assert int(headers[Header.END]) >= 0
         err = msgspec.json.decode(body, type=ErrorBody)
         if err.code in ERROR_CODES:
             status, retryable = ERROR_CODES[err.code]
@@ -102,7 +117,18 @@ def test_vector_decodes(path):
         assert v["reply"]
         if Header.DEADLINE in headers:
             assert int(headers[Header.DEADLINE]) > 0
+        if Header.STREAM_WINDOW in headers:
+            assert 1 <= int(headers[Header.STREAM_WINDOW]) <= 1024
         assert headers.get(Header.PRIORITY, "normal") in {"high", "normal", "low"}
+    elif kind in ("stream-chunk", "stream-end"):
+        assert v["subject"].startswith("_INBOX.")
+        assert STREAM_SUBJECT.fullmatch(v["reply"])
+        if kind == "stream-chunk":
+            assert int(headers[Header.CHUNK]) >= 1
+            assert Header.END not in headers
+        else:
+            assert int(headers[Header.END]) >= 0
+            assert v["body"] is None  # an empty body
     elif kind == "broadcast":
         assert v["subject"].startswith("reach.topic.")
         validate_topic(v["subject"].removeprefix("reach.topic."))

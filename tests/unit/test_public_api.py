@@ -54,6 +54,8 @@ def test_public_api_is_pinned():
             "RequestTimeout",
             "ResourceExhausted",
             "Status",
+            "Stream",
+            "StreamBroken",
             "TaskAttempt",
             "TaskContext",
             "TaskNotFound",

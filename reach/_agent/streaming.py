@@ -1,0 +1,210 @@
+"""Streaming replies, the agent's side (PROTOCOL.md 3.3): a capability whose handler is an
+async generator sends each item it yields as a chunk frame, within the credit its caller
+grants, and hears the caller on a stream subject of its own.
+
+A streaming request is a request (intake, the priority queue, a worker, deadlines, every
+way a handler can fail: ``workers``); what differs is what the handler returns. The worker
+runs ``Outflow.pump`` in its place, which asks the generator for an item only while the
+caller's credit lasts: with the window used, the generator stays suspended at its
+``yield`` and the agent holds no chunk that waits to be sent. So a reader that stops
+reading costs the agent one suspended generator, whatever the stream's length.
+
+Every frame's reply-to is the stream's subject ``<prefix>.agent.<id>.$stream.<token>``
+(one wildcard subscription for all of an agent's streams, read in nats-py's reading
+task): the caller sends credit there (0: a keepalive) and ``cancel``. A cancel, or a
+caller silent for ``PATIENCE`` seconds once the first chunk is out (its process gone, its
+connection lost), cancels the handler at once, as the deadline watch does: the worker
+task is cancelled with ``Job.cut`` set, and ``workers`` takes it for what it is, not for a
+stop. A handler cancelled while it waits at ``yield`` is closed there (``aclose``: its
+``finally`` blocks run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.nuid import NUID
+
+from .._codec import encode_payload
+from .._delivery import publish, publish_by_nats
+from .._nats import HEADROOM, NatsConnection, fits
+from ..wire import Header, StreamCancel, StreamControl, StreamCredit
+from .model import AgentStats, Job
+
+__all__ = ["CUT_CANCEL", "CUT_SILENT", "MAX_WINDOW", "PATIENCE", "Outflow", "Outflows"]
+
+log = logging.getLogger("reach.agent")
+
+#: seconds without a word from the caller (credit, keepalive) after which a started
+#: stream is stopped: its caller sends something at least every 0.2 s while it lives
+PATIENCE = 0.8
+#: the most chunks a caller may grant in its first window (more is ``bad_request``)
+MAX_WINDOW = 1024
+_SWEEP = 0.1  # seconds between two looks for silent callers, while streams run
+#: why a stream's handler was cancelled (``Job.cut``)
+CUT_CANCEL, CUT_SILENT = "cancel", "silent"
+
+_controls = msgspec.json.Decoder(StreamControl)
+
+
+class ChunkTooLarge(Exception):
+    """A chunk larger than the server's ``max_payload``: the stream fails."""
+
+
+class Outflow:
+    """One stream being sent: the handler's items, out within the caller's credit."""
+
+    __slots__ = ("granted", "heard", "job", "nc", "owner", "subject", "task", "token", "waiter")
+
+    def __init__(
+        self, owner: Outflows, token: str, job: Job, task: asyncio.Task[Any], window: int
+    ) -> None:
+        self.owner = owner
+        self.token = token
+        self.subject = owner.stem + token
+        self.job = job
+        self.task = task
+        self.nc = owner.nc
+        self.granted = window
+        self.heard = 0.0  # loop time of the caller's last word (or of the first chunk)
+        self.waiter: asyncio.Future[None] | None = None
+
+    def grant(self, credit: int) -> None:
+        """In nats-py's reading task."""
+        self.granted += credit
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def stop(self, why: str) -> None:
+        """Cancel the handler (once; not over a deadline's cancellation)."""
+        job = self.job
+        if job.expired or job.cut:
+            return
+        job.cut = why
+        self.task.cancel()
+
+    async def pump(self, fn: Callable[..., AsyncGenerator[Any, None]], *args: Any) -> None:
+        """Run the handler ``fn(*args)``: each item as a chunk, while credit lasts."""
+        job, nc = self.job, self.nc
+        reply, via = job.msg.reply, self.subject
+        loop = asyncio.get_running_loop()
+        gen = fn(*args)
+        try:
+            while True:
+                while job.chunks >= self.granted:
+                    await self._credit()
+                try:
+                    item = await anext(gen)
+                except StopAsyncIteration:
+                    return
+                body = encode_payload(item)
+                n = job.chunks + 1
+                headers = {Header.CHUNK: str(n)}
+                if len(body) > nc.max_payload - HEADROOM and not fits(nc, body, headers):
+                    raise ChunkTooLarge(f"chunk {n} of {len(body)} bytes is too large")
+                job.chunks = n
+                first = n == 1
+                if first:
+                    self.heard = loop.time()  # the caller can speak from now on
+                    self.owner.watched()
+                # the first out now (time to first chunk); the others with what follows
+                if not publish(nc, reply, body, via, headers, alone=first):
+                    await publish_by_nats(nc, reply, body, via, headers, alone=first)
+        except BaseException:
+            self.owner.close(self)
+            await gen.aclose()  # suspended at its yield (one that raised: closed already)
+            raise
+        finally:
+            self.owner.close(self)  # before any other await: nothing cancels it later
+
+    async def _credit(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiter = waiter
+        self.owner.stats.stream_waits += 1
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+
+class Outflows:
+    """An agent's streams being sent, by token: their callers' words and their silence."""
+
+    def __init__(self, stem: str, stats: AgentStats) -> None:
+        #: ``<prefix>.agent.<id>.$stream.``: a stream's subject is this and its token
+        self.stem = stem
+        self.stats = stats
+        self.open: dict[str, Outflow] = {}
+        self.nc: NatsConnection
+        self._seq = 0
+        #: tokens differ from those of an earlier run of this agent id, so a late word
+        #: from an old stream's caller reaches no stream of this one
+        self._run = NUID().next().decode()[:8]
+        self._armed = asyncio.Event()
+
+    def start(self, nc: NatsConnection) -> None:
+        self.nc = nc
+
+    def open_for(self, job: Job, task: asyncio.Task[Any]) -> Outflow:
+        self._seq += 1
+        token = f"{self._run}{self._seq}"  # unique: the subject names the agent
+        flow = Outflow(self, token, job, task, job.window)
+        self.open[token] = flow
+        job.chunks = 0
+        job.via = flow.subject
+        self.stats.streams += 1
+        return flow
+
+    def close(self, flow: Outflow) -> None:
+        self.open.pop(flow.token, None)
+
+    def watched(self) -> None:
+        """A stream sent its first chunk: its caller's silence is watched from now on."""
+        if not self._armed.is_set():
+            self._armed.set()
+
+    def on_control(self, msg: Msg) -> None:
+        """A caller's word (``subscribe_direct``: in nats-py's reading task)."""
+        flow = self.open.get(msg.subject[len(self.stem) :])
+        if flow is None:
+            return  # the stream ended meanwhile (a keepalive on its way, a late cancel)
+        try:
+            control = _controls.decode(msg.data)
+        except msgspec.DecodeError:
+            self.stats.invalid += 1
+            return
+        flow.heard = asyncio.get_running_loop().time()
+        if isinstance(control, StreamCredit):
+            self.stats.stream_credits += 1
+            if 0 < control.credit <= MAX_WINDOW:
+                flow.grant(control.credit)
+        elif isinstance(control, StreamCancel):
+            self.stats.streams_cancelled += 1
+            flow.stop(CUT_CANCEL)
+
+    async def watch(self) -> None:
+        """Stop the streams whose callers went silent. One look every ``_SWEEP`` while a
+        stream has sent its first chunk; an agent with none does not wake up."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.open:
+                self._armed.clear()
+                await self._armed.wait()
+            await asyncio.sleep(_SWEEP)
+            now = loop.time()
+            for flow in list(self.open.values()):
+                if flow.job.chunks and now - flow.heard > PATIENCE:
+                    self.stats.streams_silent += 1
+                    log.info(
+                        "agent: stream %s (request id %s) stopped: its caller said nothing for %gs",
+                        flow.token,
+                        flow.job.request_id or "-",
+                        PATIENCE,
+                    )
+                    flow.stop(CUT_SILENT)

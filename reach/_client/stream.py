@@ -1,0 +1,516 @@
+"""Streaming replies, the caller's side (``Client.stream``; the wire is PROTOCOL.md 3.3).
+
+A stream is a request whose answer comes as frames on the caller's reply subject: chunks
+numbered from 1, then an end frame (or an error frame) saying how many chunks were sent.
+Until its first frame it is a request like any other: ``Requester.call`` routes it, fails
+it over and counts it (the inbox hands the first frame to the stream instead of decoding
+it). From then on the inbox passes every frame of that token to the stream's ``Flow``.
+
+Flow control: the request grants ``window`` chunks; each chunk the reader takes is owed
+back to the agent, and once half a window is owed the caller grants it (a ``credit``
+message to the agent's stream subject, the frames' reply-to). So the agent sends at most
+``window`` chunks the reader has not taken, and its handler's ``yield`` waits meanwhile:
+a reader that stops reading costs the agent one suspended generator and the caller at
+most ``window`` frames. A caller that says nothing for ``KEEPALIVE`` seconds sends what it
+owes, maybe 0 (a keepalive), from one loop per client (``Streams``), so an agent knows its
+caller is alive even while the reader dwells on a chunk, and cancels the handler of a
+caller that has gone silent (``PATIENCE`` in ``reach._agent.streaming``).
+
+Ending: the end frame ends the iteration; an error frame raises its error, after the
+chunks before it; anything that cuts a started stream short (no frame within the idle
+``timeout``, a chunk missing, the connection lost, the agent stopping) raises
+``StreamBroken``, never a silent failover. A reader that leaves early (``break``, an
+exception, ``aclose()``, the stream object dropped, cancellation) sends ``cancel``, so the
+agent stops the handler at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from types import TracebackType
+from typing import Any, Self, TypedDict
+
+import msgspec
+from nats.aio.msg import Msg
+
+from .._background import Background
+from .._codec import decoder_for, error_from_reply
+from .._delivery import publish, publish_by_nats
+from .._inbox import Inbox
+from .._nats import TRANSIENT
+from ..errors import ConfigurationError, InvalidReply, ReachError, RequestTimeout, StreamBroken
+from ..wire import Header, StreamCancel, StreamCredit
+from .attempts import Requester
+
+__all__ = ["KEEPALIVE", "MAX_WINDOW", "WINDOW", "Stream", "Streams"]
+
+log = logging.getLogger("reach.client")
+
+#: chunks a stream may have on their way or unread, unless the caller says otherwise
+WINDOW = 16
+#: the most a caller may grant at once (an agent refuses more with ``bad_request``)
+MAX_WINDOW = 1024
+#: seconds: a caller that has sent nothing to the agent for this long sends its credit
+#: (0 when it owes none): the keepalive an agent counts on (PROTOCOL.md 3.3)
+KEEPALIVE = 0.2
+
+_encode = msgspec.json.Encoder().encode
+_CANCEL = _encode(StreamCancel())
+
+
+class Flow:
+    """One stream's frames, as the inbox hands them over, and the credit owed back.
+
+    Frames wait in ``frames`` until the reader takes them; the agent sends no more than
+    it was granted, so there are at most ``window`` chunks and the last frame (``limit``
+    counts a frame more for slack): more is an agent that ignores its credit, and ends
+    the stream."""
+
+    __slots__ = (
+        "control",
+        "ended",
+        "error",
+        "frames",
+        "ignored",
+        "limit",
+        "owed",
+        "sent_at",
+        "threshold",
+        "token",
+        "waiter",
+        "window",
+    )
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.threshold = max(1, window // 2)  # grant back once this many are owed
+        self.limit = window + 2
+        self.frames: deque[Msg] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.token = ""
+        #: the agent's stream subject (the first frame's reply-to): credit and cancel go
+        #: there, and a later frame naming another is not this stream's (dropped, counted)
+        self.control = ""
+        #: the stream's last frame (its end, an error) has come: the agent is done with it
+        self.ended = False
+        self.owed = 0
+        self.sent_at = 0.0  # loop time of the last message to the agent
+        self.ignored = 0
+
+    # -- the inbox's side (``StreamSink``), in nats-py's reading task -----------------
+
+    def opened(self, token: str, first: Msg) -> None:
+        frames = self.frames
+        if frames:  # frames of an earlier attempt's token, come before it ended
+            kept = [m for m in frames if m.subject.rpartition(".")[2] == token]
+            frames.clear()
+            frames.extend(kept)
+        frames.appendleft(first)
+        self.token = token
+        hdrs = first.headers
+        if hdrs and (Header.CHUNK in hdrs or Header.END in hdrs):
+            self.control = first.reply  # (a whole answer's names its direct subject)
+        self.ended = not hdrs or Header.CHUNK not in hdrs
+
+    def deliver(self, msg: Msg) -> None:
+        if self.control and msg.reply != self.control:
+            self.ignored += 1  # not from the instance that streams to us
+            return
+        hdrs = msg.headers
+        if not hdrs or Header.CHUNK not in hdrs:
+            self.ended = True  # nothing to grant or keep alive any more
+        frames = self.frames
+        frames.append(msg)
+        if len(frames) > self.limit and self.error is None:
+            self.error = _Overrun()
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the reader's side ---------------------------------------------------------------
+
+    async def next_frame(self, wait: float) -> Msg:
+        """The next frame, waiting at most ``wait`` seconds (TimeoutError); the reason
+        nothing more can come, raised, once the frames before it are read."""
+        frames = self.frames
+        if not frames and self.error is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self.waiter = waiter
+            try:
+                async with asyncio.timeout(wait):
+                    await waiter
+            finally:
+                self.waiter = None
+        if self.error is not None and (isinstance(self.error, _Overrun) or not frames):
+            raise self.error
+        return frames.popleft()
+
+
+class _Overrun(Exception):
+    """The agent sent more frames than it was granted."""
+
+
+class Streams:
+    """The open streams of one client, and the one loop that keeps them alive: it sends
+    the credit owed (a keepalive when none) for every stream that has sent the agent
+    nothing for ``KEEPALIVE`` seconds, and the cancel of a stream dropped unclosed."""
+
+    def __init__(self, inbox: Inbox, requests: Requester) -> None:
+        self.inbox = inbox
+        self.requests = requests
+        self.open: set[Flow] = set()
+        self._dropped: deque[Flow] = deque()
+        self._wake = asyncio.Event()
+        self._owner = Background("client streams")
+        self._keeper: asyncio.Task[Any] | None = None
+
+    def reopen(self) -> None:
+        self._owner.reopen()
+
+    def track(self, flow: Flow) -> None:
+        self.open.add(flow)
+        if self._keeper is None or self._keeper.done():
+            self._keeper = self._owner.keep(self._keep, "keepalive")
+
+    def dropped(self, flow: Flow) -> None:
+        """A stream object went away unclosed (``__del__``: nothing may wait there): the
+        loop cancels it."""
+        if flow in self.open:
+            self._dropped.append(flow)
+            self._wake.set()
+
+    def forget(self, flow: Flow) -> None:
+        """The stream is over: no more frames for its token, no keepalives."""
+        self.open.discard(flow)
+        if flow.token:
+            sink = self.inbox.streams.get(flow.token)
+            if sink is flow:
+                del self.inbox.streams[flow.token]
+
+    async def send(self, flow: Flow, body: bytes, *, now: bool = True) -> None:
+        """To the agent's stream subject: written at once (``now``), or with what else
+        goes out on this turn of the loop."""
+        nc = self.inbox.nc
+        if nc is None or not flow.control or flow.ended:
+            return
+        flow.sent_at = asyncio.get_running_loop().time()
+        try:
+            if not publish(nc, flow.control, body, alone=now):
+                await publish_by_nats(nc, flow.control, body, "", None, alone=now)
+        except TRANSIENT as exc:  # the agent's patience ends the stream, or its frames do
+            log.debug("stream %s: message to the agent lost: %s", flow.token, exc)
+
+    async def grant(self, flow: Flow) -> None:
+        """Give back the credit owed. Half a window at a time, the agent still has the
+        other half: the credit joins what this turn of the loop writes. Only a caller
+        that owes the whole window (a window of 1) has an agent waiting for it now."""
+        owed, flow.owed = flow.owed, 0
+        await self.send(flow, _encode(StreamCredit(credit=owed)), now=owed >= flow.window)
+
+    async def cancel(self, flow: Flow) -> None:
+        self.forget(flow)
+        await self.send(flow, _CANCEL)
+
+    async def _keep(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        while True:
+            while self._dropped:
+                await self.cancel(self._dropped.popleft())
+            now = loop.time()
+            for flow in list(self.open):
+                if now - flow.sent_at >= KEEPALIVE and flow in self.open:
+                    await self.grant(flow)
+            if self._dropped:
+                continue
+            wake.clear()
+            if not self.open:
+                await wake.wait()
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(KEEPALIVE / 2):
+                    await wake.wait()
+
+    async def close(self) -> None:
+        """The client closes: every open stream is cancelled (best effort), the loop ends."""
+        for flow in list(self.open):
+            await self.cancel(flow)
+        self._dropped.clear()
+        self._keeper = None
+        await self._owner.close()
+
+
+class Stream:
+    """An answer that comes in chunks: ``async for chunk in client.stream(...)``.
+
+    The request goes out when the first chunk is asked for (or at ``async with``).
+    ``agent_id`` and ``request_id`` name who streams, ``latency_ms`` is the time to the
+    first frame and ``chunks`` counts the chunks received so far. Leaving early
+    (``break``, ``aclose()``, the end of an ``async with``) cancels the handler."""
+
+    def __init__(
+        self,
+        streams: Streams,
+        capability: str,
+        payload: Any,
+        *,
+        timeout: float | None,
+        total_timeout: float | None,
+        window: int,
+        response_type: Any,
+        options: dict[str, Any],
+    ) -> None:
+        """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
+        self._flow: Flow | None = None  # (first: __del__ reads it, even after a refusal)
+        self._over = False
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
+            raise ConfigurationError(f"window must be 1..{MAX_WINDOW} chunks, got {window!r}")
+        wait = streams.requests.default_timeout if timeout is None else timeout
+        if wait <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        if total_timeout is not None and total_timeout <= 0:
+            raise ConfigurationError(f"total_timeout must be positive, got {total_timeout}")
+        self.capability = capability
+        self.agent_id = options.get("agent_id") or ""
+        self.request_id = options.get("request_id") or ""
+        self.latency_ms = 0.0
+        self.chunks = 0
+        self._streams = streams
+        self._payload = payload
+        self._idle = wait
+        self._window = window
+        self._total = total_timeout
+        self._options = options
+        self._decode = decoder_for(Any if response_type is None else response_type)
+        self._response_type = response_type
+        self._deadline: float | None = None
+        self._unary: bool | None = None  # the first frame was a whole (non-streamed) answer
+
+    # -- iteration -------------------------------------------------------------------
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._over:
+            raise StopAsyncIteration
+        flow = self._flow if self._flow is not None else await self._open()
+        try:
+            return await self._next(flow)
+        except StopAsyncIteration:
+            self._end(flow)
+            raise
+        except BaseException as exc:
+            # Ended by its last frame (an error frame): nothing to tell the agent. Anything
+            # else (a broken stream, a chunk that does not decode, our own cancellation):
+            # the agent stops.
+            await self._leave(flow, told=isinstance(exc, _Told))
+            if isinstance(exc, _Told):
+                raise exc.error from None
+            raise
+
+    async def _open(self) -> Flow:
+        requests = self._streams.requests
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        if self._total is not None:
+            self._deadline = began + self._total
+        flow = Flow(self._window)
+        reply = await requests.call(
+            self.capability,
+            self._payload,
+            timeout=self._idle if self._total is None else min(self._idle, self._total),
+            response_type=None,
+            hedge=False,
+            stream=flow,
+            window=flow.window,
+            total=self._total,
+            **self._options,
+        )
+        self.agent_id = reply.agent_id
+        self.request_id = reply.request_id
+        self.latency_ms = reply.latency_ms
+        self._flow = flow
+        flow.sent_at = loop.time()
+        self._streams.track(flow)
+        return flow
+
+    async def _next(self, flow: Flow) -> Any:
+        if self._unary:
+            raise StopAsyncIteration  # a whole answer, given already
+        frames = flow.frames
+        if frames and flow.error is None:
+            msg = frames.popleft()  # here already: no wait, no timer
+        else:
+            msg = await self._wait(flow)
+        hdrs = msg.headers
+        if hdrs:
+            number = hdrs.get(Header.CHUNK)
+            if number is not None:
+                value = self._chunk(flow, msg, number)
+                if flow.owed >= flow.threshold:
+                    await self._streams.grant(flow)
+                return value
+            if Header.SERVICE_ERROR_CODE in hdrs:
+                self._check_count(hdrs.get(Header.END))
+                raise _Told(self._error(msg, hdrs))
+            end = hdrs.get(Header.END)
+            if end is not None:
+                self._check_count(end)
+                raise StopAsyncIteration
+        if self._unary is None and self.chunks == 0:
+            # No stream headers on the first frame: the capability does not stream (or an
+            # older agent answered); its answer is the one chunk.
+            self._unary = True
+            self.chunks = 1
+            return self._value(msg)
+        raise self._broken("lost", "a frame that is neither a chunk nor the end came")
+
+    async def _wait(self, flow: Flow) -> Msg:
+        """The next frame, within the idle timeout and the total one; what ended the
+        stream otherwise."""
+        loop = asyncio.get_running_loop()
+        wait = self._idle
+        if self._deadline is not None:
+            wait = min(wait, self._deadline - loop.time())
+        try:
+            return await flow.next_frame(max(wait, 0.0))
+        except TimeoutError:
+            if self._deadline is not None and loop.time() >= self._deadline:
+                raise RequestTimeout(
+                    f"{self.capability!r}: the stream did not end within its total timeout"
+                    f" of {self._total:g}s ({self._received()})",
+                    **self._names(),
+                ) from None
+            raise self._broken(
+                "timeout", f"no chunk within {self._idle:g}s after the last one"
+            ) from None
+        except _Overrun:
+            raise self._broken(
+                "overrun", f"the agent sent more than the {flow.window} chunks granted"
+            ) from None
+        except ReachError as exc:  # the connection went (the inbox said so)
+            raise self._broken("connection_lost", exc.message) from exc
+
+    def _chunk(self, flow: Flow, msg: Msg, number: str) -> Any:
+        self._unary = False
+        expected = self.chunks + 1
+        if number != str(expected):
+            raise self._broken("lost", f"chunk {expected} never came (chunk {number} did)")
+        self.chunks = expected
+        flow.owed += 1
+        return self._value(msg)
+
+    def _value(self, msg: Msg) -> Any:
+        try:
+            return self._decode(msg.data)
+        except msgspec.DecodeError as exc:
+            raise InvalidReply(
+                f"{self.capability}: chunk {self.chunks} does not match"
+                f" {self._response_type!r}: {exc}",
+                **self._names(),
+            ) from exc
+
+    def _check_count(self, end: str | None) -> None:
+        """The last frame says how many chunks were sent: fewer arrived means lost ones."""
+        if end is not None and end != str(self.chunks):
+            raise self._broken("lost", f"the agent sent {end} chunks")
+
+    def _error(self, msg: Msg, hdrs: dict[str, str]) -> ReachError:
+        """An error frame: the handler's error as it is, unless the agent stopped under a
+        started stream (``agent_unavailable``): that breaks it."""
+        err = error_from_reply(
+            msg.data, hdrs, capability=self.capability, request_id=self.request_id
+        )
+        if err.code == "agent_unavailable" and self.chunks:
+            broken = self._broken("agent_unavailable", err.message)
+            broken.__cause__ = err
+            return broken
+        if self.chunks:
+            err.message = f"{err.message} (after {self._received()})"
+            err.args = (err.message,)
+        return err
+
+    def _received(self) -> str:
+        return f"{self.chunks} chunk{'' if self.chunks == 1 else 's'} received"
+
+    def _broken(self, reason: str, why: str) -> StreamBroken:
+        return StreamBroken(
+            f"{self.capability!r}: the stream from {self.agent_id or 'its agent'} broke after"
+            f" {self._received()}: {why}",
+            chunks=self.chunks,
+            reason=reason,
+            **self._names(),
+        )
+
+    def _names(self) -> _Names:
+        """Who an error is about."""
+        return {
+            "capability": self.capability,
+            "agent_id": self.agent_id,
+            "request_id": self.request_id,
+        }
+
+    # -- ending ------------------------------------------------------------------------
+
+    def _end(self, flow: Flow) -> None:
+        """Ended by the agent (its end frame): nothing to tell it."""
+        self._over = True
+        self._streams.forget(flow)
+
+    async def _leave(self, flow: Flow, *, told: bool) -> None:
+        self._over = True
+        if told:
+            self._streams.forget(flow)
+        else:
+            await asyncio.shield(self._streams.cancel(flow))
+
+    async def aclose(self) -> None:
+        """Stop reading: the agent is told to stop the handler (unless it has ended)."""
+        flow = self._flow
+        if flow is not None and not self._over:
+            await self._leave(flow, told=False)
+        self._over = True
+
+    async def __aenter__(self) -> Self:
+        if self._flow is None:
+            await self._open()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        flow = self._flow
+        if flow is not None and not self._over:
+            self._over = True
+            with contextlib.suppress(RuntimeError):  # (its loop closed: nothing to tell)
+                self._streams.dropped(flow)
+
+
+class _Names(TypedDict):
+    capability: str
+    agent_id: str
+    request_id: str
+
+
+class _Told(Exception):
+    """An error frame's error, on its way out of ``_next``."""
+
+    def __init__(self, error: ReachError) -> None:
+        self.error = error
+        super().__init__(error.message)

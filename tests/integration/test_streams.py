@@ -1,0 +1,491 @@
+"""Streaming replies (``Client.stream``, an async-generator capability): order, flow
+control with a reader that stops, cancellation reaching the handler (a cancel message, a
+caller gone silent), errors mid-stream, failover before the first chunk and none after,
+and a plain nats-py caller that follows PROTOCOL.md 3.3 alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+
+from chaos.proxy import Proxy
+from reach import (
+    Agent,
+    AgentUnavailable,
+    BadRequest,
+    Client,
+    ConfigurationError,
+    Context,
+    HandlerFailed,
+    Registry,
+    RemoteError,
+    RequestTimeout,
+    ResourceExhausted,
+    Status,
+    StreamBroken,
+    Telemetry,
+)
+from reach.testing import eventually
+from tests.integration.registry_wire import fast_settings
+from tests.integration.test_cli_tasks import reach_cli
+from tests.integration.test_registry import wait_status
+from tests.integration.test_telemetry import tracing
+
+CAP = "chat.complete"
+
+
+class Prompt(msgspec.Struct):
+    n: int = 3
+    size: int = 0  # bytes of padding per chunk
+
+
+class Token(msgspec.Struct):
+    i: int
+    text: str = ""
+
+
+@dataclass
+class Seen:
+    """What the handler did, for the tests to look at."""
+
+    produced: int = 0
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    how: str = ""  # how the handler ended: "done", "cancelled", "closed" (at yield)
+    ended_at: float = 0.0
+    remaining: list[float | None] = field(default_factory=list)
+
+
+def llm(settings, agent_id: str = "llm-1", seen: Seen | None = None, **kw: Any) -> Agent:
+    """``chat.complete`` yields ``n`` tokens; ``chat.slow`` one token, then waits forever;
+    ``chat.broken`` two tokens, then fails; ``chat.refusing`` refuses before any token
+    (retryable); ``chat.plain`` is not a stream at all."""
+    seen = seen if seen is not None else Seen()
+    agent = Agent("llm", agent_id, settings=settings, drain_timeout=0.5, **kw)
+
+    @agent.capability(CAP)
+    async def complete(req: Prompt, ctx: Context) -> AsyncIterator[Token]:
+        seen.started.set()
+        how = "done"
+        try:
+            for i in range(req.n):
+                seen.produced += 1
+                seen.remaining.append(ctx.remaining())
+                yield Token(i=i, text="x" * req.size)
+        except asyncio.CancelledError:
+            how = "cancelled"
+            raise
+        except GeneratorExit:
+            how = "closed"
+            raise
+        finally:
+            seen.how, seen.ended_at = how, time.monotonic()
+            seen.ended.set()
+
+    @agent.capability("chat.slow")
+    async def slow(req: Prompt) -> AsyncIterator[Token]:
+        seen.started.set()
+        try:
+            yield Token(i=0)
+            await asyncio.Event().wait()
+            yield Token(i=1)
+        except asyncio.CancelledError:
+            seen.how = "cancelled"
+            seen.ended_at = time.monotonic()
+            seen.ended.set()
+            raise
+
+    @agent.capability("chat.broken")
+    async def broken(req: Prompt) -> AsyncIterator[Token]:
+        yield Token(i=0)
+        yield Token(i=1)
+        raise RuntimeError("the model fell over")
+
+    @agent.capability("chat.refusing")
+    async def refusing(req: Prompt) -> AsyncIterator[Token]:
+        seen.produced += 1
+        raise ResourceExhausted("no GPU free here")
+        yield Token(i=0)  # pragma: no cover - a generator all the same
+
+    @agent.capability("chat.plain")
+    async def plain(req: Prompt) -> dict[str, int]:
+        return {"n": req.n}
+
+    return agent
+
+
+@pytest.fixture
+def settings(nats_server):
+    return fast_settings(nats_server.url)
+
+
+async def test_chunks_arrive_in_order_then_the_end(settings):
+    async with llm(settings) as agent, Client(settings=settings) as client:
+        stream = client.stream(CAP, Prompt(n=500), response_type=Token, window=8)
+        tokens = [t.i async for t in stream]
+        assert tokens == list(range(500))
+        assert (stream.chunks, stream.agent_id) == (500, "llm-1")
+        assert stream.request_id
+        # a capability that does not stream gives its answer as the one chunk
+        assert [c async for c in client.stream("chat.plain", {"n": 4})] == [{"n": 4}]
+        plain = client.stream("chat.plain", {"n": 5})
+        assert await anext(plain) == {"n": 5}
+        await plain.aclose()  # nothing to cancel: nothing goes to its direct subject
+        await client.request("chat.plain", {"n": 6})  # after anything sent before it
+        assert agent.stats.invalid == 0
+        # an empty stream ends at once
+        assert [c async for c in client.stream(CAP, Prompt(n=0))] == []
+        # a direct call: that instance only, never substituted
+        direct = client.stream(CAP, Prompt(n=2), agent_id="llm-1", response_type=Token)
+        assert [t.i async for t in direct] == [0, 1]
+        with pytest.raises(AgentUnavailable):
+            await anext(client.stream(CAP, Prompt(n=2), agent_id="llm-9"))
+        sizes = client.footprint()
+        assert (sizes["pending"], sizes["streams"]) == (0, 0)
+        assert not client._streams.open
+
+
+async def test_the_handler_sees_the_total_deadline_in_ctx_remaining(settings):
+    seen = Seen()
+    async with llm(settings, seen=seen), Client(settings=settings) as client:
+        async for _ in client.stream(CAP, Prompt(n=3), total_timeout=30.0):
+            pass
+        async for _ in client.stream(CAP, Prompt(n=1)):
+            pass
+    first, *_, last = seen.remaining
+    assert first is not None
+    assert 25.0 < first <= 30.0
+    assert last is None  # no total timeout: no deadline
+
+
+async def test_a_plain_request_to_a_streaming_capability_is_refused(settings):
+    async with llm(settings), Client(settings=settings) as client:
+        with pytest.raises(BadRequest, match="streams its answer"):
+            await client.request(CAP, Prompt(n=1))
+
+
+async def test_a_reader_that_stops_keeps_the_agent_within_the_window(settings):
+    """The handler's ``yield`` waits while the caller has ``window`` chunks unread: with a
+    reader that stopped after 5 chunks, the handler produced 5 + window and no more, even
+    while the caller's keepalives go on, and the caller holds at most ``window`` frames."""
+    seen = Seen()
+    window = 8
+    async with llm(settings, seen=seen) as agent, Client(settings=settings) as client:
+        stream = client.stream(CAP, Prompt(n=10_000, size=4096), response_type=Token, window=window)
+        read = [(await anext(stream)).i for _ in range(5)]
+        assert read == [0, 1, 2, 3, 4]
+        # what was read is granted back (at once, or by the next keepalive)
+        await eventually(lambda: seen.produced == 5 + window and agent.stats.stream_waits >= 1)
+        heard = agent.stats.stream_credits
+        await eventually(lambda: agent.stats.stream_credits >= heard + 5)  # ~1 s of keepalives
+        assert seen.produced == 5 + window  # nothing more while nobody reads
+        assert stream._flow is not None
+        assert len(stream._flow.frames) <= window
+        assert not seen.ended.is_set()
+        # reading on, the stream goes on where it stopped
+        assert (await anext(stream)).i == 5
+        await stream.aclose()
+        await eventually(seen.ended.is_set)
+    assert seen.how == "closed"  # it waited at its yield
+
+
+@pytest.mark.parametrize("how", ["break", "cancel", "aclose"])
+async def test_a_caller_that_leaves_has_the_handler_cancelled_within_a_second(settings, how):
+    seen = Seen()
+    first = asyncio.Event()
+    async with llm(settings, seen=seen) as agent, Client(settings=settings) as client:
+
+        async def read() -> None:
+            async for _ in client.stream("chat.slow", Prompt()):
+                if how == "break":
+                    break
+                first.set()
+                await asyncio.Event().wait()  # read one chunk, then dwell on it
+
+        if how == "aclose":
+            stream = client.stream("chat.slow", Prompt())
+            assert (await anext(stream)) == {"i": 0, "text": ""}
+            left = time.monotonic()
+            await stream.aclose()
+        else:
+            reader = asyncio.create_task(read())
+            if how == "cancel":
+                await first.wait()
+                reader.cancel()
+            left = time.monotonic()
+            if how == "cancel":
+                with pytest.raises(asyncio.CancelledError):
+                    await reader
+            else:
+                await reader
+        await eventually(seen.ended.is_set, timeout=1.0)
+        assert agent.stats.streams_cancelled == 1
+    assert seen.how == "cancelled"
+    assert seen.ended_at - left < 1.0
+
+
+async def test_a_caller_gone_silent_has_the_handler_cancelled(settings):
+    """A caller cut off from NATS (a partition: no cancel can leave it) stops sending
+    keepalives; the agent cancels the handler after PATIENCE (0.8 s)."""
+    seen = Seen()
+    proxy = await Proxy(settings.nats_url).start()
+    try:
+        async with (
+            llm(settings, seen=seen) as agent,
+            Client(proxy.url, settings=settings) as client,
+        ):
+            stream = client.stream("chat.slow", Prompt(), timeout=30)
+            assert (await anext(stream))["i"] == 0
+            proxy.pause()
+            cut = time.monotonic()
+            await eventually(seen.ended.is_set, timeout=5.0)
+            assert agent.stats.streams_silent == 1
+            proxy.resume()
+            # the agent said so on the stream: the caller learns it was cancelled
+            with pytest.raises((StreamBroken, RemoteError)):
+                await anext(stream)
+    finally:
+        await proxy.close()
+    assert seen.how == "cancelled"
+    assert 0.7 < seen.ended_at - cut < 1.5
+
+
+async def test_an_error_mid_stream_comes_after_the_chunks_before_it(settings):
+    async with llm(settings), Client(settings=settings) as client:
+        stream = client.stream("chat.broken", Prompt())
+        got = [(await anext(stream))["i"] for _ in range(2)]
+        with pytest.raises(HandlerFailed, match=r"handler failed \(request id .*\) \(after 2"):
+            await anext(stream)
+        assert got == [0, 1]
+        # an error before any chunk is an error of the request itself
+        with pytest.raises(BadRequest, match="invalid payload"):
+            await anext(client.stream(CAP, {"n": "three"}))
+
+
+async def test_an_application_error_mid_stream_keeps_its_code(settings):
+    class OutOfTokens(RemoteError):
+        code = "out_of_tokens"
+        status = 429
+
+    agent = Agent("quota", settings=settings)
+
+    @agent.capability("chat.quota")
+    async def quota(req: Any) -> AsyncIterator[str]:
+        yield "a"
+        raise OutOfTokens("the tenant's budget is spent")
+
+    async with agent, Client(settings=settings) as client:
+        stream = client.stream("chat.quota")
+        got = await anext(stream)
+        with pytest.raises(HandlerFailed) as info:
+            await anext(stream)
+    assert got == "a"
+    assert info.value.code == "out_of_tokens"
+    assert "the tenant's budget is spent" in info.value.message
+
+
+async def test_the_total_timeout_ends_a_stream_with_a_timeout(settings):
+    async with llm(settings), Client(settings=settings) as client:
+        stream = client.stream("chat.slow", Prompt(), timeout=30, total_timeout=0.5)
+        assert (await anext(stream))["i"] == 0
+        with pytest.raises(RequestTimeout, match="1 chunk received"):
+            await anext(stream)
+
+
+async def test_failover_before_the_first_chunk(settings):
+    """An instance that refuses before its first chunk (resource_exhausted) is failed over
+    to another, as a request would be; the caller sees only the other's chunks."""
+    refused, served = Seen(), Seen()
+    telemetry = Telemetry()
+    busy = llm(settings, "busy-1", seen=refused)
+    free = Agent("llm", "free-1", settings=settings)
+
+    @free.capability("chat.refusing")
+    async def fine(req: Prompt) -> AsyncIterator[str]:
+        served.produced += 1
+        yield "from free-1"
+
+    async with (
+        Registry(settings=settings),
+        busy,
+        free,
+        Client(settings=settings, telemetry=telemetry) as client,
+    ):
+        await wait_status(client, "busy-1", Status.UP)
+        await wait_status(client, "free-1", Status.UP)
+        for _ in range(50):  # until the router has tried busy-1 first once
+            stream = client.stream("chat.refusing", Prompt())
+            assert [c async for c in stream] == ["from free-1"]
+            assert stream.agent_id == "free-1"
+            if refused.produced:
+                break
+        failovers = telemetry.registry.get_sample_value(
+            "reach_client_failovers_total", {"capability": "chat.refusing"}
+        )
+    assert refused.produced >= 1
+    assert failovers is not None
+    assert failovers >= 1
+
+
+@pytest.mark.parametrize("how", ["silence", "agent_stops"])
+async def test_no_failover_after_the_first_chunk(settings, how):
+    """A started stream that breaks raises StreamBroken naming the chunks received; the
+    other instance is never asked."""
+    seen = {"a-1": Seen(), "b-1": Seen()}
+    agents = {agent_id: llm(settings, agent_id, seen=s) for agent_id, s in seen.items()}
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with agents["a-1"], agents["b-1"]:
+            for agent_id in agents:
+                await wait_status(client, agent_id, Status.UP)
+            stream = client.stream("chat.slow", Prompt(), timeout=0.5 if how == "silence" else 30)
+            assert (await anext(stream))["i"] == 0
+            owner = stream.agent_id
+            other = "b-1" if owner == "a-1" else "a-1"
+            stopping = asyncio.create_task(agents[owner].stop()) if how == "agent_stops" else None
+            with pytest.raises(StreamBroken) as info:
+                await anext(stream)
+            if stopping is not None:
+                await stopping
+            assert not seen[other].started.is_set()
+            await eventually(seen[owner].ended.is_set)  # the handler did not run on
+    broken = info.value
+    assert broken.chunks == 1
+    assert broken.reason == ("timeout" if how == "silence" else "agent_unavailable")
+    assert "after 1 chunk received" in broken.message
+    assert broken.agent_id == owner
+
+
+async def test_a_plain_nats_caller_follows_the_protocol(settings):
+    """PROTOCOL.md 3.3 with nats-py alone: a request with Reach-Stream-Window, chunks
+    numbered in Reach-Chunk, credit to the frames' reply-to, the end in Reach-End."""
+    async with llm(settings):
+        nc = await nats.connect(settings.nats_url)
+        try:
+            inbox = nc.new_inbox()
+            frames: asyncio.Queue[Any] = asyncio.Queue()
+            sub = await nc.subscribe(inbox, cb=frames.put)
+            await nc.flush()
+            await nc.publish(
+                f"{settings.subject_prefix}.cap.{CAP}",
+                json.dumps({"n": 10}).encode(),
+                reply=inbox,
+                headers={"Reach-Stream-Window": "2"},
+            )
+            chunks = []
+            while True:
+                msg = await asyncio.wait_for(frames.get(), 10)
+                if "Reach-Chunk" in msg.headers:
+                    assert msg.headers["Reach-Chunk"] == str(len(chunks) + 1)
+                    chunks.append(json.loads(msg.data)["i"])
+                    credit = {"type": "reach.stream.credit", "credit": 1}
+                    await nc.publish(msg.reply, json.dumps(credit).encode())
+                    continue
+                assert "Nats-Service-Error-Code" not in msg.headers
+                assert msg.headers["Reach-End"] == "10"
+                break
+            assert chunks == list(range(10))
+            await sub.unsubscribe()
+        finally:
+            await nc.close()
+
+
+async def test_reach_call_stream_prints_each_chunk_as_it_arrives(settings):
+    gate = asyncio.Event()
+    agent = Agent("teller", settings=settings)
+
+    @agent.capability("story.tell")
+    async def tell(req: Any) -> AsyncIterator[str]:
+        yield "once"
+        await gate.wait()
+        yield "upon"
+        yield "a time"
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    env |= {"REACH_NATS_URL": settings.nats_url, "REACH_SUBJECT_PREFIX": settings.subject_prefix}
+    async with agent, llm(settings):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "reach.cli",
+            "call",
+            "--stream",
+            "-v",
+            "story.tell",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):
+            first = await proc.stdout.readline()  # printed while the handler waits
+            gate.set()
+            rest, err = await proc.communicate()
+        code, out, err_b = await reach_cli(settings, "call", "--stream", "chat.broken", "{}")
+    assert first == b'"once"\n'
+    assert rest.decode().splitlines() == ['"upon"', '"a time"']
+    assert proc.returncode == 0, err
+    assert "3 chunk(s)" in err.decode()
+    # a stream that fails after some chunks: them, then the error, and exit status 1
+    assert [json.loads(line)["i"] for line in out.splitlines()] == [0, 1]
+    assert (code, err_b.splitlines()[-1].split(":")[:2]) == (1, ["error", " failed"])
+
+
+async def test_a_traced_stream_is_one_send_span_and_one_process_span(settings):
+    provider, exporter, _ = tracing()
+    telemetry = Telemetry(tracer_provider=provider)
+    async with (
+        llm(settings, telemetry=telemetry),
+        Client(settings=settings, telemetry=telemetry) as client,
+    ):
+        assert [t.i async for t in client.stream(CAP, Prompt(n=3), response_type=Token)] == [
+            0,
+            1,
+            2,
+        ]
+        await eventually(lambda: len(exporter.get_finished_spans()) >= 2)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    send, process = spans[f"send {CAP}"], spans[f"process {CAP}"]
+    assert process.parent is not None
+    assert process.parent.span_id == send.context.span_id  # the handler's run, in the trace
+    assert process.attributes["reach.outcome"] == "ok"
+
+
+async def test_bad_arguments_are_refused_before_anything_is_sent(settings):
+    async with Client(settings=settings) as client:
+        for bad in ({"window": 0}, {"window": 1025}, {"timeout": 0}, {"total_timeout": -1}):
+            with pytest.raises(ConfigurationError):
+                client.stream(CAP, **bad)
+        with pytest.raises(ValueError, match="capability"):  # as a request says
+            await anext(client.stream("Not A Capability"))
+
+
+async def test_a_lost_connection_breaks_a_started_stream(settings):
+    """Frames sent while the caller reconnects are lost: its started streams end at once
+    with StreamBroken (connection_lost), and the handler is stopped."""
+    seen = Seen()
+    proxy = await Proxy(settings.nats_url).start()
+    try:
+        async with (
+            llm(settings, seen=seen),
+            Client(proxy.url, settings=settings) as client,
+        ):
+            stream = client.stream("chat.slow", Prompt(), timeout=30)
+            assert (await anext(stream))["i"] == 0
+            proxy.cut()
+            with pytest.raises(StreamBroken) as info:
+                await anext(stream)
+            await eventually(seen.ended.is_set, timeout=10)
+    finally:
+        await proxy.close()
+    assert (info.value.reason, info.value.chunks) == ("connection_lost", 1)
+    assert seen.how == "cancelled"
