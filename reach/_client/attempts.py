@@ -38,6 +38,7 @@ from ..errors import (
     CapabilityNotFound,
     CircuitOpen,
     ConfigurationError,
+    ReachError,
     RemoteError,
     RequestTimeout,
     ResourceExhausted,
@@ -260,16 +261,16 @@ class Requester:
     async def _gone(self, agent_ids: Collection[str], remaining: float) -> set[str]:
         """Which of ``agent_ids`` nobody listens for now: the server answers a ping to them
         with no responders at once. A late, lost or any other answer proves nothing."""
-        nc = self.inbox.nc
-        if nc is None:
-            return set()
+        inbox = self.inbox
         wait = min(_GONE_WAIT, remaining / 2)
 
         async def gone(agent_id: str) -> bool:
             try:
-                await nc.request(self.subjects.ping(agent_id), b"", timeout=wait)
+                await inbox.request(self.subjects.ping(agent_id), b"", wait)
             except TRANSIENT as exc:
                 return is_no_responders(exc)
+            except ReachError:  # refused (Unauthorized): nothing is proven
+                return False
             return False
 
         ids = list(agent_ids)
