@@ -40,6 +40,7 @@ from .errors import (
     RemoteError,
     RequestTimeout,
     ResourceExhausted,
+    RetryLater,
     TaskNotFound,
     Unauthorized,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "Reply",
     "RequestTimeout",
     "ResourceExhausted",
+    "RetryLater",
     "Status",
     "TaskAttempt",
     "TaskContext",

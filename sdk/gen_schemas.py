@@ -28,6 +28,7 @@ TYPES = {
     "route-reply": wire.RouteReply,
     "task-submit": wire.TaskSubmit,
     "task-record": wire.TaskRecord,
+    "task-schedule": wire.ScheduleSpec,
 }
 
 

@@ -9,6 +9,7 @@ path is in ``attempts`` and ``reach._inbox``; routing state is the pure ``reach.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ import msgspec
 from nats.aio.client import Client as NatsConnection
 from nats.js.kv import KeyValue
 
+from .._codec import now_ms
 from .._inbox import Inbox, Reply
 from .._nats import close_nats, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
 from .._subjects import MAX_NAME, Subjects, validate_capability
 from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, TaskSubmit, admin, unserved
 from .._tasks.admin import DeadLetter
+from .._tasks.delayed import due_of
 from .._tasks.faults import task_errors
 from .._telemetry.core import Telemetry
 from .._topics import DurableTopics, Since
@@ -499,6 +502,8 @@ class Client:
         required_tags: Sequence[str] = (),
         version: str | None = None,
         require_agent: bool = False,
+        at: datetime.datetime | None = None,
+        delay: datetime.timedelta | float | None = None,
     ) -> TaskRef:
         """Submit a durable task; returns once JetStream has stored it (and its record is
         readable from any process). It waits for an instance of ``capability`` declared
@@ -514,7 +519,12 @@ class Client:
         same task. ``callback`` is a subject that receives the final record as a request
         and must answer it. A payload must fit in a record: at most about 3/8 of the
         server's ``max_payload`` (``ConfigurationError`` otherwise).
+
+        ``at`` (an aware datetime) or ``delay`` (a timedelta or seconds) holds the task
+        back until then: it is SCHEDULED (the server holds it; no process of ours waits),
+        then enters the work queue as PENDING. A cancel before then removes it.
         """
+        due = due_of(at, delay, now_ms())
         sub = self._tasks.spec(
             capability,
             payload,
@@ -525,6 +535,7 @@ class Client:
             callback=callback,
             required_tags=required_tags,
             version=version,
+            due_ms=due,
         )
         if require_agent:
             await self._require_agent(sub)

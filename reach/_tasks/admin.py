@@ -35,7 +35,15 @@ from .._nats import TRANSIENT
 from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_GROUP, DLQ_KIND, DLQ_REASON, TASK_ID
-from .store import AGENT_HEADER, STATE_HEADER, TaskStore, idem_key, pending_record
+from .store import (
+    AGENT_HEADER,
+    SCHEDULE_HEADER,
+    STATE_HEADER,
+    TaskStore,
+    idem_key,
+    pending_record,
+    scheduled_record,
+)
 from .submit import publish_task
 
 __all__ = [
@@ -243,8 +251,9 @@ async def list_records(
         names = ", ".join(s.lower() for s in TaskState)
         raise ConfigurationError(f"state {state!r} is not one of {names}") from None
     out: list[TaskRecord] = []
-    if want in (None, TaskState.PENDING):
-        out = await pending_tasks(store, capability=capability, limit=limit)
+    if want in (None, TaskState.PENDING, TaskState.SCHEDULED):
+        waiting = await pending_tasks(store, capability=capability, limit=limit)
+        out = [r for r in waiting if want is None or r.state is want]
     metas = [m for m in await record_index(store) if want is None or m.state in (want, None)]
     metas.sort(key=lambda m: m.revision, reverse=True)
     found: list[TaskRecord] = []
@@ -270,13 +279,10 @@ async def pending_tasks(
     store: TaskStore, *, capability: str | None = None, limit: int = 100, scan: int = 10_000
 ) -> list[TaskRecord]:
     """Tasks no agent has taken yet: messages in the task stream without a record (the
-    message is the PENDING state). Walks the stream with direct gets (a work queue takes
-    no second consumer), at most ``scan`` messages."""
-    subject = (
-        store.subjects.task_queue(capability, "*")
-        if capability
-        else f"{store.subjects.prefix}.task.>"
-    )
+    message is the PENDING state; a schedule the server holds, the SCHEDULED state).
+    Walks the stream with direct gets (a work queue takes no second consumer), at most
+    ``scan`` messages."""
+    subject = f"{store.subjects.prefix}.task.>"
     out: list[TaskRecord] = []
     seq = 0
     for _ in range(scan):
@@ -292,10 +298,13 @@ async def pending_tasks(
         try:
             sub = _submit_decoder.decode(msg.data or b"")
         except msgspec.DecodeError:
+            continue  # not a task (a periodic schedule, one of its firings), or junk
+        if capability and sub.capability != capability:
             continue
+        made = scheduled_record if SCHEDULE_HEADER in (msg.headers or {}) else pending_record
         try:
             if await store.get(sub.task_id) is None:
-                out.append(pending_record(sub, seq))
+                out.append(made(sub, seq))
         except CorruptRecord:
             continue  # it has a record, if a broken one: not PENDING
     return out

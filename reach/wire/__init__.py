@@ -32,7 +32,7 @@ from .messages import (
     Status,
     Transition,
 )
-from .tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
+from .tasks import ScheduleSpec, TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
 
 __all__ = [
     "ERROR_CODES",
@@ -57,6 +57,7 @@ __all__ = [
     "Registration",
     "RouteQuery",
     "RouteReply",
+    "ScheduleSpec",
     "Status",
     "TaskAttempt",
     "TaskRecord",

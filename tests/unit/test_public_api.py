@@ -53,6 +53,7 @@ def test_public_api_is_pinned():
             "Reply",
             "RequestTimeout",
             "ResourceExhausted",
+            "RetryLater",
             "Status",
             "TaskAttempt",
             "TaskContext",
