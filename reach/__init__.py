@@ -15,6 +15,7 @@ from ._registry import RegistryStats as RegistryStats
 from ._tasks import Batch as Batch
 from ._tasks import BatchProgress as BatchProgress
 from ._tasks import DeadLetter as DeadLetter
+from ._tasks import ScheduleInfo as ScheduleInfo
 from ._tasks import TaskAttempt as TaskAttempt
 from ._tasks import TaskRecord as TaskRecord
 from ._tasks import TaskRef as TaskRef
@@ -90,6 +91,7 @@ __all__ = [
     "RequestTimeout",
     "ResourceExhausted",
     "RetryLater",
+    "ScheduleInfo",
     "Status",
     "TaskAttempt",
     "TaskContext",

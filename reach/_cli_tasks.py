@@ -360,6 +360,21 @@ async def _dlq_replay(args: argparse.Namespace, settings: ReachSettings) -> int:
     return 1 if left else 0
 
 
+async def _dlq_purge(args: argparse.Namespace, settings: ReachSettings) -> int:
+    """Count first; remove only with ``--yes N``, N the count shown (so what goes is what
+    was seen: a count that changed meanwhile removes nothing)."""
+    what = f"of {args.capability}" if args.capability else "(tasks, callbacks and topics)"
+    age = f" older than {args.older_than}" if args.older_than is not None else ""
+    async with Client(settings=settings, name=_NAME) as client:
+        if args.yes is None:
+            n = await client.count_dead_letters(args.capability, args.older_than)
+            print(f"{n} dead letters {what}{age}; to remove them: add --yes {n}")
+            return 0 if n == 0 else 1
+        gone = await client.purge_dead_letters(args.capability, args.older_than, expect=args.yes)
+    print(f"{gone} dead letters {what}{age} removed")
+    return 0
+
+
 # -- the parser ----------------------------------------------------------------------------
 
 
@@ -414,7 +429,7 @@ def add_task_commands(
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_tasks, is_async=True)
 
-    p = sub.add_parser("dlq", help="dead letters: list, show, replay")
+    p = sub.add_parser("dlq", help="dead letters: list, show, replay, purge")
     dlq = p.add_subparsers(dest="dlq_command", required=True)
     p = with_url(dlq.add_parser("list", help="dead letters, newest first"))
     p.add_argument("--capability", default=None)
@@ -438,3 +453,24 @@ def add_task_commands(
     )
     p.add_argument("--capability", default=None, help="replay every dead letter of C")
     p.set_defaults(run=_dlq_replay, is_async=True)
+    p = with_url(
+        dlq.add_parser(
+            "purge", help="remove dead letters for good: counts them, removes with --yes N"
+        )
+    )
+    p.add_argument("--capability", default=None, help="only those of capability C")
+    p.add_argument(
+        "--older-than",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="only those stored longer ago than this (7d, 12h)",
+    )
+    p.add_argument(
+        "--yes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="remove them; N is the count shown without --yes (nothing goes if it changed)",
+    )
+    p.set_defaults(run=_dlq_purge, is_async=True)

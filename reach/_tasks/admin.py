@@ -54,7 +54,9 @@ __all__ = [
     "Seen",
     "dead_letter_at",
     "dead_letters",
+    "dead_letters_to_purge",
     "list_records",
+    "purge_dead_letters",
     "record_index",
     "record_meta",
     "replay",
@@ -380,6 +382,59 @@ async def dead_letters(
         except DeadLetterNotFound:
             continue  # replayed or expired since the scan
     return out
+
+
+async def dead_letters_to_purge(
+    store: TaskStore, capability: str | None = None, older_than: float | None = None
+) -> list[int]:
+    """The DLQ sequences a purge with these filters removes: every dead letter (tasks,
+    callbacks and durable topics' letters), or those of ``capability``; only those stored
+    more than ``older_than`` seconds ago, if given. Oldest first."""
+    subject = store.subjects.dlq(capability or ">")
+    cutoff = now_ms() - int(older_than * 1000) if older_than is not None else None
+    seen = await scan(store.js, store.dlq_stream, subject, last_per_subject=False)
+    return sorted(s.seq for s in seen if cutoff is None or s.at_ms < cutoff)
+
+
+async def purge_dead_letters(
+    store: TaskStore, capability: str | None = None, older_than: float | None = None
+) -> int:
+    """Remove the dead letters ``dead_letters_to_purge`` names, at once (one purge of the
+    DLQ stream, up to the newest of them: letters are stored in time order, so none newer
+    than the cutoff goes); how many the server removed."""
+    seqs = await dead_letters_to_purge(store, capability, older_than)
+    if not seqs:
+        return 0
+    request: dict[str, object] = {"filter": store.subjects.dlq(capability or ">")}
+    if older_than is not None:
+        request["seq"] = seqs[-1] + 1  # up to, not including
+    subject = f"$JS.API.STREAM.PURGE.{store.dlq_stream}"
+    body = msgspec.json.encode(request)
+    assert store.api is not None, "a purge goes through the store's JetStream API inbox"
+    reply = await store.api.request(subject, body)
+    answer = _purge_decoder.decode(reply.data)
+    if answer.error is not None:
+        raise nats.js.errors.APIError(
+            code=answer.error.code,
+            err_code=answer.error.err_code,
+            description=answer.error.description,
+        )
+    log.info("purged %d dead letters (%s)", answer.purged, capability or "all")
+    return answer.purged
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _Purged(msgspec.Struct):
+    purged: int = 0
+    error: _ApiError | None = None
+
+
+_purge_decoder = msgspec.json.Decoder(_Purged)
 
 
 def replay_id(store: TaskStore, seq: int, old_task_id: str) -> str:

@@ -23,9 +23,11 @@ An agent of the capability takes a firing and turns it into tasks, one per perio
 - each period's task has a deterministic id, ``<name>_<unix seconds of its due time>``,
   published with that id as ``Nats-Msg-Id``, so a firing handled twice (an agent died
   before its ack, two agents raced) makes one task;
-- ``overlap="skip"``: a period whose previous period's task is not final yet (or whose
-  key's run claim is held: each firing carries the idempotency key ``schedule:<name>``, so
-  two runs never overlap anyway) gets a CANCELLED record with error ``skipped``.
+- ``overlap="skip"``: a period is made only when the task of the last period made (not
+  skipped) is final; otherwise it gets a CANCELLED record with error ``skipped``. So two
+  periods never run at once. (Not the idempotency key's run claim: after a success the
+  claim is left to expire, up to ack_wait later, to save a write per task, so it would
+  hold the next period back or skip it for nothing.)
 
 Then the firing is acked. A definition that is gone (removed) or paused drops its firings.
 """
@@ -238,13 +240,26 @@ def _info(store_got: Got, spec: ScheduleSpec, last: int, now: int) -> ScheduleIn
     return ScheduleInfo(spec=spec, stored_ms=stored, next_ms=nxt, last_ms=last)
 
 
-async def _last_period(store: TaskStore, name: str) -> tuple[int, int]:
-    """The last period a firing covered (0: none) and its key's revision (0: none)."""
+@dataclass(frozen=True, slots=True)
+class _Covered:
+    """What the firings of a schedule did so far: the last period covered and the last
+    one made a task (not skipped), unix ms (0: none); the revision of their key."""
+
+    last: int = 0
+    made: int = 0
+    revision: int = 0
+
+    def value(self) -> bytes:
+        return f"{self.last} {self.made}".encode()
+
+
+async def _covered(store: TaskStore, name: str) -> _Covered:
     value, rev = await store.idem_latest(idem_key("sched", name))
     try:
-        return (int(value) if value else 0), rev
+        last, _, made = (value or b"").decode().partition(" ")
+        return _Covered(int(last or 0), int(made or 0), rev)
     except ValueError:
-        return 0, rev
+        return _Covered(revision=rev)
 
 
 async def get_schedule(store: TaskStore, name: str) -> ScheduleInfo | None:
@@ -257,8 +272,7 @@ async def get_schedule(store: TaskStore, name: str) -> ScheduleInfo | None:
         spec = _decode(got.data)
     except msgspec.DecodeError:
         raise CorruptRecord(name, "its definition does not decode as a schedule") from None
-    last, _ = await _last_period(store, name)
-    return _info(got, spec, last, now_ms())
+    return _info(got, spec, (await _covered(store, name)).last, now_ms())
 
 
 async def list_schedules(store: TaskStore, limit: int = 1000) -> list[ScheduleInfo]:
@@ -293,7 +307,7 @@ async def remove(store: TaskStore, name: str) -> bool:
         if got is None:
             break
         had = await store.delete_message(got.seq) or had
-    _, rev = await _last_period(store, name)
+    rev = (await _covered(store, name)).revision
     if rev:  # (a firing that covered a period meanwhile leaves its key: harmless)
         with contextlib.suppress(Conflict):
             await store.idem_delete(idem_key("sched", name), rev)
@@ -358,8 +372,8 @@ async def _fire(ex: Executor, msg: Msg) -> None:
     when = _timing(spec)
     key = idem_key("sched", name)
     for _ in range(_STATE_TRIES):
-        last, rev = await _last_period(store, name)
-        due = slots(when, max(last, anchor), tick + 500, anchor, CATCH_UP)
+        done = await _covered(store, name)
+        due = slots(when, max(done.last, anchor), tick + 500, anchor, CATCH_UP)
         if not due:
             return  # covered by a firing handled before this one
         if len(due) > CATCH_UP:
@@ -372,24 +386,25 @@ async def _fire(ex: Executor, msg: Msg) -> None:
                 CATCH_UP,
             )
             due = due[-CATCH_UP:]
-        previous = firing_id(name, last) if last else ""
+        made = done.made
         for at in due:
-            await _one(ex, spec, at, previous)
-            previous = firing_id(name, at)
+            if await _one(ex, spec, at, firing_id(name, made) if made else ""):
+                made = at
+        now = _Covered(due[-1], made)
         try:
-            value = str(due[-1]).encode()
-            if rev:
-                await store.idem_renew(key, value, _NO_TTL, rev)
+            if done.revision:
+                await store.idem_renew(key, now.value(), _NO_TTL, done.revision)
             else:
-                await store.idem_create(key, value, _NO_TTL)
+                await store.idem_create(key, now.value(), _NO_TTL)
             return
         except Conflict:
             continue  # another firing covered periods meanwhile: look again
     raise Conflict(f"schedule {name}: its last period kept changing")
 
 
-async def _one(ex: Executor, spec: ScheduleSpec, due: int, previous: str) -> None:
-    """The task of one period (or its ``skipped`` record)."""
+async def _one(ex: Executor, spec: ScheduleSpec, due: int, previous: str) -> bool:
+    """The task of one period; False when it was skipped (``overlap="skip"`` and the
+    task of the period made before, ``previous``, is not final): a ``skipped`` record."""
     store, stats = ex.store, ex.stats
     task_id = firing_id(spec.name, due)
     at = now_ms()
@@ -400,7 +415,6 @@ async def _one(ex: Executor, spec: ScheduleSpec, due: int, previous: str) -> Non
         payload=spec.payload,
         timeout=spec.timeout,
         max_attempts=spec.max_attempts,
-        idempotency_key=f"schedule:{spec.name}" if spec.overlap == "skip" else "",
         version=spec.version,
         required_tags=list(spec.required_tags),
         caller=spec.caller or f"schedule:{spec.name}",
@@ -408,16 +422,16 @@ async def _one(ex: Executor, spec: ScheduleSpec, due: int, previous: str) -> Non
         due_ms=due,
         schedule=spec.name,
     )
-    if spec.overlap == "skip" and await _still_running(store, previous, sub.idempotency_key):
+    if spec.overlap == "skip" and await _still_running(store, previous):
         rec = pending_record(sub, 0, at)
         err = ErrorBody(code="skipped", message=f"the previous firing ({previous}) still runs")
         skipped = advance(rec, [S.CANCELLED], at, "skipped", error=err)
         try:
             await store.write(skipped, 0)
         except Conflict:
-            return  # the period has a record already: handled before
+            return False  # the period has a record already: handled before
         stats.firings_skipped += 1
-        return
+        return False
     await publish_task(store, sub)
     stats.fired += 1
     if at - due > LATE_MS:
@@ -428,16 +442,15 @@ async def _one(ex: Executor, spec: ScheduleSpec, due: int, previous: str) -> Non
             datetime.datetime.fromtimestamp(due / 1000, datetime.UTC).isoformat(),
             (at - due) / 1000,
         )
+    return True
 
 
-async def _still_running(store: TaskStore, previous: str, key: str) -> bool:
-    """Whether the previous period's task is not final yet, or a run of the schedule's
-    key holds its claim."""
-    if previous:
-        try:
-            st = await store.lookup(previous)
-        except CorruptRecord:
-            return True  # its next handler replaces the record: not ended
-        if st is not None and not st.record.final:
-            return True
-    return await store.idem_get(idem_key("run", key)) is not None
+async def _still_running(store: TaskStore, previous: str) -> bool:
+    """Whether the task of the period made before is not final yet."""
+    if not previous:
+        return False
+    try:
+        st = await store.lookup(previous)
+    except CorruptRecord:
+        return True  # its next handler replaces the record: not ended
+    return st is not None and not st.record.final

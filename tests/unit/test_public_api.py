@@ -54,6 +54,7 @@ def test_public_api_is_pinned():
             "RequestTimeout",
             "ResourceExhausted",
             "RetryLater",
+            "ScheduleInfo",
             "Status",
             "TaskAttempt",
             "TaskContext",
