@@ -51,6 +51,7 @@ from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
+from .admin import scan
 from .cron import Timing, slots, timing
 from .execute import Executor
 from .states import advance
@@ -62,6 +63,8 @@ __all__ = [
     "LATE_MS",
     "SCHEDULE_NAME",
     "ScheduleInfo",
+    "count_scheduled",
+    "count_schedules",
     "define",
     "fire",
     "firing_id",
@@ -293,6 +296,19 @@ async def list_schedules(store: TaskStore, limit: int = 1000) -> list[ScheduleIn
             if info is not None and all(i.name != name for i in out):
                 out.append(info)
     return sorted(out, key=lambda i: i.name)
+
+
+async def count_schedules(store: TaskStore) -> dict[str, int]:
+    """Schedules by state (``active``, ``paused``), from their definitions' headers."""
+    seen = await scan(store.js, store.stream, store.subjects.schedules(), last_per_subject=True)
+    paused = sum(1 for s in seen if "Nats-Schedule" not in s.headers)
+    return {"active": len(seen) - paused, "paused": paused}
+
+
+async def count_scheduled(store: TaskStore) -> int:
+    """Delayed tasks (and retries later) the server holds now: one schedule message each."""
+    info = await store.js.stream_info(store.stream, subjects_filter=store.subjects.task_at_all())
+    return sum((info.state.subjects or {}).values())
 
 
 async def remove(store: TaskStore, name: str) -> bool:
