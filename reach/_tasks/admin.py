@@ -405,36 +405,11 @@ async def purge_dead_letters(
     seqs = await dead_letters_to_purge(store, capability, older_than)
     if not seqs:
         return 0
-    request: dict[str, object] = {"filter": store.subjects.dlq(capability or ">")}
-    if older_than is not None:
-        request["seq"] = seqs[-1] + 1  # up to, not including
-    subject = f"$JS.API.STREAM.PURGE.{store.dlq_stream}"
-    body = msgspec.json.encode(request)
     assert store.api is not None, "a purge goes through the store's JetStream API inbox"
-    reply = await store.api.request(subject, body)
-    answer = _purge_decoder.decode(reply.data)
-    if answer.error is not None:
-        raise nats.js.errors.APIError(
-            code=answer.error.code,
-            err_code=answer.error.err_code,
-            description=answer.error.description,
-        )
-    log.info("purged %d dead letters (%s)", answer.purged, capability or "all")
-    return answer.purged
-
-
-class _ApiError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
-class _Purged(msgspec.Struct):
-    purged: int = 0
-    error: _ApiError | None = None
-
-
-_purge_decoder = msgspec.json.Decoder(_Purged)
+    upto = seqs[-1] + 1 if older_than is not None else 0  # up to, not including
+    purged = await store.api.purge(store.dlq_stream, store.subjects.dlq(capability or ">"), upto)
+    log.info("purged %d dead letters (%s)", purged, capability or "all")
+    return purged
 
 
 def replay_id(store: TaskStore, seq: int, old_task_id: str) -> str:

@@ -51,7 +51,6 @@ from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
-from .admin import scan
 from .cron import Timing, slots, timing
 from .execute import Executor
 from .states import advance
@@ -278,9 +277,10 @@ async def get_schedule(store: TaskStore, name: str) -> ScheduleInfo | None:
     return _info(got, spec, (await _covered(store, name)).last, now_ms())
 
 
-async def list_schedules(store: TaskStore, limit: int = 1000) -> list[ScheduleInfo]:
-    """Every schedule, by name (at most ``limit``)."""
-    out: list[ScheduleInfo] = []
+async def _definitions(store: TaskStore, limit: int) -> list[tuple[str, bool]]:
+    """(name, paused) of every definition, at most ``limit``: direct gets walking the
+    stream (a work-queue stream takes no consumer without acks, so no scan)."""
+    out: list[tuple[str, bool]] = []
     seq = 0
     while len(out) < limit:
         try:
@@ -290,19 +290,28 @@ async def list_schedules(store: TaskStore, limit: int = 1000) -> list[ScheduleIn
         except nats.js.errors.NotFoundError:
             break
         seq = int(raw.seq or seq + 1)
-        name = (raw.headers or {}).get(SCHEDULE_NAME, "")
-        if _NAME.fullmatch(name):
-            info = await get_schedule(store, name)
-            if info is not None and all(i.name != name for i in out):
-                out.append(info)
+        headers = raw.headers or {}
+        name = headers.get(SCHEDULE_NAME, "")
+        if _NAME.fullmatch(name) and all(n != name for n, _ in out):
+            out.append((name, "Nats-Schedule" not in headers))
+    return out
+
+
+async def list_schedules(store: TaskStore, limit: int = 1000) -> list[ScheduleInfo]:
+    """Every schedule, by name (at most ``limit``)."""
+    out: list[ScheduleInfo] = []
+    for name, _ in await _definitions(store, limit):
+        info = await get_schedule(store, name)
+        if info is not None:
+            out.append(info)
     return sorted(out, key=lambda i: i.name)
 
 
-async def count_schedules(store: TaskStore) -> dict[str, int]:
+async def count_schedules(store: TaskStore, limit: int = 10_000) -> dict[str, int]:
     """Schedules by state (``active``, ``paused``), from their definitions' headers."""
-    seen = await scan(store.js, store.stream, store.subjects.schedules(), last_per_subject=True)
-    paused = sum(1 for s in seen if "Nats-Schedule" not in s.headers)
-    return {"active": len(seen) - paused, "paused": paused}
+    found = await _definitions(store, limit)
+    paused = sum(1 for _, p in found if p)
+    return {"active": len(found) - paused, "paused": paused}
 
 
 async def count_scheduled(store: TaskStore) -> int:

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 import reach
-from reach import Agent, Client, ReachSettings, TaskState
+from reach import Agent, Client, ReachSettings, Registry, TaskState, Telemetry
 from reach.testing import NatsServer, eventually, unique_prefix
 
 S = TaskState
@@ -187,3 +188,42 @@ async def test_pause_resume_and_replace(reach_settings: ReachSettings) -> None:
         assert {s.name for s in await client.schedules()} == {"p", "w"}
         for name in ("p", "w"):
             assert await client.unschedule(name)
+
+
+async def test_schedule_telemetry(reach_settings: ReachSettings) -> None:
+    """The registry's sweep counts schedules (active, paused) and SCHEDULED tasks; an
+    agent counts the periods it made into tasks."""
+    settings = reach_settings.model_copy(update={"task_sweep_interval": 0.2})
+    metrics, agent_metrics = CollectorRegistry(), CollectorRegistry()
+    runs = Runs()
+    agent = Agent("counted", settings=settings, telemetry=Telemetry(agent_metrics))
+
+    @agent.task("sched.counted")
+    async def op(payload: Any) -> None:
+        runs.runs.append(("", "", 0))
+
+    async with (
+        agent,
+        Registry(settings=settings, telemetry=Telemetry(metrics)),
+        Client(settings=settings) as client,
+    ):
+        await client.submit("sched.later", None, delay=3600)
+        await client.submit("sched.later", None, delay=3600)
+        await client.schedule("on", "sched.counted", None, every=1)
+        await client.schedule("off", "sched.counted", None, cron="@daily")
+        await client.pause_schedule("off")
+
+        def gauge(name: str, **labels: str) -> float | None:
+            return metrics.get_sample_value(name, labels)
+
+        await eventually(lambda: gauge("reach_tasks", state="SCHEDULED") == 2, timeout=10)
+        await eventually(lambda: gauge("reach_schedules", state="active") == 1, timeout=10)
+        assert gauge("reach_schedules", state="paused") == 1
+        await eventually(lambda: len(runs.runs) >= 1, timeout=10)
+        made = agent_metrics.get_sample_value(
+            "reach_agent_schedule_firings_total", {"agent": "counted", "outcome": "made"}
+        )
+        assert made is not None
+        assert made >= 1
+        for name in ("on", "off"):
+            await client.unschedule(name)
