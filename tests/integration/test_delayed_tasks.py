@@ -38,8 +38,9 @@ def starts_agent(settings: ReachSettings, cap: str, starts: list[tuple[str, int]
 
 
 async def test_delayed_task_runs_at_its_due_time(reach_settings: ReachSettings) -> None:
-    """A task delayed by 2 s is SCHEDULED (due shown) at once, runs no earlier than 2 s
-    after the submit and within 1 s after its due time; its record says when it was due."""
+    """PROTOCOL 8.8 promise 8 (not before its due time): a task delayed by 2 s is
+    SCHEDULED (due shown) at once, runs no earlier than 2 s after the submit and within
+    1 s after its due time; its record says when it was due."""
     starts: list[tuple[str, int]] = []
     async with (
         starts_agent(reach_settings, "delay.op", starts),
@@ -64,8 +65,9 @@ async def test_delayed_task_runs_at_its_due_time(reach_settings: ReachSettings) 
 
 
 async def test_cancelled_delayed_task_never_runs(reach_settings: ReachSettings) -> None:
-    """A delayed task cancelled before its due time never runs, even once that time has
-    passed with an agent up: the cancel removed the schedule."""
+    """PROTOCOL 8.8 promise 8 (cancelled before then, never runs): a delayed task
+    cancelled before its due time never runs, even once that time has passed with an
+    agent up: the cancel removed the schedule."""
     starts: list[tuple[str, int]] = []
     async with (
         starts_agent(reach_settings, "delay.cancel", starts),

@@ -49,8 +49,9 @@ async def own_server() -> AsyncIterator[NatsServer]:
 
 
 async def test_every_second_across_a_server_restart(own_server: NatsServer) -> None:
-    """An every=1s schedule over 10 s gives 10 (+-1) periods, each run once, across a
-    server restart in the middle: the periods the server missed while it was away are
+    """PROTOCOL 8.8 promise 9 (one task per period, a missed period made up): an every=1s
+    schedule over 10 s gives 10 (+-1) periods, each run once, across a server restart in
+    the middle: the periods the server missed while it was away are
     made up from the next firing, and no period runs twice."""
     settings = ReachSettings(nats_url=own_server.url, subject_prefix=unique_prefix())
     runs = Runs()
