@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) bench/routing.py all
 	$(PY) bench/tasks.py
 	$(PY) bench/topics.py
+	$(PY) bench/schedules.py
 	$(PY) bench/gateway.py
 
 # chaos.run bounds each scenario and the suite itself (a FAIL line names what waited);

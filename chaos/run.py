@@ -41,6 +41,7 @@ SCENARIOS = [
     "slow_handlers",  # 8
     "partition",  # 9
     "durable_topics",  # 10
+    "schedules_failover",  # 11
 ]
 
 

@@ -16,6 +16,7 @@ from ._registry import RegistryStats as RegistryStats
 from ._tasks import Batch as Batch
 from ._tasks import BatchProgress as BatchProgress
 from ._tasks import DeadLetter as DeadLetter
+from ._tasks import ScheduleInfo as ScheduleInfo
 from ._tasks import TaskAttempt as TaskAttempt
 from ._tasks import TaskRecord as TaskRecord
 from ._tasks import TaskRef as TaskRef
@@ -41,6 +42,7 @@ from .errors import (
     RemoteError,
     RequestTimeout,
     ResourceExhausted,
+    RetryLater,
     StreamBroken,
     TaskNotFound,
     Unauthorized,
@@ -90,6 +92,8 @@ __all__ = [
     "Reply",
     "RequestTimeout",
     "ResourceExhausted",
+    "RetryLater",
+    "ScheduleInfo",
     "Status",
     "Stream",
     "StreamBroken",

@@ -7,6 +7,8 @@ neither is valid JSON, so the three never overlap, and a payload too big for a c
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import re
 import sys
@@ -19,7 +21,9 @@ from .errors import ConfigurationError
 
 __all__ = [
     "PAYLOAD_HELP",
+    "duration_of",
     "json_or_text",
+    "parse_duration",
     "parse_json",
     "plain",
     "print_value",
@@ -30,6 +34,30 @@ __all__ = [
 ]
 
 PAYLOAD_HELP = "JSON payload; - reads it from stdin, @FILE from a file (default null)"
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_DURATIONS = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_of(text: str) -> datetime.timedelta | None:
+    """``90s``, ``10m``, ``2h``, ``7d`` or several (``1h30m``) as a timedelta; None for
+    anything else."""
+    text = text.strip()
+    if not _DURATIONS.fullmatch(text):
+        return None
+    return datetime.timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(text)))
+
+
+def parse_duration(text: str) -> datetime.timedelta:
+    """argparse type of a duration (``duration_of``): anything else is a usage error."""
+    got = duration_of(text)
+    if got is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: give a number and a unit, e.g. 90s, 10m, 2h, 7d"
+        )
+    return got
+
 
 _COLOURS = {"UP": "32", "DEGRADED": "33", "PAUSED": "36", "UNKNOWN": "35", "DOWN": "31"}
 

@@ -14,7 +14,14 @@ from typing import Any
 
 import msgspec
 
-from ._cli_common import PAYLOAD_HELP, json_or_text, print_value, read_payload, table
+from ._cli_common import (
+    PAYLOAD_HELP,
+    json_or_text,
+    parse_duration,
+    print_value,
+    read_payload,
+    table,
+)
 from ._client import Client
 from ._tasks import DeadLetter, TaskRecord, unserved
 from .errors import ReachError
@@ -91,6 +98,7 @@ async def _submit(args: argparse.Namespace, settings: ReachSettings) -> int:
             max_attempts=args.max_attempts,
             idempotency_key=args.idempotency_key,
             require_agent=args.require_agent,
+            delay=args.delay,
         )
         why = None if args.require_agent else unserved(await client.agents(), args.capability)
         if why is not None:  # accepted all the same: a worker may start later
@@ -145,6 +153,7 @@ async def _init(settings: ReachSettings, as_json: bool) -> int:
     and clients then find them and need no right to create streams."""
     async with Client(settings=settings, name=_NAME) as client:
         store = await client._tasks.ready(client.nc)
+        await store.ensure_schedules()  # delayed and periodic tasks, retry later
     if as_json:
         streams = [store.stream, store.dlq_stream, store.events_stream]
         buckets = [store.bucket, store.idem_bucket]
@@ -181,12 +190,19 @@ def _list_records(records: list[TaskRecord]) -> None:
             f"{r.attempt}/{r.max_attempts or '-'}",
             r.agent_id or "-",
             _stamp(r.updated_ms),
+            _due(r),
             (f"{r.error.code}: {r.error.message}" if r.error else "")[:60],
         ]
         for r in records
     ]
-    header = ["TASK", "CAPABILITY", "STATE", "PRIO", "ATTEMPT", "AGENT", "UPDATED", "ERROR"]
+    header = ["TASK", "CAPABILITY", "STATE", "PRIO", "ATTEMPT", "AGENT", "UPDATED", "DUE", "ERROR"]
     print(table(rows, header))
+
+
+def _due(r: TaskRecord) -> str:
+    """When a task waiting for a time is due (a delayed one, or a retry later)."""
+    waiting = r.state in (TaskState.SCHEDULED, TaskState.RETRYING)
+    return _stamp(r.due_ms) if r.due_ms and waiting else "-"
 
 
 def _show_record(r: TaskRecord) -> None:
@@ -202,6 +218,10 @@ def _show_record(r: TaskRecord) -> None:
     ]
     if r.progress and not r.final:
         lines.append(("progress", f"{r.progress:.0%} {r.progress_note}".rstrip()))
+    if r.due_ms:
+        lines.append(("due", _stamp(r.due_ms)))
+    if r.schedule:
+        lines.append(("schedule", r.schedule))
     if r.replay_of:
         lines.append(("replay of", r.replay_of))
     if r.idempotency_key:
@@ -340,6 +360,21 @@ async def _dlq_replay(args: argparse.Namespace, settings: ReachSettings) -> int:
     return 1 if left else 0
 
 
+async def _dlq_purge(args: argparse.Namespace, settings: ReachSettings) -> int:
+    """Count first; remove only with ``--yes N``, N the count shown (so what goes is what
+    was seen: a count that changed meanwhile removes nothing)."""
+    what = f"of {args.capability}" if args.capability else "(tasks, callbacks and topics)"
+    age = f" older than {args.older_than}" if args.older_than is not None else ""
+    async with Client(settings=settings, name=_NAME) as client:
+        if args.yes is None:
+            n = await client.count_dead_letters(args.capability, args.older_than)
+            print(f"{n} dead letters {what}{age}; to remove them: add --yes {n}")
+            return 0 if n == 0 else 1
+        gone = await client.purge_dead_letters(args.capability, args.older_than, expect=args.yes)
+    print(f"{gone} dead letters {what}{age} removed")
+    return 0
+
+
 # -- the parser ----------------------------------------------------------------------------
 
 
@@ -356,6 +391,13 @@ def add_task_commands(
     p.add_argument("--timeout", type=float, default=None, help="seconds per attempt")
     p.add_argument("--max-attempts", type=int, default=None)
     p.add_argument("--idempotency-key", default=None)
+    p.add_argument(
+        "--delay",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="hold the task back this long (SCHEDULED), e.g. 90s, 10m, 2h",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the end; print the result")
     p.add_argument(
         "--wait-timeout",
@@ -387,7 +429,7 @@ def add_task_commands(
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_tasks, is_async=True)
 
-    p = sub.add_parser("dlq", help="dead letters: list, show, replay")
+    p = sub.add_parser("dlq", help="dead letters: list, show, replay, purge")
     dlq = p.add_subparsers(dest="dlq_command", required=True)
     p = with_url(dlq.add_parser("list", help="dead letters, newest first"))
     p.add_argument("--capability", default=None)
@@ -411,3 +453,24 @@ def add_task_commands(
     )
     p.add_argument("--capability", default=None, help="replay every dead letter of C")
     p.set_defaults(run=_dlq_replay, is_async=True)
+    p = with_url(
+        dlq.add_parser(
+            "purge", help="remove dead letters for good: counts them, removes with --yes N"
+        )
+    )
+    p.add_argument("--capability", default=None, help="only those of capability C")
+    p.add_argument(
+        "--older-than",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="only those stored longer ago than this (7d, 12h)",
+    )
+    p.add_argument(
+        "--yes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="remove them; N is the count shown without --yes (nothing goes if it changed)",
+    )
+    p.set_defaults(run=_dlq_purge, is_async=True)

@@ -9,14 +9,13 @@ import argparse
 import contextlib
 import datetime
 import json
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from ._cli_common import PAYLOAD_HELP, read_payload
+from ._cli_common import PAYLOAD_HELP, duration_of, read_payload
 from ._client import Client
 from ._topics import Since
 from .settings import ReachSettings
@@ -24,9 +23,6 @@ from .settings import ReachSettings
 __all__ = ["add_topic_commands", "parse_since"]
 
 _NAME = "reach-cli"
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_DURATIONS = re.compile(r"(?:\d+(?:\.\d+)?[smhd])+")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_since(text: str) -> Since:
@@ -37,9 +33,8 @@ def parse_since(text: str) -> Since:
     if text.isdigit():
         if int(text) >= 1:
             return int(text)
-    elif _DURATIONS.fullmatch(text):
-        seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(text))
-        return datetime.timedelta(seconds=seconds)
+    elif (duration := duration_of(text)) is not None:
+        return duration
     else:
         with contextlib.suppress(ValueError):
             return datetime.datetime.fromisoformat(text)

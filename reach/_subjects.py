@@ -144,6 +144,30 @@ class Subjects:
     def task_lookup(self, task_id: str) -> str:
         return f"{self.prefix}.task.{task_id}.>"
 
+    def task_at(self, task_id: str, capability: str) -> str:
+        """Where a delayed task (or one its handler asked to retry later) waits: a
+        schedule the server holds in stream ``REACH_TASKS`` until its due time, then
+        publishes as the task's message. A ``$`` token is never a capability's, so no
+        consumer of the work queue takes it; ``task_lookup`` finds it."""
+        return f"{self.prefix}.task.{task_id}.$at.{capability}"
+
+    def task_at_all(self) -> str:
+        """Every waiting delayed task (to count them)."""
+        return f"{self.prefix}.task.*.$at.>"
+
+    def schedule(self, name: str) -> str:
+        """A periodic schedule's definition (one message, replaced by a new one: the
+        schedule's name is its identity), in stream ``REACH_TASKS``."""
+        return f"{self.prefix}.task.$sched.{name}.$def"
+
+    def schedules(self) -> str:
+        return f"{self.prefix}.task.$sched.*.$def"
+
+    def schedule_fire(self, name: str, capability: str, priority: str) -> str:
+        """Where the server puts a periodic schedule's firings: on the work queue of its
+        capability and priority, so an agent that serves it turns each into a task."""
+        return f"{self.prefix}.task.$fire-{name}.{capability}.{priority}"
+
     def dlq(self, capability: str) -> str:
         return f"{self.prefix}.dlq.{capability}"
 

@@ -28,6 +28,7 @@ from ._cli_common import table as _table
 from ._cli_examples import add_examples_commands
 from ._cli_gateway import add_gateway_commands
 from ._cli_run import add_run_command
+from ._cli_schedules import add_schedule_commands
 from ._cli_status import add_status_commands
 from ._cli_tasks import add_task_commands
 from ._cli_topics import add_topic_commands
@@ -358,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_demo, is_async=True)
 
     add_task_commands(sub, with_url)  # submit, tasks, dlq
+    add_schedule_commands(sub, with_url)  # schedules
     add_status_commands(sub, with_url)  # status, top
     add_gateway_commands(sub, with_url)  # gateway
     add_wrap_commands(sub)  # wrap: an HTTP service as an agent

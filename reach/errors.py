@@ -10,6 +10,7 @@
     ├── CorruptRecord              corrupt_record: a stored task record that does not decode
     ├── DeadLetterNotFound         no dead letter at this DLQ sequence
     ├── NotStored                  not_stored: a durable publish the server did not confirm
+    ├── RetryLater                 raised by a task handler: run this task again after a delay
     └── RemoteError                an answer (or lack of one) from the other side, by wire code
         ├── BadRequest             bad_request: the payload or headers were invalid
         ├── Unauthorized           unauthorized
@@ -74,6 +75,7 @@ __all__ = [
     "RemoteError",
     "RequestTimeout",
     "ResourceExhausted",
+    "RetryLater",
     "StreamBroken",
     "TaskNotFound",
     "Unauthorized",
@@ -212,6 +214,26 @@ class NotStored(ReachError):
         if reason == "refused":
             self.retryable = False
         super().__init__(message)
+
+
+class RetryLater(ReachError):
+    """Raised by a durable task's handler: end this attempt as RETRYING and run the task
+    again after ``after`` seconds (a rate limit, a resource not ready yet). The task waits
+    as a schedule the server holds, not as a message redelivered later, so waiting spends
+    none of its deliveries. The attempt counts against ``max_attempts`` unless
+    ``count=False``; with none left the task fails (code ``retry_later``). Only task
+    handlers take it; a request handler that raises it answers ``failed``."""
+
+    code = "retry_later"
+    retryable = True
+
+    def __init__(self, after: float, reason: str = "", *, count: bool = True) -> None:
+        if not after >= 0:
+            raise ConfigurationError(f"RetryLater: after must be >= 0 seconds, not {after!r}")
+        self.after = float(after)
+        self.reason = reason
+        self.count = count
+        super().__init__(f"retry in {self.after:g}s" + (f": {reason}" if reason else ""))
 
 
 class RemoteError(ReachError):

@@ -30,6 +30,7 @@ TYPES = {
     "task-record": wire.TaskRecord,
     "stream-credit": wire.StreamCredit,
     "stream-cancel": wire.StreamCancel,
+    "task-schedule": wire.ScheduleSpec,
 }
 
 

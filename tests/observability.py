@@ -178,5 +178,5 @@ _SAMPLE_LABELS = {
     "policy": ["balanced"],
     "agent": ["router"],
     "agent_id": ["router-1"],
-    "state": ["completed"],
+    "state": ["completed", "SCHEDULED"],
 }

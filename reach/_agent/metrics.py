@@ -70,6 +70,10 @@ def agent_source(agent: Observed) -> Callable[[Emitter], None]:
         out.counter("reach_agent_tasks_dead_lettered", (name,), t.dead_lettered)
         out.counter("reach_agent_task_records_undecodable", (name,), t.undecodable)
         out.gauge("reach_agent_tasks_running", (name,), t.running)
+        out.counter("reach_agent_schedule_firings", (name, "made"), t.fired)
+        out.counter("reach_agent_schedule_firings", (name, "skipped"), t.firings_skipped)
+        out.counter("reach_agent_schedule_firings", (name, "missed"), t.firings_missed)
+        out.counter("reach_agent_schedule_firings_late", (name,), t.fired_late)
         out.gauge("reach_agent_handlers_stuck", (name, "request"), s.stuck)
         out.gauge("reach_agent_handlers_stuck", (name, "task"), t.stuck)
         for pattern, c in agent.topic_cells().items():

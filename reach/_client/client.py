@@ -9,6 +9,7 @@ path is in ``attempts`` and ``reach._inbox``; routing state is the pure ``reach.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -19,12 +20,25 @@ import msgspec
 from nats.aio.client import Client as NatsConnection
 from nats.js.kv import KeyValue
 
+from .._codec import now_ms
 from .._inbox import Inbox, Reply
 from .._nats import close_nats, connect_nats, flush_nats, permissions_of
 from .._routing import Policy, Router, Weights
 from .._subjects import MAX_NAME, Subjects, validate_capability
-from .._tasks import Batch, TaskRecord, TaskRef, Tasks, TaskState, TaskSubmit, admin, unserved
+from .._tasks import (
+    Batch,
+    ScheduleInfo,
+    TaskRecord,
+    TaskRef,
+    Tasks,
+    TaskState,
+    TaskSubmit,
+    admin,
+    unserved,
+)
+from .._tasks import schedules as periodic
 from .._tasks.admin import DeadLetter
+from .._tasks.delayed import due_of
 from .._tasks.faults import task_errors
 from .._telemetry.core import Telemetry
 from .._topics import DurableTopics, Since
@@ -47,6 +61,10 @@ from .topics import TopicSubscription, publish, subscribe
 from .watches import Watches
 
 __all__ = ["Client", "ClientStats"]
+
+
+def _seconds(span: datetime.timedelta | float | None) -> float | None:
+    return span.total_seconds() if isinstance(span, datetime.timedelta) else span
 
 
 log = logging.getLogger("reach.client")
@@ -566,6 +584,8 @@ class Client:
         required_tags: Sequence[str] = (),
         version: str | None = None,
         require_agent: bool = False,
+        at: datetime.datetime | None = None,
+        delay: datetime.timedelta | float | None = None,
     ) -> TaskRef:
         """Submit a durable task; returns once JetStream has stored it (and its record is
         readable from any process). It waits for an instance of ``capability`` declared
@@ -581,7 +601,12 @@ class Client:
         same task. ``callback`` is a subject that receives the final record as a request
         and must answer it. A payload must fit in a record: at most about 3/8 of the
         server's ``max_payload`` (``ConfigurationError`` otherwise).
+
+        ``at`` (an aware datetime) or ``delay`` (a timedelta or seconds) holds the task
+        back until then: it is SCHEDULED (the server holds it; no process of ours waits),
+        then enters the work queue as PENDING. A cancel before then removes it.
         """
+        due = due_of(at, delay, now_ms())
         sub = self._tasks.spec(
             capability,
             payload,
@@ -592,6 +617,7 @@ class Client:
             callback=callback,
             required_tags=required_tags,
             version=version,
+            due_ms=due,
         )
         if require_agent:
             await self._require_agent(sub)
@@ -717,6 +743,42 @@ class Client:
                 )
             return await self._durable.replay(self.nc, dl)
 
+    async def purge_dead_letters(
+        self,
+        capability: str | None = None,
+        older_than: datetime.timedelta | float | None = None,
+        *,
+        expect: int | None = None,
+    ) -> int:
+        """Remove dead letters for good: all of them, or those of ``capability``, only
+        those stored more than ``older_than`` ago if given; how many went. ``expect``:
+        the count you were shown (``count_dead_letters``); when the filters now match a
+        different number, nothing is removed (``ConfigurationError`` saying both)."""
+        age = (
+            older_than.total_seconds() if isinstance(older_than, datetime.timedelta) else older_than
+        )
+        with task_errors("purge dead letters"):
+            store = await self._tasks.ready(self.nc)
+            if expect is not None:
+                now = len(await admin.dead_letters_to_purge(store, capability, age))
+                if now != expect:
+                    raise ConfigurationError(
+                        f"{now} dead letters match now, not the {expect} expected: nothing"
+                        " purged; count again"
+                    )
+            return await admin.purge_dead_letters(store, capability, age)
+
+    async def count_dead_letters(
+        self, capability: str | None = None, older_than: datetime.timedelta | float | None = None
+    ) -> int:
+        """How many dead letters ``purge_dead_letters`` with these filters would remove."""
+        age = (
+            older_than.total_seconds() if isinstance(older_than, datetime.timedelta) else older_than
+        )
+        with task_errors("count dead letters"):
+            store = await self._tasks.ready(self.nc)
+            return len(await admin.dead_letters_to_purge(store, capability, age))
+
     async def replay_capability(self, capability: str) -> list[TaskRef]:
         """Replay every dead letter of ``capability``, oldest first; those that cannot be
         replayed stay in the DLQ (logged)."""
@@ -728,6 +790,73 @@ class Client:
         for seq, why in skipped:
             log.warning("dead letter %s not replayed: %s", seq, why)
         return [TaskRef(self._tasks, i, capability) for i in ids]
+
+    # -- periodic schedules: over ``reach._tasks.schedules`` -------------------------------
+
+    async def schedule(
+        self,
+        name: str,
+        capability: str,
+        payload: Any = None,
+        *,
+        every: datetime.timedelta | float | None = None,
+        cron: str | None = None,
+        tz: str | None = None,
+        priority: Priority | str = Priority.NORMAL,
+        overlap: str = "allow",
+        timeout: float | None = None,
+        max_attempts: int | None = None,
+        required_tags: Sequence[str] = (),
+        version: str | None = None,
+    ) -> ScheduleInfo:
+        """Run a task of ``capability`` with ``payload`` periodically: ``every`` (whole
+        seconds, at least 1) or on a ``cron`` line (six fields, seconds first, e.g.
+        ``"0 0 2 * * *"``, or ``"@daily"``) in time zone ``tz`` (UTC by default). The
+        server keeps the schedule and fires it with no process of ours running; an agent
+        of the capability turns each firing into a task with its own id and record
+        (``schedule`` names it), one per period, also for periods missed while the server
+        was away. ``name`` is the schedule's identity: scheduling it again replaces it.
+        ``overlap="skip"`` starts no period while the previous one is not final (it is
+        recorded CANCELLED, error ``skipped``). Returns the schedule with its next firing."""
+        spec = periodic.spec_of(
+            name,
+            capability,
+            payload,
+            every=every,
+            cron=cron,
+            tz=tz,
+            priority=priority,
+            overlap=overlap,
+            timeout=timeout,
+            max_attempts=max_attempts,
+            required_tags=list(required_tags),
+            version=version,
+            caller=self.name,
+        )
+        with task_errors(f"schedule {name}"):
+            return await periodic.define(await self._tasks.ready(self.nc), spec)
+
+    async def schedules(self) -> list[ScheduleInfo]:
+        """Every periodic schedule, by name, with its next firing."""
+        with task_errors("list schedules"):
+            return await periodic.list_schedules(await self._tasks.ready(self.nc))
+
+    async def unschedule(self, name: str) -> bool:
+        """Remove schedule ``name``: nothing fires any more (tasks made already run);
+        False when there was none."""
+        with task_errors(f"unschedule {name}"):
+            return await periodic.remove(await self._tasks.ready(self.nc), name)
+
+    async def pause_schedule(self, name: str) -> ScheduleInfo:
+        """Stop firing schedule ``name`` until ``resume_schedule`` (its definition stays)."""
+        with task_errors(f"pause {name}"):
+            return await periodic.set_paused(await self._tasks.ready(self.nc), name, True)
+
+    async def resume_schedule(self, name: str) -> ScheduleInfo:
+        """Fire schedule ``name`` again, from its next period on (none is made up for the
+        pause)."""
+        with task_errors(f"resume {name}"):
+            return await periodic.set_paused(await self._tasks.ready(self.nc), name, False)
 
     # -- routing configuration: writes to the config bucket every client follows ---------
 

@@ -53,6 +53,7 @@ __all__ = [
 
 #: Reach task state -> A2A task state (PROTOCOL.md 8.7)
 STATES: dict[S, TaskState] = {
+    S.SCHEDULED: TaskState.TASK_STATE_SUBMITTED,
     S.PENDING: TaskState.TASK_STATE_SUBMITTED,
     S.RUNNING: TaskState.TASK_STATE_WORKING,
     S.RETRYING: TaskState.TASK_STATE_WORKING,

@@ -36,6 +36,11 @@ class SubmitBody(Selection):
     priority: Priority = Priority.NORMAL
     timeout: float | None = Field(default=None, gt=0, description="seconds per attempt")
     max_attempts: int | None = Field(default=None, ge=1, le=100)
+    delay: float | None = Field(
+        default=None,
+        ge=0,
+        description="seconds to hold the task back: SCHEDULED until then, due_ms in its record",
+    )
 
 
 def record_json(rec: TaskRecord) -> dict[str, Any]:
@@ -90,6 +95,7 @@ def router(deps: EdgeDeps) -> APIRouter:
             idempotency_key=key,
             required_tags=body.tags,
             version=body.version,
+            delay=body.delay,
         )
         out = {"task_id": ref.task_id, "capability": body.capability, "links": links(ref.task_id)}
         return _json(out, 202, {"Location": f"/v1/tasks/{ref.task_id}"})

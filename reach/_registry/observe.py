@@ -75,6 +75,9 @@ def registry_source(registry: RegistryView) -> Callable[[Emitter], None]:
         if rs.states is not None:
             for state in TaskState:  # a state no record is in reads 0, not "no data"
                 out.gauge("reach_tasks", (state.value,), rs.states.get(state.value, 0))
+        if rs.schedules is not None:
+            for kind, n in rs.schedules.items():
+                out.gauge("reach_schedules", (kind,), n)
         if rs.dlq_messages is not None:
             out.gauge("reach_dlq_messages", (), rs.dlq_messages)
 

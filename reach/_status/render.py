@@ -116,6 +116,10 @@ def _tasks(summary: Summary) -> list[str]:
     line = f"tasks: {t.queued} queued"
     if t.unassigned:
         line += f" ({t.unassigned} for capabilities no agent has taken tasks of)"
+    if t.scheduled:
+        line += f", {t.scheduled} scheduled"
+    if t.schedules:
+        line += f", {t.schedules} periodic schedules"
     line += f", {t.dead} dead letters"
     states = "  ".join(f"{k} {v}" for k, v in sorted(t.states.items())) or "none"
     records = f"records: {states}"

@@ -7,7 +7,9 @@ buckets. The agent side is ``runner`` (pulling by priority, leases, cancel, drai
 side is ``submit`` (Tasks) and ``refs`` (TaskRef, Batch); ``faults`` turns what nats-py
 raises into ``ReachError``s for every public task method. ``dlq`` writes dead letters;
 ``admin`` lists records and reads and replays dead letters; ``recovery`` (run by the
-registry) moves what hit max deliveries to the DLQ and sweeps for lost tasks.
+registry) moves what hit max deliveries to the DLQ and sweeps for lost tasks. ``delayed``
+(a delayed submit, a retry later) and ``schedules`` (periodic schedules, over the pure
+``cron``) put tasks on the server's own scheduler.
 Nothing here imports the agent or the client packages.
 """
 
@@ -18,6 +20,7 @@ from .execute import Executor
 from .model import TaskDecl, TaskStats
 from .refs import Batch, BatchProgress, TaskRef
 from .runner import TaskRunner
+from .schedules import ScheduleInfo
 from .submit import Tasks, unserved
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "BatchProgress",
     "DeadLetter",
     "Executor",
+    "ScheduleInfo",
     "TaskAttempt",
     "TaskDecl",
     "TaskRecord",

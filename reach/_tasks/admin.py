@@ -35,7 +35,15 @@ from .._nats import TRANSIENT
 from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_GROUP, DLQ_KIND, DLQ_REASON, TASK_ID
-from .store import AGENT_HEADER, STATE_HEADER, TaskStore, idem_key, pending_record
+from .store import (
+    AGENT_HEADER,
+    SCHEDULE_HEADER,
+    STATE_HEADER,
+    TaskStore,
+    idem_key,
+    pending_record,
+    scheduled_record,
+)
 from .submit import publish_task
 
 __all__ = [
@@ -46,7 +54,9 @@ __all__ = [
     "Seen",
     "dead_letter_at",
     "dead_letters",
+    "dead_letters_to_purge",
     "list_records",
+    "purge_dead_letters",
     "record_index",
     "record_meta",
     "replay",
@@ -243,8 +253,9 @@ async def list_records(
         names = ", ".join(s.lower() for s in TaskState)
         raise ConfigurationError(f"state {state!r} is not one of {names}") from None
     out: list[TaskRecord] = []
-    if want in (None, TaskState.PENDING):
-        out = await pending_tasks(store, capability=capability, limit=limit)
+    if want in (None, TaskState.PENDING, TaskState.SCHEDULED):
+        waiting = await pending_tasks(store, capability=capability, limit=limit)
+        out = [r for r in waiting if want is None or r.state is want]
     metas = [m for m in await record_index(store) if want is None or m.state in (want, None)]
     metas.sort(key=lambda m: m.revision, reverse=True)
     found: list[TaskRecord] = []
@@ -270,13 +281,10 @@ async def pending_tasks(
     store: TaskStore, *, capability: str | None = None, limit: int = 100, scan: int = 10_000
 ) -> list[TaskRecord]:
     """Tasks no agent has taken yet: messages in the task stream without a record (the
-    message is the PENDING state). Walks the stream with direct gets (a work queue takes
-    no second consumer), at most ``scan`` messages."""
-    subject = (
-        store.subjects.task_queue(capability, "*")
-        if capability
-        else f"{store.subjects.prefix}.task.>"
-    )
+    message is the PENDING state; a schedule the server holds, the SCHEDULED state).
+    Walks the stream with direct gets (a work queue takes no second consumer), at most
+    ``scan`` messages."""
+    subject = f"{store.subjects.prefix}.task.>"
     out: list[TaskRecord] = []
     seq = 0
     for _ in range(scan):
@@ -292,10 +300,13 @@ async def pending_tasks(
         try:
             sub = _submit_decoder.decode(msg.data or b"")
         except msgspec.DecodeError:
+            continue  # not a task (a periodic schedule, one of its firings), or junk
+        if capability and sub.capability != capability:
             continue
+        made = scheduled_record if SCHEDULE_HEADER in (msg.headers or {}) else pending_record
         try:
             if await store.get(sub.task_id) is None:
-                out.append(pending_record(sub, seq))
+                out.append(made(sub, seq))
         except CorruptRecord:
             continue  # it has a record, if a broken one: not PENDING
     return out
@@ -371,6 +382,34 @@ async def dead_letters(
         except DeadLetterNotFound:
             continue  # replayed or expired since the scan
     return out
+
+
+async def dead_letters_to_purge(
+    store: TaskStore, capability: str | None = None, older_than: float | None = None
+) -> list[int]:
+    """The DLQ sequences a purge with these filters removes: every dead letter (tasks,
+    callbacks and durable topics' letters), or those of ``capability``; only those stored
+    more than ``older_than`` seconds ago, if given. Oldest first."""
+    subject = store.subjects.dlq(capability or ">")
+    cutoff = now_ms() - int(older_than * 1000) if older_than is not None else None
+    seen = await scan(store.js, store.dlq_stream, subject, last_per_subject=False)
+    return sorted(s.seq for s in seen if cutoff is None or s.at_ms < cutoff)
+
+
+async def purge_dead_letters(
+    store: TaskStore, capability: str | None = None, older_than: float | None = None
+) -> int:
+    """Remove the dead letters ``dead_letters_to_purge`` names, at once (one purge of the
+    DLQ stream, up to the newest of them: letters are stored in time order, so none newer
+    than the cutoff goes); how many the server removed."""
+    seqs = await dead_letters_to_purge(store, capability, older_than)
+    if not seqs:
+        return 0
+    assert store.api is not None, "a purge goes through the store's JetStream API inbox"
+    upto = seqs[-1] + 1 if older_than is not None else 0  # up to, not including
+    purged = await store.api.purge(store.dlq_stream, store.subjects.dlq(capability or ">"), upto)
+    log.info("purged %d dead letters (%s)", purged, capability or "all")
+    return purged
 
 
 def replay_id(store: TaskStore, seq: int, old_task_id: str) -> str:

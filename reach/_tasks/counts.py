@@ -14,6 +14,7 @@ import nats.js.api
 import nats.js.errors
 
 from .admin import record_meta, scan_page
+from .schedules import count_scheduled, count_schedules
 from .store import TaskStore
 
 __all__ = ["CapabilityTasks", "TaskCensus", "census"]
@@ -37,8 +38,10 @@ class CapabilityTasks:
 class TaskCensus:
     """The task system at a glance.
 
-    ``queued``: messages in the task stream (every task not finished yet); ``unassigned``:
-    those of a capability no agent ever consumed (no consumer yet). ``states``: records by
+    ``queued``: messages in the task stream (every task not finished yet), less
+    ``scheduled`` (delayed tasks and retries later the server holds) and ``schedules``
+    (periodic schedules' definitions); ``unassigned``: those of a capability no agent ever
+    consumed (no consumer yet). ``states``: records by
     state among the ``scanned`` oldest of ``keys`` record keys (``capped`` when fewer than
     all); tasks nobody took yet have no record (they are the ``waiting`` ones).
     """
@@ -51,6 +54,8 @@ class TaskCensus:
     scanned: int = 0
     keys: int = 0
     capped: bool = False
+    scheduled: int = 0
+    schedules: int = 0
 
 
 async def census(store: TaskStore, scan_limit: int = 10_000) -> TaskCensus | None:
@@ -60,6 +65,9 @@ async def census(store: TaskStore, scan_limit: int = 10_000) -> TaskCensus | Non
         queued = (await js.stream_info(store.stream)).state.messages
     except nats.js.errors.NotFoundError:
         return None
+    scheduled = await count_scheduled(store)
+    schedules = sum((await count_schedules(store)).values())
+    queued = max(0, queued - scheduled - schedules)
     running: dict[str, list[int]] = {}
     head = f"{prefix}.task.*."
     for consumer in await _consumers(store):
@@ -99,6 +107,8 @@ async def census(store: TaskStore, scan_limit: int = 10_000) -> TaskCensus | Non
         scanned=len(seen),
         keys=keys,
         capped=len(seen) < keys,
+        scheduled=scheduled,
+        schedules=schedules,
     )
 
 

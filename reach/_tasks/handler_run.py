@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind, Tracer
 
 from .._codec import now_ms
 from .._telemetry import ATTR
-from ..errors import RemoteError
+from ..errors import RemoteError, RetryLater
 from .model import ContextFactory, Delivery, HandlerContext
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ async def call_handler(
         if decl.spec.wants_context:
             return True, await decl.spec.fn(payload, ctx)
         return True, await decl.spec.fn(payload)
-    except RemoteError as exc:
-        return False, exc  # a refusal: the task's answer, meant for the caller
+    except (RemoteError, RetryLater) as exc:
+        return False, exc  # a refusal (the task's answer), or a retry asked for: no fault
     except Exception as exc:
         _log(ctx, " failed")
         return False, exc

@@ -33,7 +33,17 @@ class _PubAck(msgspec.Struct):
     error: _ApiError | None = None
 
 
+class _Purged(msgspec.Struct):
+    purged: int = 0
+    error: _ApiError | None = None
+
+
 _ack_decoder = msgspec.json.Decoder(_PubAck)
+_purged_decoder = msgspec.json.Decoder(_Purged)
+
+
+def _refused(e: _ApiError) -> nats.js.errors.APIError:
+    return nats.js.errors.APIError(code=e.code, err_code=e.err_code, description=e.description)
 
 
 class JsApi:
@@ -63,11 +73,20 @@ class JsApi:
         msg = await self.request(subject, data, headers)
         ack = _ack_decoder.decode(msg.data)
         if ack.error is not None:
-            e = ack.error
-            raise nats.js.errors.APIError(
-                code=e.code, err_code=e.err_code, description=e.description
-            )
+            raise _refused(ack.error)
         return ack.seq
+
+    async def purge(self, stream: str, subject: str, upto: int = 0) -> int:
+        """Purge the messages of ``stream`` on ``subject`` (below sequence ``upto`` if
+        given); how many the server removed (nats-py's ``purge_stream`` does not say)."""
+        request: dict[str, object] = {"filter": subject}
+        if upto:
+            request["seq"] = upto
+        msg = await self.request(f"$JS.API.STREAM.PURGE.{stream}", msgspec.json.encode(request))
+        answer = _purged_decoder.decode(msg.data)
+        if answer.error is not None:
+            raise _refused(answer.error)
+        return answer.purged
 
     async def direct_get(self, stream: str, subject: str) -> Msg | None:
         """The last message on ``subject`` (wildcards allowed), or None."""

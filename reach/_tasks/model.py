@@ -115,6 +115,16 @@ class TaskStats:
     running: int = 0
     #: deliveries JetStream had made before (a lost agent, a nak, a timeout)
     redelivered: int = 0
+    #: of the retries, those the handler asked for (``RetryLater``): scheduled, not naked
+    retried_later: int = 0
+    #: firings of periodic schedules turned into tasks (one per period), those that entered
+    #: the work queue more than 5 s after their due time, those not run because the
+    #: previous one still ran (``overlap="skip"``) or the schedule was paused, and those
+    #: dropped because a catch-up would have made more than its cap at once
+    fired: int = 0
+    fired_late: int = 0
+    firings_skipped: int = 0
+    firings_missed: int = 0
 
 
 @dataclass(slots=True)

@@ -121,7 +121,7 @@ async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
         rec = st.record
         if rec.final or rec.cancel_requested:
             return rec
-        if rec.state in (S.PENDING, S.RETRYING):
+        if rec.state in (S.SCHEDULED, S.PENDING, S.RETRYING):
             new = advance(
                 rec,
                 [S.CANCELLED],

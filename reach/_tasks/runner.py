@@ -29,16 +29,18 @@ from .._background import Background
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
 from .._telemetry import LOG_AGENT, LOG_WORK
-from ..errors import BadRequest, CorruptRecord
+from ..errors import BadRequest, CorruptRecord, RetryLater
 from ..settings import ReachSettings
 from ..wire import Priority
 from ..wire.tasks import TaskSubmit
+from .delayed import retry_later
 from .execute import Executor
 from .faults import patiently
 from .handler_run import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
 from .model import ContextFactory, Delivery, TaskDecl, TaskStats
 from .pull import Puller
+from .schedules import fire, is_firing
 from .states import PriorityOrder, can_write, retry_delay
 from .store import Stored, TaskStore
 
@@ -248,6 +250,9 @@ class TaskRunner:
         assert self._exec is not None
         if not self.fetching:
             self._owner.spawn(self._exec.hand_back(msg), "tasks: hand back")
+            return
+        if is_firing(msg):  # a periodic schedule's firing: made into tasks, not run
+            self._owner.spawn(fire(self._exec, msg), "tasks: schedule firing")
             return
         try:
             sub = _submit_decoder.decode(msg.data)
@@ -537,6 +542,9 @@ class TaskRunner:
             ok, value = inner.result()
             if ok:
                 await ex.settle(d, "succeeded", value=value)
+            elif isinstance(value, RetryLater):
+                d.outcome = "retry_later"
+                await retry_later(ex, d, value)
             else:
                 await ex.settle(d, "failed", exc=value)
         finally:

@@ -1,11 +1,15 @@
 """The task state machine and the pure rules around it: transitions, fencing, retry delays,
 and the order in which an agent serves its priorities. No I/O, so every rule is unit-tested.
 
+    SCHEDULED -> PENDING (its due time came) | CANCELLED
     PENDING  -> RUNNING | CANCELLED | FAILED (rejected before any run)
     RUNNING  -> SUCCEEDED | FAILED | TIMEOUT | RETRYING (its agent was lost) | CANCELLED
     TIMEOUT  -> RETRYING | FAILED (no attempts left)
     RETRYING -> RUNNING | CANCELLED | FAILED (no attempts left)
     SUCCEEDED, FAILED, CANCELLED: final
+
+SCHEDULED is never written into a record (agents of earlier versions would not decode
+it): a delayed task has no record until it runs or is cancelled, as a PENDING one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
 
 S = TaskState
 LEGAL: dict[TaskState, frozenset[TaskState]] = {
+    S.SCHEDULED: frozenset({S.PENDING, S.CANCELLED}),
     S.PENDING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.TIMEOUT, S.RETRYING, S.CANCELLED}),
     S.TIMEOUT: frozenset({S.RETRYING, S.FAILED}),
@@ -79,10 +84,15 @@ def can_write(record: TaskRecord, attempt: int, agent_id: str | None = None) -> 
     return record.attempt == attempt and record.state is S.RUNNING
 
 
+#: attempt outcomes that do not count against ``max_attempts``: handed back at a drain
+#: (the task did nothing wrong; a rolling deploy must not use its attempts up), or put off
+#: by its handler with ``RetryLater(count=False)``
+UNCOUNTED = frozenset({"drained", "deferred"})
+
+
 def attempts_used(attempts: Iterable[TaskAttempt]) -> int:
-    """Runs that count against ``max_attempts``: a run handed back at a drain does not
-    (the task did nothing wrong; a rolling deploy must not use its attempts up)."""
-    return sum(1 for a in attempts if a.outcome != "drained")
+    """Runs that count against ``max_attempts`` (all but the ``UNCOUNTED`` ones)."""
+    return sum(1 for a in attempts if a.outcome not in UNCOUNTED)
 
 
 def end_attempt(

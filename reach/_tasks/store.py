@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hashlib
 import re
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from nats.js.api import (
 from .. import _kv
 from .._kv import KV_OP, MARKER_REASON, Conflict, JsErrorCode, bind_bucket, check_replicas
 from .._subjects import Subjects
-from ..errors import CorruptRecord
+from ..errors import ConfigurationError, CorruptRecord
 from ..settings import ReachSettings
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
@@ -81,8 +82,13 @@ def idem_key(kind: str, key: str) -> str:
     return f"{kind}.{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}"
 
 
+#: a header of the schedule message a delayed task waits as (ADR-51)
+SCHEDULE_HEADER = "Nats-Schedule"
+
+
 def pending_record(sub: TaskSubmit, seq: int, at_ms: int = 0) -> TaskRecord:
-    """The record of a task as submitted: PENDING, everything from its message."""
+    """The record of a task as submitted: PENDING, everything from its message. A
+    delayed task became PENDING at its due time (its history says so)."""
     at = sub.submitted_ms or at_ms
     return TaskRecord(
         task_id=sub.task_id,
@@ -99,9 +105,30 @@ def pending_record(sub: TaskSubmit, seq: int, at_ms: int = 0) -> TaskRecord:
         version=sub.version,
         required_tags=list(sub.required_tags),
         submitted_ms=at,
-        updated_ms=at,
+        updated_ms=max(at, sub.due_ms),
         replay_of=sub.replay_of,
-        history=[TaskStep(state=TaskState.PENDING, at_ms=at)],
+        due_ms=sub.due_ms,
+        schedule=sub.schedule,
+        history=[
+            TaskStep(
+                state=TaskState.PENDING,
+                at_ms=max(at, sub.due_ms),
+                note="due" if sub.due_ms else "",
+            )
+        ],
+    )
+
+
+def scheduled_record(sub: TaskSubmit, seq: int, at_ms: int = 0) -> TaskRecord:
+    """The record of a delayed task whose due time has not come: SCHEDULED, from the
+    schedule message it waits as. Its history is empty: SCHEDULED is never stored, so a
+    cancel writes a record whose history holds only CANCELLED (and ``due_ms``)."""
+    at = sub.submitted_ms or at_ms
+    return msgspec.structs.replace(
+        pending_record(sub, seq, at_ms),
+        state=TaskState.SCHEDULED,
+        history=[],
+        updated_ms=at,
     )
 
 
@@ -141,10 +168,29 @@ def decode_record(data: bytes, task_id: str = "", revision: int = 0) -> TaskReco
 
 
 @dataclass(frozen=True, slots=True)
-class _Got:
+class Got:
+    """A stored message as a direct get returns it."""
+
     data: bytes
     headers: dict[str, str]
     seq: int
+    subject: str = ""
+
+    @property
+    def stored_ms(self) -> int:
+        """When the server stored it (unix ms, its own clock); 0 when not told."""
+        return rfc3339_ms(self.headers.get("Nats-Time-Stamp", ""))
+
+
+def rfc3339_ms(text: str) -> int:
+    """An RFC 3339 UTC time as the server writes it (nanoseconds, ``Z``) in unix ms; 0
+    for anything else."""
+    head, _, frac = text.rstrip("Z").partition(".")
+    try:
+        at = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return 0
+    return int(at.timestamp()) * 1000 + int((frac + "000")[:3] or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +224,7 @@ class TaskStore:
         self._kv_stream = f"KV_{self.bucket}"
         self._idem_stream = f"KV_{self.idem_bucket}"
         self._ready = False
+        self._schedules = False
 
     # -- setup -----------------------------------------------------------------------
 
@@ -194,6 +241,7 @@ class TaskStore:
                 retention=RetentionPolicy.WORK_QUEUE,
                 storage=StorageType.FILE,
                 allow_direct=True,
+                allow_msg_schedules=True,
                 num_replicas=replicas,
                 description="Agent-Reach durable tasks: reach.task.<id>.<cap>.<priority>",
             ),
@@ -228,6 +276,33 @@ class TaskStore:
                 create=True,
             )
         self._ready = True
+
+    async def ensure_schedules(self) -> None:
+        """Make sure the task stream lets the server hold schedules (ADR-51), which a
+        delayed task, a retry later and a periodic schedule wait as: a stream made
+        before they existed is updated once (the server allows it on a stream in use).
+        ``ConfigurationError`` when the server cannot (older than 2.12), or the update
+        is refused."""
+        if self._schedules:
+            return
+        await self.ensure()
+        config = (await self.js.stream_info(self.stream)).config
+        if not config.allow_msg_schedules:
+            config.allow_msg_schedules = True
+            try:
+                config = (await self.js.update_stream(config)).config
+            except nats.js.errors.APIError as exc:
+                raise ConfigurationError(
+                    f"stream {self.stream} does not allow message schedules and could not"
+                    f" be changed ({exc.description}); run 'reach tasks init' as a user"
+                    " allowed to update it"
+                ) from None
+        if not config.allow_msg_schedules:
+            raise ConfigurationError(
+                "this nats-server does not hold message schedules (delayed and periodic"
+                " tasks and retry later need nats-server 2.12, every and cron 2.14)"
+            )
+        self._schedules = True
 
     async def in_use(self) -> bool:
         """Whether tasks are used under this prefix (an agent or a client made the
@@ -323,15 +398,16 @@ class TaskStore:
         if sub.task_id != task_id:
             return None
         # one more look: an agent may have taken it between the two reads
-        return await self.get(task_id) or Stored(pending_record(sub, int(msg.seq or 0)), 0)
+        made = scheduled_record if SCHEDULE_HEADER in msg.headers else pending_record
+        return await self.get(task_id) or Stored(made(sub, int(msg.seq or 0)), 0)
 
     # -- idempotency keys and claims -------------------------------------------------
 
-    async def idem_create(self, key: str, value: bytes, ttl: float) -> int:
+    async def idem_create(self, key: str, value: bytes, ttl: float | None) -> int:
         """Atomically create ``key`` in ``reach_idem`` with a TTL; Conflict if it exists."""
         return await _kv.write(self._send, self.idem_bucket, key, value, last=0, ttl=ttl)
 
-    async def idem_renew(self, key: str, value: bytes, ttl: float, last: int) -> int:
+    async def idem_renew(self, key: str, value: bytes, ttl: float | None, last: int) -> int:
         return await _kv.write(self._send, self.idem_bucket, key, value, last=last, ttl=ttl)
 
     async def idem_put(self, key: str, value: bytes, ttl: float) -> int:
@@ -410,19 +486,28 @@ class TaskStore:
         with _kv.conflicts(subject):
             return await self._send(subject, data, headers)
 
-    async def _direct_get(self, stream: str, subject: str) -> _Got | None:
+    async def last_on(self, subject: str) -> Got | None:
+        """The newest message of the task stream on ``subject`` (wildcards allowed)."""
+        return await self._direct_get(self.stream, subject)
+
+    async def _direct_get(self, stream: str, subject: str) -> Got | None:
         """The last message on ``subject`` in ``stream`` (a direct get), or None."""
         if self.api is not None:
             msg = await self.api.direct_get(stream, subject)
             if msg is None:
                 return None
             headers = msg.headers or {}
-            return _Got(msg.data, headers, int(headers.get("Nats-Sequence", 0)))
+            seq = int(headers.get("Nats-Sequence", 0))
+            return Got(msg.data, headers, seq, headers.get("Nats-Subject", ""))
         try:
             raw = await self.js.get_msg(stream, subject=subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
-        return _Got(raw.data or b"", raw.headers or {}, int(raw.seq or 0))
+        headers = dict(raw.headers or {})
+        if raw.time is not None and "Nats-Time-Stamp" not in headers:
+            stamp = raw.time.astimezone(datetime.UTC).isoformat().replace("+00:00", "Z")
+            headers["Nats-Time-Stamp"] = stamp
+        return Got(raw.data or b"", headers, int(raw.seq or 0), raw.subject or "")
 
 
 def dlq_stream_name(subjects: Subjects) -> str:

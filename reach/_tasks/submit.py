@@ -46,6 +46,7 @@ from ..errors import (
 from ..settings import ReachSettings
 from ..wire import AgentRecord, CapabilityInfo, Header, Priority, Status
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
+from .delayed import at_schedule
 from .faults import patiently, task_errors
 from .jsapi import JsApi
 from .refs import Batch, TaskRef, cancel_record, read_record, remove_messages
@@ -127,7 +128,8 @@ def unserved(
 async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> int:
     """Publish a task message and wait for the stream's ack; its stream sequence. The
     ``Nats-Msg-Id`` (the task id unless given) deduplicates a resent publish. Used by a
-    submit, a replay from the DLQ and a recovery sweep's republish."""
+    submit, a replay from the DLQ, a recovery sweep's republish and a schedule's firing.
+    A task due later (``due_ms`` ahead) is published as the schedule it waits as."""
     headers = {
         "Nats-Msg-Id": msg_id or sub.task_id,
         "Reach-Task-Id": sub.task_id,
@@ -138,6 +140,11 @@ async def publish_task(store: TaskStore, sub: TaskSubmit, msg_id: str = "") -> i
     if sub.traceparent:
         headers["traceparent"] = sub.traceparent
     subject = store.subjects.task(sub.task_id, sub.capability, sub.priority)
+    if sub.due_ms > now_ms():
+        subject, schedule = at_schedule(
+            store.subjects, sub.task_id, sub.capability, subject, sub.due_ms
+        )
+        headers.update(schedule)
     return await store.publish(subject, _encode(sub), headers)
 
 
@@ -267,8 +274,10 @@ class Tasks:
         callback: str | None,
         required_tags: Sequence[str],
         version: str | None,
+        due_ms: int = 0,
     ) -> TaskSubmit:
-        """The task message, with every argument checked before anything is sent."""
+        """The task message, with every argument checked before anything is sent.
+        ``due_ms``: not before then (unix ms; 0 or past: at once)."""
         try:
             validate_capability(capability)
             prio = Priority(priority)
@@ -310,6 +319,7 @@ class Tasks:
             required_tags=list(required_tags),
             caller=self.caller,
             submitted_ms=now_ms(),
+            due_ms=due_ms if due_ms > now_ms() else 0,
         )
 
     async def submit(
@@ -319,6 +329,9 @@ class Tasks:
         ``task_patience``) while JetStream does not answer."""
         self.check_size(nc, sub)
         store = await self.ready(nc)
+        if sub.due_ms:
+            with task_errors("task streams"):
+                await store.ensure_schedules()
         sub = msgspec.structs.replace(sub, notify=self.notify)
         if until is None:
             until = time.monotonic() + self.settings.task_patience

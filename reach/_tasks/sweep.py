@@ -54,6 +54,7 @@ from .admin import RecordMeta, each_record, scan
 from .callbacks import send_callback, set_callback_state
 from .dlq import dead_letter
 from .refs import remove_messages
+from .schedules import count_scheduled, count_schedules
 from .states import IllegalTransition, advance, end_attempt, is_final
 from .store import UNDECODABLE, Conflict, Stored, TaskStore, undecodable_record
 from .submit import publish_task
@@ -98,6 +99,8 @@ class RecoveryStats:
     #: task records by state and messages in the DLQ, as of this replica's last sweep
     states: dict[str, int] | None = None
     dlq_messages: int | None = None
+    #: periodic schedules by state (active, paused), as of this replica's last sweep
+    schedules: dict[str, int] | None = None
 
 
 def submit_of(rec: TaskRecord) -> TaskSubmit:
@@ -232,8 +235,10 @@ class Sweeper:
         try:  # for metrics only: after the recovery, and never in its way
             info = await self.store.js.stream_info(self.store.dlq_stream)
             self.stats.dlq_messages = info.state.messages
+            states[S.SCHEDULED.value] = await count_scheduled(self.store)
+            self.stats.schedules = await count_schedules(self.store)
         except RETRIED as exc:
-            log.debug("task recovery: DLQ size not read: %r", exc)
+            log.debug("task recovery: DLQ size or schedules not read: %r", exc)
         return recovered
 
     async def _check(self, task_id: str, live: set[str]) -> int:

@@ -123,6 +123,17 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "counter", "Tasks this agent moved to the dead-letter stream.", ("agent",)
     ),
     "reach_agent_tasks_running": Spec("gauge", "Durable tasks running now.", ("agent",)),
+    "reach_agent_schedule_firings": Spec(
+        "counter",
+        "Periods of periodic schedules this agent handled, by outcome: made (a task),"
+        " skipped (overlap skip, or paused), missed (beyond the catch-up cap).",
+        ("agent", "outcome"),
+    ),
+    "reach_agent_schedule_firings_late": Spec(
+        "counter",
+        "Periods whose task entered the work queue more than 5 s after their due time.",
+        ("agent",),
+    ),
     "reach_agent_task_records_undecodable": Spec(
         "counter",
         "Task records that did not decode (junk, or a newer version's), replaced by a FAILED"
@@ -199,7 +210,15 @@ CATALOGUE: Final[dict[str, Spec]] = {
         " dead_lettered (max deliveries), undecodable (a record replaced), cancel_finished.",
         ("action",),
     ),
-    "reach_tasks": Spec("gauge", "Task records by state (as of the last sweep).", ("state",)),
+    "reach_tasks": Spec(
+        "gauge",
+        "Tasks by state as of the last sweep: records, and SCHEDULED from the delayed tasks"
+        " the server holds (they have no record).",
+        ("state",),
+    ),
+    "reach_schedules": Spec(
+        "gauge", "Periodic schedules defined, by state: active, paused (last sweep).", ("state",)
+    ),
     # -- the HTTP gateway (route: the app's path template; code: the HTTP status code)
     "reach_gateway_http_requests": Spec(
         "counter", "HTTP requests by route, method and status code.", ("route", "method", "code")

@@ -35,7 +35,7 @@ from .messages import (
     StreamCredit,
     Transition,
 )
-from .tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
+from .tasks import ScheduleSpec, TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
 
 __all__ = [
     "ERROR_CODES",
@@ -60,6 +60,7 @@ __all__ = [
     "Registration",
     "RouteQuery",
     "RouteReply",
+    "ScheduleSpec",
     "Status",
     "StreamCancel",
     "StreamControl",

@@ -15,6 +15,8 @@ from .messages import ErrorBody, Priority
 
 __all__ = [
     "FINAL",
+    "OVERLAPS",
+    "ScheduleSpec",
     "TaskAttempt",
     "TaskRecord",
     "TaskState",
@@ -24,8 +26,11 @@ __all__ = [
 
 
 class TaskState(enum.StrEnum):
-    """Where a task is. SUCCEEDED, FAILED and CANCELLED are final."""
+    """Where a task is. SUCCEEDED, FAILED and CANCELLED are final. SCHEDULED (waiting
+    for its due time) is never stored in a record: like PENDING before an agent takes the
+    task, it is the task's message (a schedule the server holds)."""
 
+    SCHEDULED = "SCHEDULED"
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
@@ -65,6 +70,11 @@ class TaskSubmit(_TaskWire, tag="reach.task.submit", frozen=True, kw_only=True):
     replay_of: str = ""
     #: W3C trace context of the submit, so each attempt's span joins the submitter's trace
     traceparent: str = ""
+    #: unix ms before which the task does not enter the work queue (0: at once); a
+    #: delayed task waits as a schedule the server holds (state SCHEDULED)
+    due_ms: int = 0
+    #: the periodic schedule whose firing made this task ("" for a submitted one)
+    schedule: str = ""
 
 
 class TaskAttempt(_TaskWire, tag="reach.task.attempt", frozen=True, kw_only=True):
@@ -125,6 +135,11 @@ class TaskRecord(_TaskWire, tag="reach.task.record", frozen=True, kw_only=True):
     submitted_ms: int = 0
     updated_ms: int = 0
     replay_of: str = ""
+    #: unix ms the task was due: a delayed submit or a schedule's firing (0: at once);
+    #: while it waits for a retry asked for by the handler (``RetryLater``), that retry's
+    due_ms: int = 0
+    #: the periodic schedule whose firing made this task ("" for a submitted one)
+    schedule: str = ""
 
     @property
     def final(self) -> bool:
@@ -134,3 +149,31 @@ class TaskRecord(_TaskWire, tag="reach.task.record", frozen=True, kw_only=True):
     def duration_ms(self) -> int:
         """From submit to the last write (the end, for a final record)."""
         return max(0, self.updated_ms - self.submitted_ms)
+
+
+#: what a periodic schedule does when a firing comes while the previous one still runs
+OVERLAPS = ("allow", "skip")
+
+
+class ScheduleSpec(_TaskWire, tag="reach.task.schedule", frozen=True, kw_only=True):
+    """A periodic schedule: the body of its definition on ``reach.task.$sched.<name>.$def``
+    (the server fires it) and of each firing, which an agent of ``capability`` turns into
+    one task per period. ``every`` (whole seconds) or ``cron`` (six fields, seconds first,
+    in ``tz``); ``overlap`` "skip" starts no firing while the previous one is not final."""
+
+    name: str
+    capability: str
+    priority: Priority = Priority.NORMAL
+    payload: bytes = b""
+    every: int = 0
+    cron: str = ""
+    tz: str = ""
+    overlap: str = "allow"
+    #: paused: the definition is kept without a schedule; nothing fires until resumed
+    paused: bool = False
+    timeout: float = 0.0
+    max_attempts: int = 0
+    version: str = ""
+    required_tags: list[str] = msgspec.field(default_factory=list)
+    caller: str = ""
+    created_ms: int = 0

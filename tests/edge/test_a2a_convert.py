@@ -37,6 +37,7 @@ def message(*parts: Part) -> Message:
 
 def test_every_reach_state_has_the_a2a_state_of_protocol_md():
     assert STATES == {
+        S.SCHEDULED: T.TASK_STATE_SUBMITTED,
         S.PENDING: T.TASK_STATE_SUBMITTED,
         S.RUNNING: T.TASK_STATE_WORKING,
         S.RETRYING: T.TASK_STATE_WORKING,

@@ -44,6 +44,21 @@ async def test_submit_then_read_the_record_to_its_result(settings):
         assert (rec["priority"], rec["final"], rec["agent_id"]) == ("high", True, "worker-1")
 
 
+async def test_a_delayed_task_is_scheduled_with_its_due_time(settings):
+    """``delay`` holds the task back: the record the gateway shows is SCHEDULED with
+    ``due_ms``, and a cancel before then ends it."""
+    async with Client(settings=settings) as client, asgi(client) as (http, _):
+        r = await http.post("/v1/tasks", json={"capability": "demo.job", "delay": 3600})
+        assert r.status_code == 202, r.text
+        task_id = r.json()["task_id"]
+        rec = (await http.get(f"/v1/tasks/{task_id}")).json()
+        assert rec["state"] == "SCHEDULED"
+        assert rec["due_ms"] > rec["submitted_ms"] + 3_500_000
+        r = await http.post(f"/v1/tasks/{task_id}/cancel")
+        assert r.status_code == 200, r.text
+        assert (await http.get(f"/v1/tasks/{task_id}")).json()["state"] == "CANCELLED"
+
+
 async def test_the_same_idempotency_key_gives_the_same_task(settings):
     async with Client(settings=settings) as client, asgi(client) as (http, _):
         job = {"capability": "demo.job", "payload": {"n": 2}}

@@ -219,7 +219,7 @@ async def test_list_tasks_by_state_and_capability_newest_first(settings):
         assert len(await client.list_tasks(capability=CAP, limit=2)) == 2
         assert await client.list_tasks(capability="report.none") == []
         assert await client.list_tasks(state="failed") == []
-        with pytest.raises(ConfigurationError, match="not one of pending, running"):
+        with pytest.raises(ConfigurationError, match="not one of scheduled, pending, running"):
             await client.list_tasks(state="lost")
         hold.set()
         await running.result(timeout=30)

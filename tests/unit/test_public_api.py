@@ -53,6 +53,8 @@ def test_public_api_is_pinned():
             "Reply",
             "RequestTimeout",
             "ResourceExhausted",
+            "RetryLater",
+            "ScheduleInfo",
             "Status",
             "Stream",
             "StreamBroken",

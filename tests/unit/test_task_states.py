@@ -20,6 +20,8 @@ from reach.wire.tasks import FINAL, TaskRecord, TaskState
 S = TaskState
 ALL = list(TaskState)
 EXPECTED = {
+    (S.SCHEDULED, S.PENDING),
+    (S.SCHEDULED, S.CANCELLED),
     (S.PENDING, S.RUNNING),
     (S.PENDING, S.CANCELLED),
     (S.PENDING, S.FAILED),
@@ -75,6 +77,19 @@ def test_several_steps_in_one_write_are_each_checked():
     with pytest.raises(IllegalTransition):
         advance(record(S.RUNNING), [S.TIMEOUT, S.SUCCEEDED], 5)
     assert advance(record(S.RUNNING), [], 5, progress=0.3).state is S.RUNNING
+
+
+def test_uncounted_attempts():
+    """A run handed back at a drain, or put off with ``RetryLater(count=False)``, does
+    not count against max_attempts; a counted retry later does."""
+    from reach._tasks.states import attempts_used
+    from reach.wire.tasks import TaskAttempt
+
+    outcomes = ["drained", "deferred", "retry_later", "timeout", "running"]
+    attempts = [
+        TaskAttempt(n=i, agent_id="a", started_ms=0, outcome=o) for i, o in enumerate(outcomes)
+    ]
+    assert attempts_used(attempts) == 3
 
 
 def test_history_is_bounded():

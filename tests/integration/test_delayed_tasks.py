@@ -1,0 +1,202 @@
+"""Delayed tasks (``submit(at=..., delay=...)``) and retries a handler asks for
+(``RetryLater``), on the server's own schedules (sdk/PROTOCOL.md 8.2 and 8.4): the task
+waits SCHEDULED as a schedule the server holds, then enters its work queue as PENDING;
+a cancel before then removes it; a retry later waits the same way without spending a
+delivery."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import pytest
+
+import reach
+from reach import Agent, Client, ReachSettings, TaskState
+from reach.testing import eventually
+
+from .task_helpers import stream_empty
+
+S = TaskState
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)
+
+
+def starts_agent(settings: ReachSettings, cap: str, starts: list[tuple[str, int]]) -> Agent:
+    """Records (task id, unix ms) at the start of every run."""
+    agent = Agent("delayed", settings=settings)
+
+    @agent.task(cap)
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        starts.append((ctx.task_id, _ms()))
+        return payload
+
+    return agent
+
+
+async def test_delayed_task_runs_at_its_due_time(reach_settings: ReachSettings) -> None:
+    """PROTOCOL 8.8 promise 8 (not before its due time): a task delayed by 2 s is
+    SCHEDULED (due shown) at once, runs no earlier than 2 s after the submit and within
+    1 s after its due time; its record says when it was due."""
+    starts: list[tuple[str, int]] = []
+    async with (
+        starts_agent(reach_settings, "delay.op", starts),
+        Client(settings=reach_settings) as client,
+    ):
+        before = _ms()
+        ref = await client.submit("delay.op", {"n": 1}, delay=datetime.timedelta(seconds=2))
+        rec = await ref.status()
+        assert rec.state is S.SCHEDULED
+        assert before + 2000 <= rec.due_ms <= _ms() + 2000
+        listed = await client.list_tasks(state="scheduled")
+        assert [r.task_id for r in listed] == [ref.task_id]
+        assert await ref.result(timeout=10) == {"n": 1}
+        ((task_id, started),) = starts
+        assert task_id == ref.task_id
+        assert started >= before + 2000, "ran before its delay was over"
+        assert started <= rec.due_ms + 1000, f"ran {started - rec.due_ms} ms after its due time"
+        done = await ref.status()
+        assert done.due_ms == rec.due_ms
+        assert [s.state for s in done.history] == [S.PENDING, S.RUNNING, S.SUCCEEDED]
+        assert done.history[0].at_ms == rec.due_ms
+
+
+async def test_cancelled_delayed_task_never_runs(reach_settings: ReachSettings) -> None:
+    """PROTOCOL 8.8 promise 8 (cancelled before then, never runs): a delayed task
+    cancelled before its due time never runs, even once that time has passed with an
+    agent up: the cancel removed the schedule."""
+    starts: list[tuple[str, int]] = []
+    async with (
+        starts_agent(reach_settings, "delay.cancel", starts),
+        Client(settings=reach_settings) as client,
+    ):
+        ref = await client.submit("delay.cancel", {"n": 1}, delay=1.0)
+        later = await client.submit("delay.cancel", {"n": 2}, delay=1.5)  # runs: the witness
+        rec = await ref.cancel()
+        assert rec.state is S.CANCELLED
+        assert await later.result(timeout=10) == {"n": 2}  # its due time (after ref's) passed
+        assert [t for t, _ in starts] == [later.task_id]
+        assert (await ref.status()).state is S.CANCELLED
+        await eventually(stream_empty(client, reach_settings), timeout=5)
+
+
+async def test_delayed_submit_at_and_idempotency(reach_settings: ReachSettings) -> None:
+    """``at`` takes an aware datetime (a naive one is refused); an idempotency key gives the
+    same task again while it waits; a time already past runs at once (PENDING)."""
+    async with Client(settings=reach_settings) as client:
+        due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+        with pytest.raises(reach.ConfigurationError, match="time zone"):
+            await client.submit("delay.at", 1, at=due.replace(tzinfo=None))
+        with pytest.raises(reach.ConfigurationError, match="not both"):
+            await client.submit("delay.at", 1, at=due, delay=3)
+        a = await client.submit("delay.at", 1, at=due, idempotency_key="k-at")
+        b = await client.submit("delay.at", 1, at=due, idempotency_key="k-at")
+        assert a.task_id == b.task_id
+        rec = await a.status()
+        assert rec.state is S.SCHEDULED
+        assert rec.due_ms == int(due.timestamp() * 1000)
+        past = await client.submit("delay.at", 2, at=due - datetime.timedelta(hours=2))
+        assert (await past.status()).state is S.PENDING
+        await a.cancel()
+        await past.cancel()
+
+
+async def test_retry_later_reruns_after_the_delay(reach_settings: ReachSettings) -> None:
+    """``RetryLater(after=1)`` ends the attempt RETRYING (due shown), and the task runs
+    again no earlier than 1 s later, from a new message: each run was the first delivery
+    of its message (waiting spent no delivery: nothing was naked or redelivered)."""
+    runs: list[tuple[int, int]] = []  # (attempt, unix ms)
+    agent = Agent("later", settings=reach_settings)
+
+    @agent.task("later.op", max_attempts=3)
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        runs.append((ctx.attempt, _ms()))
+        if len(runs) == 1:
+            raise reach.RetryLater(after=1, reason="rate limited")
+        return "done"
+
+    async with agent, Client(settings=reach_settings) as client:
+        ref = await client.submit("later.op", None)
+        waiting = None
+        async for rec in ref.watch():
+            if rec.state is S.RETRYING:
+                waiting = rec
+            if rec.final:
+                break
+        assert waiting is not None
+        assert waiting.error is not None
+        assert waiting.error.code == "retry_later"
+        assert waiting.error.message == "rate limited"
+        assert await ref.result(timeout=10) == "done"
+        (a1, t1), (a2, t2) = runs
+        assert (a1, a2) == (1, 2)
+        assert waiting.due_ms - t1 >= 1000
+        assert t2 >= waiting.due_ms
+        assert t2 - waiting.due_ms <= 1000
+        stats = agent.task_stats
+        assert (stats.redelivered, stats.handed_back) == (0, 0), "a retry later spent a delivery"
+        rec = await ref.status()
+        assert [a.outcome for a in rec.attempts] == ["retry_later", "succeeded"]
+        assert agent.task_stats.retried_later == 1
+        await eventually(stream_empty(client, reach_settings), timeout=5)
+
+
+async def test_retry_later_counts_unless_told(reach_settings: ReachSettings) -> None:
+    """A counted RetryLater uses an attempt: with none left the task fails
+    (``retry_later``, dead-lettered); ``count=False`` does not use one."""
+    agent = Agent("later2", settings=reach_settings)
+    seen: dict[str, int] = {}
+
+    @agent.task("later.counted", max_attempts=2)
+    async def counted(payload: Any, ctx: reach.TaskContext) -> Any:
+        raise reach.RetryLater(after=0.1, reason="never ready")
+
+    @agent.task("later.free", max_attempts=1)
+    async def free(payload: Any, ctx: reach.TaskContext) -> Any:
+        seen[ctx.task_id] = seen.get(ctx.task_id, 0) + 1
+        if seen[ctx.task_id] < 3:
+            raise reach.RetryLater(after=0.1, count=False)
+        return seen[ctx.task_id]
+
+    async with agent, Client(settings=reach_settings) as client:
+        a = await client.submit("later.counted", None)
+        b = await client.submit("later.free", None)
+        rec = await a.wait(timeout=10)
+        assert rec.state is S.FAILED
+        assert rec.error is not None
+        assert rec.error.code == "retry_later"
+        assert [x.outcome for x in rec.attempts] == ["retry_later", "retry_later"]
+        letters = await client.dead_letters("later.counted")
+        assert [dl.task_id for dl in letters] == [a.task_id]
+        assert await b.result(timeout=10) == 3
+        outcomes = [x.outcome for x in (await b.status()).attempts]
+        assert outcomes == ["deferred", "deferred", "succeeded"]
+
+
+async def test_cancel_while_waiting_for_retry_later(reach_settings: ReachSettings) -> None:
+    """A task waiting for its retry later is cancelled at once, and never runs again."""
+    runs: list[int] = []
+    agent = Agent("later3", settings=reach_settings)
+
+    @agent.task("later.cancel")
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        runs.append(ctx.attempt)
+        raise reach.RetryLater(after=1)
+
+    async with agent, Client(settings=reach_settings) as client:
+        ref = await client.submit("later.cancel", None)
+        await eventually(lambda: runs == [1], timeout=5)
+
+        async def waiting() -> bool:
+            return (await ref.status()).state is S.RETRYING
+
+        await eventually(waiting, timeout=5)
+        assert (await ref.cancel()).state is S.CANCELLED
+        witness = await client.submit("later.cancel", None, delay=1.5)
+        await eventually(lambda: len(runs) == 2, timeout=10)  # the witness ran: time passed
+        await witness.cancel()
+        assert runs == [1, 1]
+        assert (await ref.status()).state is S.CANCELLED

@@ -1,0 +1,230 @@
+"""Periodic schedules on the server's own scheduler (sdk/PROTOCOL.md 8.9): every period
+is one task with its own id and record, across a server restart; cron lines with a time
+zone; overlap "skip"; pause, resume, replace and remove."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import zoneinfo
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import reach
+from reach import Agent, Client, ReachSettings, Registry, TaskState, Telemetry
+from reach.testing import NatsServer, eventually, unique_prefix
+
+S = TaskState
+
+
+class Runs:
+    """Every run of a scheduled task: (task id, schedule, due ms), in order."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, str, int]] = []
+
+    def agent(self, settings: ReachSettings, cap: str) -> Agent:
+        agent = Agent("scheduled", settings=settings)
+
+        @agent.task(cap)
+        async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+            rec = await ctx.client.task_record(ctx.task_id)
+            self.runs.append((ctx.task_id, rec.schedule, rec.due_ms))
+            return payload
+
+        return agent
+
+    def of(self, name: str) -> list[tuple[str, int]]:
+        return [(t, due) for t, s, due in self.runs if s == name]
+
+
+@pytest.fixture
+async def own_server() -> AsyncIterator[NatsServer]:
+    async with NatsServer() as server:
+        yield server
+
+
+async def test_every_second_across_a_server_restart(own_server: NatsServer) -> None:
+    """PROTOCOL 8.8 promise 9 (one task per period, a missed period made up): an every=1s
+    schedule over 10 s gives 10 (+-1) periods, each run once, across a server restart in
+    the middle: the periods the server missed while it was away are
+    made up from the next firing, and no period runs twice."""
+    settings = ReachSettings(nats_url=own_server.url, subject_prefix=unique_prefix())
+    runs = Runs()
+    async with runs.agent(settings, "sched.tick"), Client(settings=settings) as client:
+        info = await client.schedule("tick", "sched.tick", {"n": 1}, every=1)
+        first = info.next_ms
+        assert first is not None
+        end = first + 9000  # ten periods: first .. first + 9 s
+
+        def covered(until: int) -> bool:
+            return any(due >= until for _, due in runs.of("tick"))
+
+        await eventually(lambda: covered(first + 3000), timeout=10)
+        await own_server.akill()
+        await asyncio.sleep(2.5)  # the outage itself (periods are due meanwhile)
+        await own_server.astart()
+        await eventually(lambda: covered(end), timeout=30)
+        assert await client.unschedule("tick")
+        ids = [t for t, _ in runs.of("tick")]
+        assert len(ids) == len(set(ids)), f"a period ran twice: {Counter(ids).most_common(3)}"
+        dues = sorted(due for _, due in runs.of("tick") if due <= end)
+        assert 9 <= len(dues) <= 11, dues
+        assert dues == list(range(first, end + 1, 1000)), "a period was missed"
+        assert all(t == f"tick_{due // 1000}" for t, due in runs.of("tick"))
+        rec = await client.task_record(ids[0])
+        assert (rec.schedule, rec.state) == ("tick", S.SUCCEEDED)
+        assert await client.schedules() == []
+
+
+async def test_cron_with_a_time_zone_is_listed_with_its_next_firing(
+    reach_settings: ReachSettings,
+) -> None:
+    """A cron line with a time zone is accepted and listed, with its next firing (02:00 in
+    Berlin, whatever the offset that day); a bad line or zone is refused saying why."""
+    async with Client(settings=reach_settings) as client:
+        info = await client.schedule(
+            "nightly", "sched.report", {"kind": "daily"}, cron="0 0 2 * * *", tz="Europe/Berlin"
+        )
+        assert info.next_due is not None
+        local = info.next_due.astimezone(zoneinfo.ZoneInfo("Europe/Berlin"))
+        assert (local.hour, local.minute, local.second) == (2, 0, 0)
+        now = datetime.datetime.now(datetime.UTC)
+        assert now < info.next_due <= now + datetime.timedelta(days=1, hours=1)
+        (listed,) = await client.schedules()
+        assert (listed.name, listed.capability, listed.when) == (
+            "nightly",
+            "sched.report",
+            "cron 0 0 2 * * * (Europe/Berlin)",
+        )
+        assert listed.next_ms == info.next_ms
+        with pytest.raises(reach.ConfigurationError, match="time zone"):
+            await client.schedule("bad", "sched.report", cron="0 0 2 * * *", tz="Mars/Olympus")
+        with pytest.raises(reach.ConfigurationError, match="six"):
+            await client.schedule("bad", "sched.report", cron="0 2 * * *")
+        with pytest.raises(reach.ConfigurationError, match="whole seconds"):
+            await client.schedule("bad", "sched.report", every=0.5)
+        assert await client.unschedule("nightly")
+        assert not await client.unschedule("nightly")
+
+
+async def test_overlap_skip_starts_no_period_while_one_runs(
+    reach_settings: ReachSettings,
+) -> None:
+    """With overlap="skip" a period due while the previous one runs is recorded CANCELLED
+    (``skipped``) and never runs; once the run ends, the next period runs."""
+    gate = asyncio.Event()
+    started: list[str] = []
+    agent = Agent("skipper", settings=reach_settings)
+
+    @agent.task("sched.slow")
+    async def slow(payload: Any, ctx: reach.TaskContext) -> Any:
+        started.append(ctx.task_id)
+        await gate.wait()
+        return None
+
+    async with agent, Client(settings=reach_settings) as client:
+        await client.schedule("slow", "sched.slow", None, every=1, overlap="skip")
+        await eventually(lambda: len(started) == 1, timeout=10)
+
+        async def skipped() -> list[reach.TaskRecord]:
+            recs = await client.list_tasks(state="cancelled")
+            return [r for r in recs if r.schedule == "slow"]
+
+        async def two_skipped() -> bool:
+            return len(await skipped()) >= 2
+
+        await eventually(two_skipped, timeout=10)
+        assert len(started) == 1
+        for rec in await skipped():
+            assert rec.error is not None
+            assert rec.error.code == "skipped"
+            assert not rec.attempts
+        gate.set()
+        await eventually(lambda: len(started) >= 2, timeout=10)
+        await client.unschedule("slow")
+        ran = set(started)
+        assert ran.isdisjoint({r.task_id for r in await skipped()})
+
+
+async def test_pause_resume_and_replace(reach_settings: ReachSettings) -> None:
+    """A paused schedule fires nothing (a second schedule, every second too, shows the
+    time passing) and is listed as paused; resumed, it fires again; scheduling the same
+    name again replaces it (its payload)."""
+    runs = Runs()
+    witness: list[str] = []
+    agent = runs.agent(reach_settings, "sched.p")
+
+    @agent.task("sched.witness")
+    async def seen(payload: Any, ctx: reach.TaskContext) -> None:
+        witness.append(ctx.task_id)
+
+    async with agent, Client(settings=reach_settings) as client:
+        await client.schedule("p", "sched.p", {"v": 1}, every=1)
+        await client.schedule("w", "sched.witness", None, every=1)
+        await eventually(lambda: len(runs.of("p")) >= 1, timeout=10)
+        paused = await client.pause_schedule("p")
+        assert paused.paused
+        assert paused.next_ms is None
+        before = len(runs.of("p"))
+        mark = len(witness)
+        await eventually(lambda: len(witness) >= mark + 3, timeout=10)
+        assert len(runs.of("p")) <= before + 1  # at most one firing already on its way
+        (listed,) = [s for s in await client.schedules() if s.name == "p"]
+        assert listed.paused
+        at_pause = len(runs.of("p"))
+        resumed = await client.resume_schedule("p")
+        assert not resumed.paused
+        assert resumed.next_ms is not None
+        await eventually(lambda: len(runs.of("p")) >= at_pause + 2, timeout=10)
+        await client.schedule("p", "sched.p", {"v": 2}, every=1)
+        count = len(runs.of("p"))
+        await eventually(lambda: len(runs.of("p")) >= count + 2, timeout=10)
+        last = runs.of("p")[-1][0]
+        assert (await client.task_record(last)).payload == b'{"v":2}'
+        assert {s.name for s in await client.schedules()} == {"p", "w"}
+        for name in ("p", "w"):
+            assert await client.unschedule(name)
+
+
+async def test_schedule_telemetry(reach_settings: ReachSettings) -> None:
+    """The registry's sweep counts schedules (active, paused) and SCHEDULED tasks; an
+    agent counts the periods it made into tasks."""
+    settings = reach_settings.model_copy(update={"task_sweep_interval": 0.2})
+    metrics, agent_metrics = CollectorRegistry(), CollectorRegistry()
+    runs = Runs()
+    agent = Agent("counted", settings=settings, telemetry=Telemetry(agent_metrics))
+
+    @agent.task("sched.counted")
+    async def op(payload: Any) -> None:
+        runs.runs.append(("", "", 0))
+
+    async with (
+        agent,
+        Registry(settings=settings, telemetry=Telemetry(metrics)),
+        Client(settings=settings) as client,
+    ):
+        await client.submit("sched.later", None, delay=3600)
+        await client.submit("sched.later", None, delay=3600)
+        await client.schedule("on", "sched.counted", None, every=1)
+        await client.schedule("off", "sched.counted", None, cron="@daily")
+        await client.pause_schedule("off")
+
+        def gauge(name: str, **labels: str) -> float | None:
+            return metrics.get_sample_value(name, labels)
+
+        await eventually(lambda: gauge("reach_tasks", state="SCHEDULED") == 2, timeout=10)
+        await eventually(lambda: gauge("reach_schedules", state="active") == 1, timeout=10)
+        assert gauge("reach_schedules", state="paused") == 1
+        await eventually(lambda: len(runs.runs) >= 1, timeout=10)
+        made = agent_metrics.get_sample_value(
+            "reach_agent_schedule_firings_total", {"agent": "counted", "outcome": "made"}
+        )
+        assert made is not None
+        assert made >= 1
+        for name in ("on", "off"):
+            await client.unschedule(name)

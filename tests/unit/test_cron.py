@@ -1,0 +1,88 @@
+"""The server's schedule timing, pure (reach._tasks.cron): cron lines with seconds and a
+time zone, ``every``, and the periods a firing covers."""
+
+import datetime
+
+import pytest
+
+from reach import ConfigurationError
+from reach._tasks.cron import Every, parse_cron, slots, timing
+
+UTC = datetime.UTC
+
+
+def ms(*args: int, tz: datetime.tzinfo = UTC) -> int:
+    return int(datetime.datetime(*args, tzinfo=tz).timestamp() * 1000)
+
+
+def test_daily_at_two_in_berlin_follows_its_offset():
+    c = parse_cron("0 0 2 * * *", "Europe/Berlin")
+    assert c.next_after(ms(2026, 1, 10, 12, 0, 0)) == ms(2026, 1, 11, 1, 0, 0)  # CET +1
+    assert c.next_after(ms(2026, 7, 10, 12, 0, 0)) == ms(2026, 7, 11, 0, 0, 0)  # CEST +2
+
+
+def test_seconds_steps_ranges_names_and_either_day():
+    assert parse_cron("*/15 * * * * *").next_after(ms(2026, 1, 1, 0, 0, 1)) == ms(
+        2026, 1, 1, 0, 0, 15
+    )
+    weekdays = parse_cron("0 30 9 * * mon-fri")
+    assert weekdays.next_after(ms(2026, 1, 2, 10, 0, 0)) == ms(2026, 1, 5, 9, 30, 0)  # Fri -> Mon
+    either = parse_cron("0 0 0 13 * fri")  # the 13th, or any Friday
+    assert either.next_after(ms(2026, 2, 1, 0, 0, 0)) == ms(2026, 2, 6, 0, 0, 0)
+    assert either.next_after(ms(2026, 2, 7, 0, 0, 0)) == ms(2026, 2, 13, 0, 0, 0)
+    assert parse_cron("@hourly").next_after(ms(2026, 1, 1, 5, 0, 0)) == ms(2026, 1, 1, 6, 0, 0)
+    assert parse_cron("0 0 0 1 jan *").next_after(ms(2026, 6, 1)) == ms(2027, 1, 1)
+
+
+def test_from_the_next_whole_second():
+    every_second = parse_cron("* * * * * *")
+    assert every_second.next_after(ms(2026, 1, 1, 0, 0, 0) + 999) == ms(2026, 1, 1, 0, 0, 1)
+    assert every_second.next_after(ms(2026, 1, 1, 0, 0, 0)) == ms(2026, 1, 1, 0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("line", "tz", "why"),
+    [
+        ("0 2 * * *", "", "six"),
+        ("0 0 25 * * *", "", "outside 0-23"),
+        ("0 0 2 * * *", "Mars/Olympus", "time zone"),
+        ("x 0 2 * * *", "", "not a number"),
+        ("*/0 * * * * *", "", "step"),
+        ("0 0 0 5-1 * *", "", "reversed"),
+    ],
+)
+def test_bad_lines_say_why(line, tz, why):
+    with pytest.raises(ConfigurationError, match=why):
+        parse_cron(line, tz)
+
+
+def test_a_line_never_due_is_refused():
+    with pytest.raises(ConfigurationError, match="never due"):
+        parse_cron("0 0 0 31 2 *").next_after(ms(2026, 1, 1))
+
+
+def test_every_counts_from_the_stored_time_rounded_to_the_second():
+    e = Every(10)
+    stored = ms(2026, 1, 1, 0, 0, 0) + 600  # rounds up to :01
+    assert e.next_after(0, stored) == ms(2026, 1, 1, 0, 0, 11)
+    assert e.next_after(ms(2026, 1, 1, 0, 0, 11), stored) == ms(2026, 1, 1, 0, 0, 21)
+    assert e.next_after(ms(2026, 1, 1, 0, 0, 15), stored) == ms(2026, 1, 1, 0, 0, 21)
+
+
+def test_slots_a_firing_covers_and_the_catch_up_cap():
+    e = Every(1)
+    start = ms(2026, 1, 1)
+    assert slots(e, start, start + 3000, start, 100) == [start + 1000, start + 2000, start + 3000]
+    assert slots(e, start + 3000, start + 3000, start, 100) == []
+    assert len(slots(e, start, start + 500_000, start, 100)) == 101  # the cap, plus one
+
+
+def test_timing_takes_one_of_every_and_cron():
+    assert timing(5) == Every(5)
+    for bad, why in (
+        ({"every": 5, "cron": "* * * * * *"}, "not both"),
+        ({}, "give every"),
+        ({"every": 5, "tz": "UTC"}, "cron only"),
+    ):
+        with pytest.raises(ConfigurationError, match=why):
+            timing(**bad)
