@@ -388,3 +388,34 @@ async def test_publish_listen_since_and_topics_init_from_the_command_line(settin
     assert code == 0, err
     line = json.loads(out)
     assert (line["topic"], line["data"], line["seq"]) == ("sensor.hall", {"n": 1}, 1)
+
+
+async def add_stream_by_hand(settings, name, subjects):
+    """A stream made outside Reach (an operator's, at deploy time)."""
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await nc.jetstream().add_stream(StreamConfig(name=name, subjects=subjects))
+    finally:
+        await nc.close()
+
+
+async def test_since_on_a_topic_a_hand_made_stream_does_not_keep_says_so(settings):
+    prefix = settings.subject_prefix
+    await add_stream_by_hand(
+        settings,
+        f"{prefix.upper()}_TOPICS",
+        [f"{prefix}.topic.sensor.>", f"{prefix}.topicredo.>"],
+    )
+    async with Client(settings=settings) as client:
+        with pytest.raises(NotStored, match=r"does not keep topic 'order\.x'") as caught:
+            await client.subscribe("order.x", since=datetime.timedelta(minutes=10))
+        assert caught.value.reason == "no_stream"
+        assert f"{prefix}.topic.sensor.>" in caught.value.message  # what it does keep
+        await client.publish("sensor.hall", {"n": 1}, durable=True)
+        async with await client.subscribe("sensor.*", since=1) as sub:  # kept: fine
+            assert (await sub.next(timeout=10)).json() == {"n": 1}
+    code, out, err = await reach_cli(settings, "listen", "order.x", "--since", "10m")
+    assert (code, out) == (1, ""), err
+    [line] = err.splitlines()
+    assert line.startswith("error: not_stored: ")
+    assert "does not keep topic 'order.x'" in line
