@@ -419,3 +419,23 @@ async def test_since_on_a_topic_a_hand_made_stream_does_not_keep_says_so(setting
     [line] = err.splitlines()
     assert line.startswith("error: not_stored: ")
     assert "does not keep topic 'order.x'" in line
+
+
+async def test_a_stream_that_already_captures_the_topics_is_named_with_the_fix(settings):
+    prefix = settings.subject_prefix
+    audit = f"{prefix.upper()}_AUDIT"
+    await add_stream_by_hand(settings, audit, [f"{prefix}.topic.>"])  # an audit stream
+    agent = sensor_alarm(settings, [])
+    with pytest.raises(NotStored, match=f"stream {audit} already captures") as caught:
+        await agent.start()
+    assert (caught.value.reason, caught.value.retryable) == ("overlap", False)
+    assert "REACH_SUBJECT_PREFIX" in caught.value.message  # the fix
+    async with Client(settings=settings) as client:
+        with pytest.raises(NotStored, match=f"stream {audit} already captures") as caught:
+            await client.publish("sensor.hall", {"n": 1}, durable=True)
+        assert caught.value.reason == "overlap"
+    code, out, err = await reach_cli(settings, "topics", "init")
+    assert (code, out) == (1, ""), err
+    [line] = err.splitlines()
+    assert line.startswith(f"error: not_stored: stream {prefix.upper()}_TOPICS cannot be made")
+    assert audit in line
