@@ -192,8 +192,9 @@ class NotReplayable(ConfigurationError):
 
 
 class NotStored(ReachError):
-    """A durable publish (``publish(..., durable=True)``) the server did not confirm, or
-    topic history that is not there. ``reason`` says which, each with its own fix:
+    """A durable publish (``publish(..., durable=True)``) the server did not confirm,
+    topic history that is not there, or a topics stream that cannot be made (also at an
+    agent's start). ``reason`` says which, each with its own fix:
 
     - ``no_stream``: no stream stores the topic (``REACH_TOPICS`` missing, or made by hand
       without this topic's subject);
@@ -202,6 +203,8 @@ class NotStored(ReachError):
     - ``timeout``: no acknowledgement in time: the message **may** be stored; publishing it
       again may store it twice (durable subscribers are at-least-once anyway);
     - ``refused``: the stream refused it (a limit);
+    - ``overlap``: the stream cannot be made, another stream of the account already
+      captures its subjects (the message names it);
     - ``disconnected``: not connected to NATS.
     """
 
@@ -211,7 +214,7 @@ class NotStored(ReachError):
     def __init__(self, message: str, *, topic: str = "", reason: str = "") -> None:
         self.topic = topic
         self.reason = reason
-        if reason == "refused":
+        if reason in ("refused", "overlap"):
             self.retryable = False
         super().__init__(message)
 

@@ -3,6 +3,7 @@ publishes and ``since`` history go through ``reach._topics.DurableTopics``."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 from collections.abc import AsyncIterator
@@ -162,15 +163,17 @@ class TopicSubscription:
                 return shown
 
     async def next(self, timeout: float | None = None) -> TopicMessage:
-        """The next message, or RequestTimeout after ``timeout`` seconds."""
-        while True:
-            try:
-                msg = await self._sub.next_msg(timeout=timeout if timeout is not None else 0)
-            except TimeoutError:  # nats-py's TimeoutError is one
-                raise RequestTimeout(f"no message within {timeout}s") from None
-            shown = self._wrap(msg)
-            if shown is not None:
-                return shown
+        """The next message, or RequestTimeout after ``timeout`` seconds (one deadline
+        for the call, however many messages a ``since`` subscription skips meanwhile);
+        without ``timeout``, waits until one comes."""
+        try:
+            async with asyncio.timeout(timeout):  # one deadline, however many are skipped
+                while True:
+                    shown = self._wrap(await self._sub.next_msg(timeout=None))
+                    if shown is not None:
+                        return shown
+        except TimeoutError:
+            raise RequestTimeout(f"no message within {timeout}s") from None
 
     async def unsubscribe(self) -> None:
         try:

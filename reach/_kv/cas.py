@@ -55,6 +55,8 @@ class JsErrorCode(IntEnum):
     MSG_DELETE_FAILED = 10057
     #: JSStreamNameExistErr, "stream name already in use with a different configuration"
     STREAM_NAME_EXIST = 10058
+    #: JSStreamSubjectOverlapErr, "subjects overlap with an existing stream"
+    STREAM_SUBJECT_OVERLAP = 10065
 
 
 #: The refusals that mean "someone wrote the key since the revision you named".

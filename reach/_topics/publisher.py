@@ -29,7 +29,7 @@ from .._tasks.faults import patiently
 from .._tasks.jsapi import JsApi
 from ..errors import ConnectionFailed, NotStored, ReachError
 from ..settings import ReachSettings
-from .store import TopicStore, stream_name
+from .store import TopicStore, covers, stream_name
 
 __all__ = ["REPLAY_OF", "DurableTopics", "Since"]
 
@@ -154,7 +154,10 @@ class DurableTopics:
         """An ordered consumer on ``pattern`` from ``since``: the stored messages first,
         then live ones as they are stored, one stream in sequence order (no gap or
         duplicate where history meets live: both come from the stream). ``NotStored``
-        (``no_stream``) when nothing keeps topics yet."""
+        (``no_stream``) when nothing keeps topics yet, or when the stream (made by hand,
+        narrower) does not keep every topic ``pattern`` matches: such a subscription
+        would wait for ever, deaf, as an agent's durable subscription would (which
+        refuses to start for it)."""
         config = ConsumerConfig(idle_heartbeat=_HEARTBEAT)
         if isinstance(since, int):
             config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
@@ -163,8 +166,19 @@ class DurableTopics:
             config.deliver_policy = DeliverPolicy.BY_START_TIME
             config.opt_start_time = start_time(since)
         subject = self.subjects.topic(pattern)
+        js = nc.jetstream()
         try:
-            return await nc.jetstream().subscribe(
+            info = await js.stream_info(self.stream)
+            stored = list(info.config.subjects or [])
+            if not any(covers(s, subject) for s in stored):
+                raise NotStored(
+                    f"no history of topic {pattern!r}: stream {self.stream} does not keep"
+                    f" topic {pattern!r} (its subjects: {', '.join(stored)}); add {subject}"
+                    " to it, or subscribe without since",
+                    topic=pattern,
+                    reason="no_stream",
+                )
+            return await js.subscribe(
                 subject, stream=self.stream, config=config, ordered_consumer=True
             )
         except nats.js.errors.NotFoundError:

@@ -29,7 +29,9 @@ dead-lettered by the next instance, instead of being given up on silently by the
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable
 
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -41,9 +43,12 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from .._kv import JsErrorCode
+from .._nats import TRANSIENT
 from .._subjects import Subjects
 from .._tasks.jsapi import JsApi
 from .._tasks.store import add_dlq_stream, add_stream, dlq_stream_name
+from ..errors import NotStored
 from ..settings import ReachSettings
 
 __all__ = ["TopicStore", "consumer_name", "covers", "stream_name"]
@@ -101,29 +106,63 @@ class TopicStore:
         return any(covers(s, subject) for s in self.stored)
 
     async def ensure(self) -> None:
-        """Create the topics stream and the DLQ stream when missing (idempotent)."""
+        """Create the topics stream and the DLQ stream when missing (idempotent).
+        ``NotStored`` (``overlap``) when another stream already captures their subjects."""
         if self.ready:
             return
         s, p = self.settings, self.subjects.prefix
-        await add_stream(
-            self.js,
-            StreamConfig(
-                name=self.stream,
-                subjects=[f"{p}.topic.>", f"{p}.topicredo.>"],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                discard=DiscardPolicy.OLD,
-                max_age=s.topic_retention,
-                max_bytes=s.topic_max_bytes,
-                num_replicas=s.stream_replicas,
-                allow_direct=True,
-                description="Agent-Reach topics, kept for durable subscribers and replay",
+        topics = [f"{p}.topic.>", f"{p}.topicredo.>"]
+        await self._made(
+            self.stream,
+            topics,
+            add_stream(
+                self.js,
+                StreamConfig(
+                    name=self.stream,
+                    subjects=topics,
+                    retention=RetentionPolicy.LIMITS,
+                    storage=StorageType.FILE,
+                    discard=DiscardPolicy.OLD,
+                    max_age=s.topic_retention,
+                    max_bytes=s.topic_max_bytes,
+                    num_replicas=s.stream_replicas,
+                    allow_direct=True,
+                    description="Agent-Reach topics, kept for durable subscribers and replay",
+                ),
             ),
         )
-        await add_dlq_stream(self.js, self.subjects, s)
+        await self._made(self.dlq_stream, [f"{p}.dlq.>"], add_dlq_stream(self.js, self.subjects, s))
         info = await self.js.stream_info(self.stream)
         self.stored = list(info.config.subjects or [])
         self.ready = True
+
+    async def _made(self, name: str, subjects: list[str], make: Awaitable[object]) -> None:
+        """Await ``make`` (stream ``name`` made when missing), translating the one refusal
+        a deployment causes: a stream of the account that captures ``subjects`` already
+        (a subject belongs to one stream per account: an audit stream on ``reach.>``)."""
+        try:
+            await make
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != JsErrorCode.STREAM_SUBJECT_OVERLAP:
+                raise
+            other = await self._capturing(subjects)
+            raise NotStored(
+                f"stream {name} cannot be made: {other or 'another stream'} already"
+                f" captures {' or '.join(subjects)} (a subject belongs to one stream per"
+                f" account); take those subjects out of {other or 'it'} (it can source"
+                f" {name} instead), or give Reach another REACH_SUBJECT_PREFIX",
+                reason="overlap",
+            ) from exc
+
+    async def _capturing(self, subjects: list[str]) -> str:
+        """``stream X``, X a stream that captures one of ``subjects``; "" when the
+        server does not say (a user not allowed to list streams)."""
+        for subject in subjects:
+            try:
+                return f"stream {await self.js.find_stream_name_by_subject(subject)}"
+            except TRANSIENT:  # NotFoundError: none for this one; or not allowed to ask
+                continue
+        return ""
 
     async def ensure_consumer(self, group: str, pattern: str, *, ordered: bool) -> str:
         """Create (or update) the consumer of agent ``group`` on ``pattern``; its name.

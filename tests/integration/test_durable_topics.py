@@ -4,6 +4,7 @@ and end in the DLQ, from which a replay brings them back to that name alone; his
 (``since``) meets live messages without a gap or a duplicate; ``ordered`` keeps order."""
 
 import asyncio
+import contextlib
 import datetime
 import json
 
@@ -12,7 +13,15 @@ import pytest
 from nats.js.api import StreamConfig
 
 from chaos.proxy import Proxy
-from reach import Agent, Client, ConfigurationError, NotStored, ReachError, ReachSettings
+from reach import (
+    Agent,
+    Client,
+    ConfigurationError,
+    NotStored,
+    ReachError,
+    ReachSettings,
+    RequestTimeout,
+)
 from reach.testing import NatsServer, eventually, unique_prefix
 
 from .test_cli_tasks import reach_cli
@@ -388,3 +397,92 @@ async def test_publish_listen_since_and_topics_init_from_the_command_line(settin
     assert code == 0, err
     line = json.loads(out)
     assert (line["topic"], line["data"], line["seq"]) == ("sensor.hall", {"n": 1}, 1)
+
+
+async def add_stream_by_hand(settings, name, subjects):
+    """A stream made outside Reach (an operator's, at deploy time)."""
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await nc.jetstream().add_stream(StreamConfig(name=name, subjects=subjects))
+    finally:
+        await nc.close()
+
+
+async def test_since_on_a_topic_a_hand_made_stream_does_not_keep_says_so(settings):
+    prefix = settings.subject_prefix
+    await add_stream_by_hand(
+        settings,
+        f"{prefix.upper()}_TOPICS",
+        [f"{prefix}.topic.sensor.>", f"{prefix}.topicredo.>"],
+    )
+    async with Client(settings=settings) as client:
+        with pytest.raises(NotStored, match=r"does not keep topic 'order\.x'") as caught:
+            await client.subscribe("order.x", since=datetime.timedelta(minutes=10))
+        assert caught.value.reason == "no_stream"
+        assert f"{prefix}.topic.sensor.>" in caught.value.message  # what it does keep
+        await client.publish("sensor.hall", {"n": 1}, durable=True)
+        async with await client.subscribe("sensor.*", since=1) as sub:  # kept: fine
+            assert (await sub.next(timeout=10)).json() == {"n": 1}
+    code, out, err = await reach_cli(settings, "listen", "order.x", "--since", "10m")
+    assert (code, out) == (1, ""), err
+    [line] = err.splitlines()
+    assert line.startswith("error: not_stored: ")
+    assert "does not keep topic 'order.x'" in line
+
+
+async def test_a_stream_that_already_captures_the_topics_is_named_with_the_fix(settings):
+    prefix = settings.subject_prefix
+    audit = f"{prefix.upper()}_AUDIT"
+    await add_stream_by_hand(settings, audit, [f"{prefix}.topic.>"])  # an audit stream
+    agent = sensor_alarm(settings, [])
+    with pytest.raises(NotStored, match=f"stream {audit} already captures") as caught:
+        await agent.start()
+    assert (caught.value.reason, caught.value.retryable) == ("overlap", False)
+    assert "REACH_SUBJECT_PREFIX" in caught.value.message  # the fix
+    async with Client(settings=settings) as client:
+        with pytest.raises(NotStored, match=f"stream {audit} already captures") as caught:
+            await client.publish("sensor.hall", {"n": 1}, durable=True)
+        assert caught.value.reason == "overlap"
+    code, out, err = await reach_cli(settings, "topics", "init")
+    assert (code, out) == (1, ""), err
+    [line] = err.splitlines()
+    assert line.startswith(f"error: not_stored: stream {prefix.upper()}_TOPICS cannot be made")
+    assert audit in line
+
+
+async def test_next_keeps_its_timeout_while_skipped_messages_keep_coming(settings):
+    """A ``since`` subscription skips what came before its start: a stream of skipped
+    messages does not stretch ``next(timeout)``, each arriving before the timeout."""
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
+    async with Client(settings=settings) as client:
+        await client.publish("feed.a", {"n": 0}, durable=True)  # the stream exists
+        sub = await client.subscribe("feed.a", since=later)  # every message now is skipped
+        arrived = asyncio.Event()
+
+        async def skipped_forever() -> None:
+            while True:
+                await client.publish("feed.a", {"n": 1}, durable=True)
+                arrived.set()
+
+        publisher = asyncio.ensure_future(skipped_forever())
+        try:
+            await arrived.wait()
+            async with sub, asyncio.timeout(20):  # a guard: fails the test, not RequestTimeout
+                with pytest.raises(RequestTimeout, match=r"no message within 0\.5s"):
+                    await sub.next(timeout=0.5)
+        finally:
+            publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publisher
+
+
+async def test_next_without_a_timeout_waits_for_a_message(settings):
+    async with Client(settings=settings) as client:
+        await client.publish("feed.a", {"n": 0}, durable=True)
+        async with await client.subscribe("feed.a", since=2) as sub:  # nothing there yet
+            waiting = asyncio.ensure_future(sub.next())
+            done, _ = await asyncio.wait({waiting}, timeout=0.3)  # not a sync: nothing comes
+            assert not done, waiting.exception() if waiting.done() else None
+            await client.publish("feed.a", {"n": 1}, durable=True)
+            async with asyncio.timeout(20):
+                assert (await waiting).json() == {"n": 1}
