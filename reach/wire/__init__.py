@@ -30,6 +30,7 @@ from .messages import (
     RouteQuery,
     RouteReply,
     Status,
+    TopicInfo,
     Transition,
 )
 from .tasks import TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
@@ -63,5 +64,6 @@ __all__ = [
     "TaskState",
     "TaskStep",
     "TaskSubmit",
+    "TopicInfo",
     "Transition",
 ]
