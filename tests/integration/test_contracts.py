@@ -1,9 +1,11 @@
-"""Contracts in the routing table (issue 24): the schemas an agent derives from its
-handlers reach the registry's records, so ``client.agents()``, once per registration,
-and never the heartbeats."""
+"""Contracts (issue 24): the schemas an agent derives from its handlers reach the registry's
+records, so ``client.agents()``, once per registration and never in heartbeats; ``reach
+asyncapi`` writes them as an AsyncAPI 3.0 document that the official schema accepts."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -13,7 +15,10 @@ from reach import Agent, Client, ReachSettings, Registry
 from reach.testing import eventually
 from reach.wire import AgentRecord, Heartbeat
 
+from ..asyncapi_schema import unresolved_refs, validation_errors
+from ..demo_fleet import CAPABILITIES, demo_fleet
 from .registry_wire import fast_settings
+from .test_fleet_view import reach_cli
 
 
 class Ask(msgspec.Struct):
@@ -103,3 +108,55 @@ async def test_a_registration_too_big_for_one_message_goes_without_its_schemas(
         assert len(record.info.capabilities) == 40
         assert {c.payload_schema for c in record.info.capabilities} == {None}
         assert record.info.capabilities[7].description == "number 7"
+
+
+# -- reach asyncapi ------------------------------------------------------------------------
+
+
+async def test_reach_asyncapi_writes_a_valid_document_of_the_demo_fleet(
+    settings: ReachSettings, tmp_path: Path
+) -> None:
+    out = tmp_path / "fleet.json"
+    async with demo_fleet(settings) as agents:
+        code, stdout, err = await reach_cli(settings, "asyncapi", "-o", str(out))
+        assert code == 0, err
+        assert stdout == ""
+        assert f"wrote {out}" in err
+        doc = json.loads(out.read_text())
+        assert validation_errors(doc) == []
+        assert unresolved_refs(doc) == []
+        assert doc["asyncapi"] == "3.0.0"
+        prefix = settings.subject_prefix
+        addresses = {ch["address"] for ch in doc["channels"].values()}
+        for cap in CAPABILITIES:
+            assert f"{prefix}.cap.{cap}" in addresses
+            op = doc["operations"][f"cap.{cap}"]
+            assert op["action"] == "receive"
+            assert op["bindings"]["nats"]["queue"] == f"cap.{cap}"
+            assert op["reply"]["channel"] == {"$ref": f"#/channels/cap.{cap}.reply"}
+        assert f"{prefix}.task.{{task_id}}.logistics.reroute.{{priority}}" in addresses
+        assert f"{prefix}.topic.order.*" in addresses
+        track = doc["components"]["messages"]["cap.logistics.track.1.0.request"]
+        assert track["description"] == "where is an order"
+        assert doc["components"]["schemas"]["cap.logistics.track.1.0.payload"]["required"] == [
+            "order_id"
+        ]
+        headers = doc["components"]["messageTraits"]["request"]["headers"]["properties"]
+        assert {"Reach-Deadline", "Reach-Priority", "Reach-Request-Id", "traceparent"} <= set(
+            headers
+        )
+        serving = {
+            a for m in doc["components"]["messages"].values() for a in m.get("x-reach-agents", [])
+        }
+        assert serving == {a.agent_id for a in agents}
+
+        # one capability, to stdout
+        code, stdout, err = await reach_cli(settings, "asyncapi", "--capability", "logistics.*")
+        assert code == 0, err
+        doc = json.loads(stdout)
+        assert validation_errors(doc) == []
+        assert sorted(doc["operations"]) == [
+            "agent.logistics.track",
+            "cap.logistics.track",
+            "task.logistics.reroute",
+        ]
