@@ -1,5 +1,6 @@
-"""``import reach`` (and the CLI module) leaves the ``edge`` extra unloaded: FastAPI,
-Starlette, uvicorn, httpx and the A2A SDK load only with the edge commands or packages."""
+"""``import reach`` (and the CLI module) leaves the ``edge`` and ``mcp`` extras unloaded:
+FastAPI, Starlette, uvicorn, httpx, the A2A SDK and the MCP SDK load only with the commands
+or packages that use them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-EDGE = ("fastapi", "starlette", "uvicorn", "httpx", "a2a", "sse_starlette")
+EDGE = ("fastapi", "starlette", "uvicorn", "httpx", "a2a", "sse_starlette", "mcp", "mcp_types")
 PROBE = f"""
 import json, sys
 import reach, reach.cli
