@@ -15,7 +15,7 @@ from . import __version__
 from ._client import Client
 from ._contracts.asyncapi import fleet_document
 from ._telemetry import configure_logging
-from ._tokens import Tokens, TokenSettings, is_loopback
+from ._tokens import Tokens, TokenSettings
 from .errors import ConfigurationError
 from .settings import ReachSettings
 
@@ -65,12 +65,8 @@ async def _mcp(args: argparse.Namespace, settings: ReachSettings) -> int:
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)  # stderr: stdout is MCP's
     tokens = TokenSettings() if args.http else None
-    if tokens is not None and tokens.open and not tokens.allow_open and not is_loopback(args.host):
-        raise ConfigurationError(
-            f"no REACH_GATEWAY_TOKENS set and host {args.host!r} is not loopback: anyone who"
-            " reaches it could call every capability. Set tokens, or"
-            " REACH_GATEWAY_ALLOW_OPEN=true if something in front authenticates"
-        )
+    if tokens is not None:
+        tokens.check_host(args.host)
     async with (
         Client(settings=settings, name="reach-mcp") as client,
         FleetServer(

@@ -69,6 +69,15 @@ class TokenSettings(BaseSettings):
         """No authentication: every request may do everything."""
         return not self.tokens
 
+    def check_host(self, host: str, what: str = "REACH_GATEWAY_TOKENS") -> None:
+        """ValueError when a server without tokens would listen beyond loopback unasked."""
+        if self.open and not self.allow_open and not is_loopback(host):
+            raise ValueError(
+                f"no {what} set and host {host!r} is not loopback: anyone who reaches it could"
+                " call every capability. Set tokens, or REACH_GATEWAY_ALLOW_OPEN=true if"
+                " something in front authenticates"
+            )
+
 
 class Tokens:
     """The scopes each token grants, kept as digests."""

@@ -64,12 +64,7 @@ class GatewaySettings(TokenSettings):
 
     @model_validator(mode="after")
     def _open_only_on_loopback(self) -> Self:
-        if not self.tokens and not self.allow_open and not is_loopback(self.host):
-            raise ValueError(
-                f"no REACH_GATEWAY_TOKENS set and host {self.host!r} is not loopback: anyone"
-                " who reaches it could call every capability. Set tokens, or"
-                " REACH_GATEWAY_ALLOW_OPEN=true if something in front authenticates"
-            )
+        self.check_host(self.host)
         if self.default_timeout is not None and self.default_timeout > self.max_timeout:
             raise ValueError("default_timeout must not exceed max_timeout")
         return self

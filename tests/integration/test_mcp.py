@@ -28,6 +28,7 @@ from reach.testing import eventually
 
 from ..demo_fleet import CAPABILITIES, TASKS, demo_fleet
 from .registry_wire import fast_settings
+from .test_fleet_view import reach_cli
 
 CALL_TOKEN = "c" * 24
 ADMIN_TOKEN = "a" * 24
@@ -248,3 +249,11 @@ async def test_over_http_a_token_is_needed_and_its_scopes_count(
             assert refused.is_error
             assert refused.structured_content is not None
             assert refused.structured_content["error"]["code"] == "unauthorized"
+
+
+async def test_reach_mcp_over_http_without_tokens_stays_on_loopback(
+    settings: ReachSettings,
+) -> None:
+    code, _, err = await reach_cli(settings, "mcp", "--http", "--host", "0.0.0.0")
+    assert code == 2
+    assert "no REACH_GATEWAY_TOKENS set and host '0.0.0.0' is not loopback" in err
