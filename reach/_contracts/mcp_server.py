@@ -21,13 +21,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import mcp_types as types
 import msgspec
@@ -62,6 +64,8 @@ _TASK_PREFIX = TASK_URI.partition("{")[0]
 _MAX_SESSIONS = 10_000
 #: a connection silent for longer is forgotten (the SDK's HTTP session idle timeout)
 _SESSION_IDLE = 30 * 60.0
+#: seconds one connection may take to accept a list_changed notice
+_NOTICE_TIMEOUT = 1.0
 _WAIT: dict[str, Any] = {
     "type": "boolean",
     "default": True,
@@ -80,6 +84,7 @@ class _Tool:
     wrapped: bool  # the payload is the argument "payload", not the arguments
     raw: bool  # the payload is raw bytes (sent as the UTF-8 text given)
     version: str | None  # route to this major (the fleet serves several)
+    tool: types.Tool
 
     def payload(self, arguments: Mapping[str, Any]) -> Any:
         value = arguments.get("payload") if self.wrapped else dict(arguments)
@@ -125,7 +130,7 @@ def tool_of(offer: Offer) -> tuple[types.Tool, _Tool]:
         output_schema=output,
         _meta={"reach/kind": offer.kind, "reach/version": newest.version},
     )
-    return tool, _Tool(offer.kind, offer.name, wrapped, raw, version)
+    return tool, _Tool(offer.kind, offer.name, wrapped, raw, version, tool)
 
 
 def _description(offer: Offer) -> str:
@@ -193,6 +198,7 @@ class FleetServer:
                 " an instance that serves it. Task tools run durable tasks (read them as"
                 " reach://tasks/<task_id>). The list changes as agents come and go."
             ),
+            get_tool_input_schema=self._input_schema,  # Mcp-Param-* checks (2026-07-28)
             on_list_tools=self._list_tools,
             on_call_tool=self._call_tool,
             on_subscriptions_listen=ListenHandler(self.bus),
@@ -237,8 +243,9 @@ class FleetServer:
 
     async def follow(self) -> None:
         """Keep the tools in step with the routing table, and tell clients of each change.
-        Runs until cancelled."""
-        await self.refresh()
+        Runs until cancelled (restarted after a crash: what changed meanwhile is told)."""
+        if await self.refresh():
+            await self.tools_changed()
         async for change in self.client.changes():
             if isinstance(change, str):
                 moved = self._shapes.get(change) is not None
@@ -258,7 +265,9 @@ class FleetServer:
             if now - seen > _SESSION_IDLE:
                 del self._sessions[key]
                 continue
-            await session.send_tool_list_changed()  # best effort; never raises
+            with contextlib.suppress(TimeoutError):  # best effort: one slow client
+                async with asyncio.timeout(_NOTICE_TIMEOUT):  # does not hold the others
+                    await session.send_tool_list_changed()
 
     def _remember(self, ctx: ServerRequestContext[Any, Any]) -> None:
         """A handshake-era connection listed the tools: it hears when they change."""
@@ -276,6 +285,11 @@ class FleetServer:
             del self._sessions[next(iter(self._sessions))]
 
     # -- handlers ----------------------------------------------------------------------
+
+    def _input_schema(self, name: str) -> dict[str, Any] | None:
+        """A tool's input schema, without building the list (None: not a tool now)."""
+        call = self._calls.get(name)
+        return call.tool.input_schema if call is not None else None
 
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
@@ -333,26 +347,31 @@ class FleetServer:
         uri = _TASK_PREFIX + ref.task_id
         if not arguments.get("wait", True):
             return _task_answer(ref.task_id, TaskState.PENDING.value, uri)
-        report: Callable[[float, str], Awaitable[None]] = lambda done, note: (  # noqa: E731
-            ctx.session.report_progress(done, 1.0, note)
-        )
+
+        async def report(done: float, note: str) -> None:
+            await ctx.session.report_progress(done, 1.0, note)  # no-op without a token
+
         await report(0.0, f"task {ref.task_id} submitted")
         record: TaskRecord | None = None
+        seen: tuple[float, str, str] | None = None
+        # a generator: closed here, so its KV watch stops however the wait ends
+        watch = cast(AsyncGenerator[TaskRecord, None], ref.watch())
         try:
-            async with asyncio.timeout(self.task_wait):
-                seen: tuple[float, str, str] | None = None
-                async for record in ref.watch():
-                    now = (record.progress, record.progress_note, record.state.value)
-                    if now != seen and not record.final:
-                        await report(record.progress, record.progress_note or record.state.value)
-                    seen = now
+            async with asyncio.timeout(self.task_wait), aclosing(watch) as changes:
+                async for record in changes:
                     if record.final:
                         break
+                    now = (record.progress, record.progress_note, record.state.value)
+                    if now != seen:
+                        await report(record.progress, record.progress_note or record.state.value)
+                    seen = now
         except TimeoutError:
             state = record.state.value if record is not None else TaskState.PENDING.value
             return _task_answer(ref.task_id, state, uri, waited=self.task_wait)
-        value = await ref.result(timeout=self.task_wait)  # the task's error raised
-        return _success(msgspec.json.encode(value) if value is not None else b"")
+        if record is None or record.state is not TaskState.SUCCEEDED:
+            await ref.result(timeout=self.task_wait)  # the task's error, raised
+            record = await self.client.task_record(ref.task_id)
+        return _success(record.result or b"")
 
     async def _list_templates(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
