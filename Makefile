@@ -19,7 +19,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,fast,edge,docs]'
+	$(PY) -m pip install --quiet -e '.[dev,fast,edge,docs,mcp]'
 	touch $(STAMP)
 
 demo: $(STAMP)

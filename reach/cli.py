@@ -25,6 +25,7 @@ from ._cli_common import print_value as _print_value
 from ._cli_common import read_payload as _read_payload
 from ._cli_common import status as _status
 from ._cli_common import table as _table
+from ._cli_contracts import add_contract_commands
 from ._cli_examples import add_examples_commands
 from ._cli_gateway import add_gateway_commands
 from ._cli_run import add_run_command
@@ -362,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_commands(sub, with_url)  # schedules
     add_status_commands(sub, with_url)  # status, top
     add_gateway_commands(sub, with_url)  # gateway
+    add_contract_commands(sub, with_url)  # asyncapi, mcp
     add_wrap_commands(sub)  # wrap: an HTTP service as an agent
     add_run_command(sub)  # run: an agent from an import path
     add_examples_commands(sub)  # examples, examples copy DIR

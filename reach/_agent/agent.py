@@ -28,6 +28,7 @@ from nats.nuid import NUID
 from .._background import Background
 from .._client import Client
 from .._codec import now_ms
+from .._contracts.schemas import capability_info, topic_info
 from .._handlers import Capable, Handler, TaskContext, inspect_handler
 from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
 from .._runtime import on_stop_signals, run_async
@@ -39,7 +40,7 @@ from .._telemetry.core import Attachment, Telemetry
 from .._topics import TopicCells, TopicDecl, TopicRunner
 from ..errors import ConfigurationError, ReachError
 from ..settings import ReachSettings
-from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Priority, Status
+from ..wire import AgentInfo, CapabilityInfo, Heartbeat, Priority, Status, TopicInfo
 from . import srv
 from .control import ControlListeners
 from .intake import Intake, topic_handler
@@ -129,6 +130,7 @@ class Agent:
         self.subjects = self._client.subjects
         self._caps: dict[str, Served] = {}
         self._topics: list[TopicSpec] = []
+        self._topic_infos: list[TopicInfo] = []  # every on_topic, durable or not
         self.task_stats = TaskStats()
         self._tasks = TaskRunner(
             self.agent_id,
@@ -198,19 +200,22 @@ class Agent:
             raise ConfigurationError(f"{name!r} is already served by this agent")
 
     def capability(
-        self, name: str, *, version: str = "1.0.0", description: str = ""
+        self, name: str, *, version: str = "1.0.0", description: str | None = None
     ) -> Callable[[C], C]:
         """Serve ``name`` with the decorated async function ``(payload[, ctx]) -> result``,
         or with an async generator ``(payload[, ctx])`` whose items are the chunks of a
         streaming reply (``client.stream``): each ``yield`` waits while the caller has
-        the window of chunks it allowed still to read."""
+        the window of chunks it allowed still to read.
+
+        Its contract goes out in the agent's registration: ``description`` (the docstring
+        unless given) and the JSON Schemas of the payload and result annotations."""
         self._check_open(name, "capabilities")
 
         def register(fn: C) -> C:
             self._check_open(name, "capabilities")
             spec = inspect_handler(fn, f"capability {name!r}", may_stream=True)
-            info = CapabilityInfo(
-                name=name, version=version, description=description, streams=spec.streams
+            info = capability_info(
+                name, version, fn, description, f"capability {name!r}", streams=spec.streams
             )
             cells = AgentCells() if self.telemetry.metrics else None  # None: metrics are off
             self._caps[name] = Served(info, spec, cells=cells)
@@ -223,7 +228,7 @@ class Agent:
         name: str,
         *,
         version: str = "1.0.0",
-        description: str = "",
+        description: str | None = None,
         timeout: float | None = None,
         max_attempts: int | None = None,
     ) -> Callable[[Handler], Handler]:
@@ -232,7 +237,8 @@ class Agent:
         capability; its ``ctx`` is a ``TaskContext`` (``task_id``, ``attempt``,
         ``progress()``). ``timeout`` (seconds per attempt) and ``max_attempts`` apply to
         submits that name none (then ``REACH_TASK_TIMEOUT``/``REACH_TASK_MAX_ATTEMPTS``);
-        a timeout longer than ``REACH_TASK_RETENTION`` is refused."""
+        a timeout longer than ``REACH_TASK_RETENTION`` is refused. Its contract is sent
+        as a capability's (``description``, the docstring unless given, and schemas)."""
         self._check_open(name, "tasks")
         if timeout is not None and not timeout > 0:
             raise ConfigurationError("timeout must be > 0 seconds")
@@ -244,14 +250,19 @@ class Agent:
         def register(fn: Handler) -> Handler:
             self._check_open(name, "tasks")
             spec = inspect_handler(fn, f"task {name!r}")
-            info = CapabilityInfo(name=name, version=version, description=description)
+            info = capability_info(name, version, fn, description, f"task {name!r}")
             self._tasks.decls[name] = TaskDecl(info, spec, timeout, max_attempts)
             return fn
 
         return register
 
     def on_topic(
-        self, topic: str, *, durable: bool = False, ordered: bool = False
+        self,
+        topic: str,
+        *,
+        durable: bool = False,
+        ordered: bool = False,
+        description: str | None = None,
     ) -> Callable[[Handler], Handler]:
         """Receive every broadcast on ``topic`` (wildcards allowed), on every instance.
 
@@ -261,7 +272,9 @@ class Agent:
         restarting; the message is acknowledged when the handler returns, redelivered
         with backoff when it raises, and dead-lettered after ``REACH_TOPIC_MAX_DELIVER``
         deliveries. ``ordered=True`` (durable only): one message at a time for the
-        name, so each topic's messages are handled in the order they were stored."""
+        name, so each topic's messages are handled in the order they were stored.
+        ``description`` (the docstring unless given) and the payload's schema go out in
+        the agent's registration."""
         validate_topic(topic, wildcards=True)
         if self._life.running:
             raise ConfigurationError("add topic handlers before the agent starts")
@@ -275,6 +288,9 @@ class Agent:
 
         def register(fn: Handler) -> Handler:
             spec = inspect_handler(fn, f"topic {topic!r}")
+            self._topic_infos.append(
+                topic_info(topic, fn, description, durable=durable, ordered=ordered)
+            )
             if durable:
                 self._durable_topics.decls[topic] = TopicDecl(topic, spec, ordered)
             else:
@@ -321,6 +337,7 @@ class Agent:
             capabilities=self.capabilities,
             tasks=[t.info for t in self._tasks.decls.values()],
             tags=self.tags,
+            topics=self._topic_infos,
             max_concurrency=self.max_concurrency,
             max_queue=self.max_queue,
             started_ms=self._started_ms,

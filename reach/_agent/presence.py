@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from .._background import Background
 from .._codec import encode_json
+from .._contracts.schemas import without_schemas
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
 from ..errors import NotStarted
@@ -162,9 +163,20 @@ class Presence:
 
     async def register(self) -> bool:
         """One registration attempt; False (logged) when no registry accepted it."""
-        body = encode_json(Registration(info=self._info(), status=self._status()))
+        nc = self._conn()
+        info, status = self._info(), self._status()
+        body = encode_json(Registration(info=info, status=status))
+        if len(body) > nc.max_payload:
+            log.warning(
+                "agent %s: registration takes %d bytes, more than the server's max_payload"
+                " (%d): registering without the payload and result schemas",
+                self.agent_id,
+                len(body),
+                nc.max_payload,
+            )
+            body = encode_json(Registration(info=without_schemas(info), status=status))
         try:
-            msg = await self._conn().request(
+            msg = await nc.request(
                 self._subjects.register(self.agent_id), body, timeout=self._settings.probe_timeout
             )
             if msg.headers and Header.SERVICE_ERROR_CODE in msg.headers:

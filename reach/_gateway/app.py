@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from . import routes_call, routes_fleet, routes_ops, routes_stream, routes_tasks
+from . import routes_call, routes_contracts, routes_fleet, routes_ops, routes_stream, routes_tasks
 from .deps import EdgeDeps
 from .errors import install_error_handlers
 from .middleware import EdgeMiddleware
@@ -102,7 +102,7 @@ def build_app(
     call = routes_call.call_route(deps)
     app.fast_path = routes_call.FastPath(call, deps)
     app.router.routes.append(call)
-    for part in (routes_stream, routes_tasks, routes_fleet, routes_ops):
+    for part in (routes_stream, routes_tasks, routes_fleet, routes_contracts, routes_ops):
         app.include_router(part.router(deps))
     for extra in routers:
         app.include_router(extra)

@@ -10,13 +10,12 @@ so timing tells neither a token nor its length.
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import HTTPConnection
 
+from .._tokens import Scope, Tokens, bearer
 from .errors import EdgeError
-from .settings import Scope
 
 __all__ = ["CALLER_DIGITS", "OPEN_CALLER", "Auth", "caller_id", "scoped_key"]
 
@@ -32,11 +31,11 @@ class Auth:
     """Who may do what, from ``GatewaySettings.tokens``."""
 
     def __init__(self, tokens: dict[str, frozenset[Scope]]) -> None:
-        self._tokens = [(_digest(t), frozenset(s)) for t, s in tokens.items()]
+        self._tokens = Tokens(tokens)
 
     @property
     def open(self) -> bool:
-        return not self._tokens
+        return self._tokens.open
 
     def scopes_of(self, authorization: str | None) -> frozenset[Scope]:
         """The scopes an ``Authorization`` header grants; ``EdgeError`` 401 for none."""
@@ -44,16 +43,12 @@ class Auth:
             return frozenset(Scope)
         if not authorization:
             raise EdgeError(401, "unauthorized", "a bearer token is required", headers=_CHALLENGE)
-        kind, _, token = authorization.partition(" ")
-        if kind.lower() != "bearer" or not token.strip():
+        token = bearer(authorization)
+        if token is None:
             raise EdgeError(
                 401, "unauthorized", "use 'Authorization: Bearer <token>'", headers=_CHALLENGE
             )
-        given = _digest(token.strip())
-        found: frozenset[Scope] | None = None
-        for known, scopes in self._tokens:
-            if hmac.compare_digest(known, given):  # every token checked: no early exit
-                found = scopes
+        found = self._tokens.scopes(token)
         if found is None:
             raise EdgeError(401, "unauthorized", "unknown token", headers=_CHALLENGE)
         return found
@@ -82,10 +77,6 @@ class Auth:
                 self.check(header, scope)
 
         return dependency
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
 
 
 def caller_id(authorization: str | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from .._subjects import MAX_NAME, validate_agent_id, validate_capability
+from .._subjects import MAX_NAME, validate_agent_id, validate_capability, validate_topic
 from ..wire import Heartbeat, Registration
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "MAX_LATENCY_MS",
     "MAX_REASON",
     "MAX_TAGS",
+    "MAX_TOPICS",
     "check_registration",
     "is_stale",
     "sanitize_heartbeat",
@@ -31,6 +32,7 @@ __all__ = [
 
 MAX_CAPABILITIES = 256
 MAX_TAGS = 64
+MAX_TOPICS = 256
 MAX_METADATA = 64
 MAX_CONCURRENCY = 1_000_000
 MAX_COUNT = 2**53 - 1  # counters and unix ms: the largest integer every JSON reader keeps
@@ -58,6 +60,10 @@ def check_registration(reg: Registration) -> None:
             raise ValueError(
                 f"capability {cap.name!r} has version {cap.version[:40]!r}; use e.g. '1.2'"
             )
+    if len(info.topics) > MAX_TOPICS:
+        raise ValueError(f"{len(info.topics)} topics; at most {MAX_TOPICS}")
+    for topic in info.topics:
+        validate_topic(topic.pattern, wildcards=True)
     if len(info.tags) > MAX_TAGS:
         raise ValueError(f"{len(info.tags)} tags; at most {MAX_TAGS}")
     for tag in info.tags:

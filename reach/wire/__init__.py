@@ -33,6 +33,7 @@ from .messages import (
     StreamCancel,
     StreamControl,
     StreamCredit,
+    TopicInfo,
     Transition,
 )
 from .tasks import ScheduleSpec, TaskAttempt, TaskRecord, TaskState, TaskStep, TaskSubmit
@@ -70,5 +71,6 @@ __all__ = [
     "TaskState",
     "TaskStep",
     "TaskSubmit",
+    "TopicInfo",
     "Transition",
 ]

@@ -4,7 +4,7 @@ heartbeats, control and routing (``reach.wire`` re-exports them)."""
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -35,6 +35,7 @@ __all__ = [
     "StreamCancel",
     "StreamControl",
     "StreamCredit",
+    "TopicInfo",
     "Transition",
 ]
 
@@ -134,8 +135,21 @@ class ErrorBody(_Wire, tag="reach.error", frozen=True, kw_only=True):
     retryable: bool = False
 
 
+#: a JSON Schema (an object); on the wire only in registrations and records, never in heartbeats
+JsonSchema = Annotated[
+    dict[str, Any],
+    msgspec.Meta(
+        description=(
+            "A JSON Schema (2020-12) derived from the handler's annotations; {} accepts any"
+            " value. Absent or null: the agent does not describe it (older agents)."
+        )
+    ),
+]
+
+
 class CapabilityInfo(_Wire, tag="reach.capability", frozen=True, kw_only=True):
-    """One capability an agent serves."""
+    """One capability an agent serves: its name, version, description and the JSON Schemas
+    of its payload and result (the contract, sent once per registration)."""
 
     name: str
     #: semver; routing compares the major only, so "1.0" from older agents is the same 1.x
@@ -150,6 +164,20 @@ class CapabilityInfo(_Wire, tag="reach.capability", frozen=True, kw_only=True):
             )
         ),
     ] = False
+    payload_schema: JsonSchema | None = None
+    result_schema: JsonSchema | None = None
+
+
+class TopicInfo(_Wire, tag="reach.topic", frozen=True, kw_only=True):
+    """One topic pattern an agent subscribes to (``on_topic``), with its payload's schema."""
+
+    pattern: str
+    description: str = ""
+    #: stored in stream ``<PREFIX>_TOPICS`` and delivered at least once per agent name
+    durable: bool = False
+    #: durable, one message at a time for the agent name
+    ordered: bool = False
+    payload_schema: JsonSchema | None = None
 
 
 class AgentInfo(_Wire, tag="reach.agent.info", frozen=True, kw_only=True):
@@ -162,6 +190,8 @@ class AgentInfo(_Wire, tag="reach.agent.info", frozen=True, kw_only=True):
     #: durable capabilities (``@agent.task``), served from the task stream, not by request
     tasks: list[CapabilityInfo] = msgspec.field(default_factory=list)
     tags: list[str] = msgspec.field(default_factory=list)
+    #: the topic patterns it subscribes to (section 6), for the fleet's contract
+    topics: list[TopicInfo] = msgspec.field(default_factory=list)
     max_concurrency: int = 8
     max_queue: int = 64
     started_ms: int = 0
