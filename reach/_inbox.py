@@ -72,6 +72,11 @@ class StreamSink(Protocol):
     token stays in the inbox after its first frame, and every later message on it is
     handed over, in order, in nats-py's reading task."""
 
+    def started(self, token: str, frame: Msg) -> None:
+        """The opened frame (``Reach-Chunk: 0``) of the attempt ``token``: its agent runs
+        the handler, and hears the caller on the frame's reply-to. The attempt still
+        waits for its first chunk (or an error, which fails over as a request's)."""
+
     def opened(self, token: str, first: Msg) -> None:
         """The first frame, an answer (not an error): the stream is this token's."""
 
@@ -203,6 +208,12 @@ class Inbox:
             self.ignored += 1
             log.debug("reply on %s ignored: it names another instance than %s", token, asked)
             return
+        if self.streams:
+            sink = self.streams.get(token)
+            hdrs = msg.headers
+            if sink is not None and hdrs and hdrs.get(Header.CHUNK) == "0":
+                sink.started(token, msg)  # the opened frame: the attempt waits on
+                return
         fut.set_result(msg)
 
     def _impostor(self, msg: Msg, asked: str) -> bool:

@@ -11,9 +11,11 @@ reading costs the agent one suspended generator, whatever the stream's length.
 
 Every frame's reply-to is the stream's subject ``<prefix>.agent.<id>.$stream.<token>``
 (one wildcard subscription for all of an agent's streams, read in nats-py's reading
-task): the caller sends credit there (0: a keepalive) and ``cancel``. A cancel, or a
-caller silent for ``PATIENCE`` seconds once the first chunk is out (its process gone, its
-connection lost), cancels the handler at once, as the deadline watch does: the worker
+task): the caller sends credit there (0: a keepalive) and ``cancel``. The first frame,
+sent before the handler runs, is the header-only opened frame (``Reach-Chunk: 0``), so
+the caller can speak from the start. A cancel, or a caller silent for ``PATIENCE`` seconds
+once the opened frame is out (its process gone, its connection lost), cancels the handler
+at once, as the deadline watch does: the worker
 task is cancelled with ``Job.cut`` set, and ``workers`` takes it for what it is, not for a
 stop. A handler cancelled while it waits at ``yield`` is closed there (``aclose``: its
 ``finally`` blocks run).
@@ -50,6 +52,8 @@ _SWEEP = 0.1  # seconds between two looks for silent callers, while streams run
 CUT_CANCEL, CUT_SILENT = "cancel", "silent"
 
 _controls = msgspec.json.Decoder(StreamControl)
+#: the opened frame's headers: chunk 0, no body (PROTOCOL.md 3.3)
+_OPENED = {Header.CHUNK: "0"}
 
 
 class ChunkTooLarge(Exception):
@@ -71,7 +75,7 @@ class Outflow:
         self.task = task
         self.nc = owner.nc
         self.granted = window
-        self.heard = 0.0  # loop time of the caller's last word (or of the first chunk)
+        self.heard = 0.0  # loop time of the caller's last word (or of the opened frame)
         self.waiter: asyncio.Future[None] | None = None
 
     def grant(self, credit: int) -> None:
@@ -96,6 +100,13 @@ class Outflow:
         loop = asyncio.get_running_loop()
         gen = fn(*args)
         try:
+            # The opened frame, before the handler runs: from now on the caller knows the
+            # stream's subject, so its cancel and keepalives reach us, and its silence is
+            # watched (a handler that hangs before its first item is stopped too).
+            if not publish(nc, reply, b"", via, _OPENED, alone=True):
+                await publish_by_nats(nc, reply, b"", via, _OPENED, alone=True)
+            self.heard = loop.time()
+            self.owner.watched()
             while True:
                 while job.chunks >= self.granted:
                     await self._credit()
@@ -110,9 +121,6 @@ class Outflow:
                     raise ChunkTooLarge(f"chunk {n} of {len(body)} bytes is too large")
                 job.chunks = n
                 first = n == 1
-                if first:
-                    self.heard = loop.time()  # the caller can speak from now on
-                    self.owner.watched()
                 # the first out now (time to first chunk); the others with what follows
                 if not publish(nc, reply, body, via, headers, alone=first):
                     await publish_by_nats(nc, reply, body, via, headers, alone=first)
@@ -165,7 +173,7 @@ class Outflows:
         self.open.pop(flow.token, None)
 
     def watched(self) -> None:
-        """A stream sent its first chunk: its caller's silence is watched from now on."""
+        """A stream sent its opened frame: its caller's silence is watched from now on."""
         if not self._armed.is_set():
             self._armed.set()
 
@@ -199,7 +207,7 @@ class Outflows:
             await asyncio.sleep(_SWEEP)
             now = loop.time()
             for flow in list(self.open.values()):
-                if flow.job.chunks and now - flow.heard > PATIENCE:
+                if flow.heard and now - flow.heard > PATIENCE:
                     self.stats.streams_silent += 1
                     log.info(
                         "agent: stream %s (request id %s) stopped: its caller said nothing for %gs",

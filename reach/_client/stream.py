@@ -70,6 +70,7 @@ class Flow:
     the stream."""
 
     __slots__ = (
+        "attempts",
         "control",
         "ended",
         "error",
@@ -100,8 +101,18 @@ class Flow:
         self.owed = 0
         self.sent_at = 0.0  # loop time of the last message to the agent
         self.ignored = 0
+        #: the stream subjects of the attempts that opened (their handler ran): those
+        #: not answered are told to stop when the call ends
+        self.attempts: list[str] = []
 
     # -- the inbox's side (``StreamSink``), in nats-py's reading task -----------------
+
+    def started(self, token: str, frame: Msg) -> None:
+        if frame.reply:
+            self.token = token
+            self.control = frame.reply  # keepalives and a cancel go there from now on
+            self.sent_at = 0.0  # the next turn of the keepalive loop speaks
+            self.attempts.append(frame.reply)
 
     def opened(self, token: str, first: Msg) -> None:
         frames = self.frames
@@ -114,6 +125,8 @@ class Flow:
         hdrs = first.headers
         if hdrs and (Header.CHUNK in hdrs or Header.END in hdrs):
             self.control = first.reply  # (a whole answer's names its direct subject)
+        else:
+            self.control = ""
         self.ended = not hdrs or Header.CHUNK not in hdrs
 
     def deliver(self, msg: Msg) -> None:
@@ -223,6 +236,21 @@ class Streams:
         self.forget(flow)
         await self.send(flow, _CANCEL)
 
+    async def cancel_others(self, flow: Flow, keep: str) -> None:
+        """The call ended: every attempt that opened, but ``keep`` (the stream's own; ""
+        when the call failed), is told to stop: timed out, or left for another."""
+        left = [s for s in flow.attempts if s != keep]
+        flow.attempts.clear()
+        nc = self.inbox.nc
+        if nc is None:
+            return
+        for subject in left:
+            try:
+                if not publish(nc, subject, _CANCEL, alone=True):
+                    await publish_by_nats(nc, subject, _CANCEL, "", None, alone=True)
+            except TRANSIENT as exc:  # its agent's patience stops it
+                log.debug("stream %s: cancel lost: %s", subject, exc)
+
     async def _keep(self) -> None:
         loop = asyncio.get_running_loop()
         wake = self._wake
@@ -328,23 +356,35 @@ class Stream:
         if self._total is not None:
             self._deadline = began + self._total
         flow = Flow(self._window)
-        reply = await requests.call(
-            self.capability,
-            self._payload,
-            timeout=self._idle if self._total is None else min(self._idle, self._total),
-            response_type=None,
-            hedge=False,
-            stream=flow,
-            window=flow.window,
-            total=self._total,
-            **self._options,
-        )
+        streams = self._streams
+        streams.track(flow)  # its keepalives go from an attempt's opened frame on
+        try:
+            reply = await requests.call(
+                self.capability,
+                self._payload,
+                timeout=self._idle if self._total is None else min(self._idle, self._total),
+                response_type=None,
+                hedge=False,
+                stream=flow,
+                window=flow.window,
+                total=self._total,
+                **self._options,
+            )
+        except BaseException:
+            # no chunk within the timeout (or a refusal, our own cancellation): a handler
+            # that runs all the same is told to stop
+            self._over = True
+            streams.forget(flow)
+            if flow.attempts:
+                await asyncio.shield(streams.cancel_others(flow, ""))
+            raise
         self.agent_id = reply.agent_id
         self.request_id = reply.request_id
         self.latency_ms = reply.latency_ms
         self._flow = flow
-        flow.sent_at = loop.time()
-        self._streams.track(flow)
+        if len(flow.attempts) > (1 if flow.control in flow.attempts else 0):
+            await streams.cancel_others(flow, flow.control)  # failed over after opening
+        flow.attempts.clear()
         return flow
 
     async def _next(self, flow: Flow) -> Any:

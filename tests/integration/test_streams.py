@@ -68,6 +68,7 @@ class Seen:
 
 def llm(settings, agent_id: str = "llm-1", seen: Seen | None = None, **kw: Any) -> Agent:
     """``chat.complete`` yields ``n`` tokens; ``chat.slow`` one token, then waits forever;
+    ``chat.hung`` waits forever before its first token;
     ``chat.broken`` two tokens, then fails; ``chat.refusing`` refuses before any token
     (retryable); ``chat.plain`` is not a stream at all."""
     seen = seen if seen is not None else Seen()
@@ -102,6 +103,17 @@ def llm(settings, agent_id: str = "llm-1", seen: Seen | None = None, **kw: Any) 
         except asyncio.CancelledError:
             seen.how = "cancelled"
             seen.ended_at = time.monotonic()
+            seen.ended.set()
+            raise
+
+    @agent.capability("chat.hung")
+    async def hung(req: Prompt) -> AsyncIterator[Token]:
+        seen.started.set()
+        try:
+            await asyncio.Event().wait()  # an upstream that never answers
+            yield Token(i=0)
+        except asyncio.CancelledError:
+            seen.how = "cancelled"
             seen.ended.set()
             raise
 
@@ -260,6 +272,46 @@ async def test_a_caller_gone_silent_has_the_handler_cancelled(settings):
     assert 0.7 < seen.ended_at - cut < 1.5
 
 
+async def test_a_handler_hung_before_its_first_chunk_is_stopped_when_the_caller_gives_up(
+    settings,
+):
+    """The agent's opened frame (chunk 0) names the stream's subject before the handler
+    runs: a caller that gives up waiting for the first chunk tells the agent to stop it."""
+    seen = Seen()
+    async with llm(settings, seen=seen) as agent, Client(settings=settings) as client:
+        with pytest.raises(RequestTimeout):
+            await anext(client.stream("chat.hung", Prompt(), timeout=0.5))
+        await eventually(seen.ended.is_set)
+        assert (agent.stats.streams_cancelled, agent.stats.streams_silent) == (1, 0)
+        assert not client._streams.open
+        assert client.footprint()["streams"] == 0
+    assert seen.how == "cancelled"
+
+
+async def test_a_caller_gone_silent_before_the_first_chunk_has_the_handler_cancelled(settings):
+    """Keepalives start at the opened frame: a caller cut off while the handler has not
+    yielded yet is heard no more, and the agent stops the handler."""
+    seen = Seen()
+    proxy = await Proxy(settings.nats_url).start()
+    try:
+        async with (
+            llm(settings, seen=seen) as agent,
+            Client(proxy.url, settings=settings) as client,
+        ):
+            reader = asyncio.create_task(anext(client.stream("chat.hung", Prompt(), timeout=60)))
+            await seen.started.wait()
+            await eventually(lambda: agent.stats.stream_credits >= 2)  # keepalives come
+            proxy.pause()
+            await eventually(seen.ended.is_set)
+            assert (agent.stats.streams_silent, agent.stats.streams_cancelled) == (1, 0)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+    finally:
+        await proxy.close()
+    assert seen.how == "cancelled"
+
+
 async def test_an_error_mid_stream_comes_after_the_chunks_before_it(settings):
     async with llm(settings), Client(settings=settings) as client:
         stream = client.stream("chat.broken", Prompt())
@@ -366,8 +418,9 @@ async def test_no_failover_after_the_first_chunk(settings, how):
 
 
 async def test_a_plain_nats_caller_follows_the_protocol(settings):
-    """PROTOCOL.md 3.3 with nats-py alone: a request with Reach-Stream-Window, chunks
-    numbered in Reach-Chunk, credit to the frames' reply-to, the end in Reach-End."""
+    """PROTOCOL.md 3.3 with nats-py alone: a request with Reach-Stream-Window, the opened
+    frame (Reach-Chunk 0), chunks numbered in Reach-Chunk, credit to the frames' reply-to,
+    the end in Reach-End."""
     async with llm(settings):
         nc = await nats.connect(settings.nats_url)
         try:
@@ -381,9 +434,14 @@ async def test_a_plain_nats_caller_follows_the_protocol(settings):
                 reply=inbox,
                 headers={"Reach-Stream-Window": "2"},
             )
+            # the opened frame first: chunk 0, no body, the stream's subject as reply-to
+            opened = await asyncio.wait_for(frames.get(), 10)
+            assert (opened.headers["Reach-Chunk"], opened.data) == ("0", b"")
+            assert opened.reply.startswith(f"{settings.subject_prefix}.agent.llm-1.$stream.")
             chunks = []
             while True:
                 msg = await asyncio.wait_for(frames.get(), 10)
+                assert msg.reply == opened.reply
                 if "Reach-Chunk" in msg.headers:
                     assert msg.headers["Reach-Chunk"] == str(len(chunks) + 1)
                     chunks.append(json.loads(msg.data)["i"])
