@@ -41,7 +41,14 @@ from .._codec import decoder_for, error_from_reply
 from .._delivery import publish, publish_by_nats
 from .._inbox import Inbox
 from .._nats import TRANSIENT
-from ..errors import ConfigurationError, InvalidReply, ReachError, RequestTimeout, StreamBroken
+from ..errors import (
+    ConfigurationError,
+    ConnectionFailed,
+    InvalidReply,
+    ReachError,
+    RequestTimeout,
+    StreamBroken,
+)
 from ..wire import Header, StreamCancel, StreamCredit
 from .attempts import Requester
 
@@ -272,8 +279,11 @@ class Streams:
                     await wake.wait()
 
     async def close(self) -> None:
-        """The client closes: every open stream is cancelled (best effort), the loop ends."""
+        """The client closes: every open stream ends for its reader now (``StreamBroken``,
+        "client closed") and is cancelled at its agent (best effort); the loop ends."""
+        closed = ConnectionFailed("client closed", url=self.inbox.url)
         for flow in list(self.open):
+            flow.fail(closed)  # before forget: the inbox can tell its reader no more
             await self.cancel(flow)
         self._dropped.clear()
         self._keeper = None

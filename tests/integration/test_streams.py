@@ -64,11 +64,13 @@ class Seen:
     how: str = ""  # how the handler ended: "done", "cancelled", "closed" (at yield)
     ended_at: float = 0.0
     remaining: list[float | None] = field(default_factory=list)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)  # chat.gated waits on it
 
 
 def llm(settings, agent_id: str = "llm-1", seen: Seen | None = None, **kw: Any) -> Agent:
     """``chat.complete`` yields ``n`` tokens; ``chat.slow`` one token, then waits forever;
-    ``chat.hung`` waits forever before its first token;
+    ``chat.hung`` waits forever before its first token; ``chat.gated`` ``n`` tokens once
+    ``seen.gate`` is set;
     ``chat.broken`` two tokens, then fails; ``chat.refusing`` refuses before any token
     (retryable); ``chat.plain`` is not a stream at all."""
     seen = seen if seen is not None else Seen()
@@ -116,6 +118,13 @@ def llm(settings, agent_id: str = "llm-1", seen: Seen | None = None, **kw: Any) 
             seen.how = "cancelled"
             seen.ended.set()
             raise
+
+    @agent.capability("chat.gated")
+    async def gated(req: Prompt) -> AsyncIterator[Token]:
+        seen.started.set()
+        await seen.gate.wait()
+        for i in range(req.n):
+            yield Token(i=i)
 
     @agent.capability("chat.broken")
     async def broken(req: Prompt) -> AsyncIterator[Token]:
@@ -547,3 +556,51 @@ async def test_a_lost_connection_breaks_a_started_stream(settings):
         await proxy.close()
     assert (info.value.reason, info.value.chunks) == ("connection_lost", 1)
     assert seen.how == "cancelled"
+
+
+async def test_closing_the_client_ends_a_stream_being_read_at_once(settings):
+    """The reader waiting for its next chunk learns the client closed (not the idle
+    timeout, later, as a ``timeout``)."""
+    seen = Seen()
+    async with llm(settings, seen=seen):
+        client = await Client(settings=settings).connect()
+        stream = client.stream("chat.slow", Prompt(), timeout=30)
+        assert (await anext(stream))["i"] == 0
+        reader = asyncio.create_task(anext(stream))
+        await client.close()
+        with pytest.raises(StreamBroken) as info:
+            await reader
+        await eventually(seen.ended.is_set)
+    assert (type(info.value), info.value.reason, info.value.chunks) == (
+        StreamBroken,
+        "connection_lost",
+        1,
+    )
+    assert "client closed" in info.value.message
+    assert seen.how == "cancelled"
+
+
+async def test_a_reconnect_before_the_first_chunk_breaks_nothing(settings):
+    """A stream still waiting for its first chunk has lost nothing in a reconnect: its
+    chunks come after it, every one, and the end."""
+    seen = Seen()
+    proxy = await Proxy(settings.nats_url).start()
+    try:
+        async with (
+            llm(settings, seen=seen),
+            Client(proxy.url, settings=settings) as client,
+        ):
+            stream = client.stream("chat.gated", Prompt(n=4), timeout=30, window=1)
+            reader = asyncio.create_task(anext(stream))
+            await seen.started.wait()
+            reconnects = client._nc.stats["reconnects"]
+            proxy.cut()
+            await eventually(lambda: client._nc.stats["reconnects"] > reconnects)
+            await eventually(lambda: client._nc.is_connected)
+            seen.gate.set()
+            first = await reader
+            rest = [t async for t in stream]
+    finally:
+        await proxy.close()
+    assert [first["i"], *(t["i"] for t in rest)] == [0, 1, 2, 3]
+    assert stream.chunks == 4
