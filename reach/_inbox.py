@@ -192,12 +192,12 @@ class Inbox:
                 fut.set_exception(lost)
         # Only streams past their first chunk: one still waiting for it is an attempt,
         # which the lines above and the attempt logic look after (it lost nothing yet).
-        lost = ConnectionFailed("the connection to NATS was lost and restored")
+        broken = ConnectionFailed("the connection to NATS was lost and restored")
         pending = self.pending
         for token, sink in list(self.streams.items()):
             if token not in pending:
                 del self.streams[token]
-                sink.fail(lost)
+                sink.fail(broken)
 
     def _on_reply(self, msg: Msg) -> None:
         """In nats-py's reading task (``subscribe_direct``): settle the future, no more."""
