@@ -72,6 +72,10 @@ class StreamSink(Protocol):
     token stays in the inbox after its first frame, and every later message on it is
     handed over, in order, in nats-py's reading task."""
 
+    #: the connection's reconnect count when its first chunk came (set by the inbox): a
+    #: reconnect reported later (nats-py calls back late) breaks only what opened before
+    epoch: int
+
     def started(self, token: str, frame: Msg) -> None:
         """The opened frame (``Reach-Chunk: 0``) of the attempt ``token``: its agent runs
         the handler, and hears the caller on the frame's reply-to. The attempt still
@@ -194,8 +198,9 @@ class Inbox:
         # which the lines above and the attempt logic look after (it lost nothing yet).
         broken = ConnectionFailed("the connection to NATS was lost and restored")
         pending = self.pending
+        now = self.nc.stats["reconnects"] if self.nc is not None else 0
         for token, sink in list(self.streams.items()):
-            if token not in pending:
+            if token not in pending and sink.epoch < now:
                 del self.streams[token]
                 sink.fail(broken)
 
@@ -418,6 +423,7 @@ class Inbox:
         if stream is not None:
             value = None
             self.streams[token] = stream
+            stream.epoch = nc.stats["reconnects"]
             stream.opened(token, msg)
         else:
             try:

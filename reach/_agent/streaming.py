@@ -32,19 +32,32 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.nuid import NUID
 
+from .._client.stream import MAX_PATIENCE, MIN_PATIENCE
 from .._codec import encode_payload
 from .._delivery import publish, publish_by_nats
 from .._nats import HEADROOM, NatsConnection, fits
 from ..wire import Header, StreamCancel, StreamControl, StreamCredit
 from .model import AgentStats, Job
 
-__all__ = ["CUT_CANCEL", "CUT_SILENT", "MAX_WINDOW", "PATIENCE", "Outflow", "Outflows"]
+__all__ = [
+    "CUT_CANCEL",
+    "CUT_SILENT",
+    "MAX_PATIENCE",
+    "MAX_WINDOW",
+    "MIN_PATIENCE",
+    "PATIENCE",
+    "Outflow",
+    "Outflows",
+]
 
 log = logging.getLogger("reach.agent")
 
-#: seconds without a word from the caller (credit, keepalive) after which a started
-#: stream is stopped: its caller sends something at least every 0.2 s while it lives
-PATIENCE = 0.8
+#: seconds without a word from the caller (credit, keepalive) after which an opened
+#: stream is stopped, unless the caller asks for another (``Reach-Stream-Patience``,
+#: MIN_PATIENCE..MAX_PATIENCE): its caller sends something every 0.2 s while its event
+#: loop runs, so this is the longest a caller's loop may be blocked (a synchronous step
+#: of its reader) before its stream is taken for gone
+PATIENCE = 5.0
 #: the most chunks a caller may grant in its first window (more is ``bad_request``)
 MAX_WINDOW = 1024
 _SWEEP = 0.1  # seconds between two looks for silent callers, while streams run
@@ -63,7 +76,18 @@ class ChunkTooLarge(Exception):
 class Outflow:
     """One stream being sent: the handler's items, out within the caller's credit."""
 
-    __slots__ = ("granted", "heard", "job", "nc", "owner", "subject", "task", "token", "waiter")
+    __slots__ = (
+        "granted",
+        "heard",
+        "job",
+        "nc",
+        "owner",
+        "patience",
+        "subject",
+        "task",
+        "token",
+        "waiter",
+    )
 
     def __init__(
         self, owner: Outflows, token: str, job: Job, task: asyncio.Task[Any], window: int
@@ -76,6 +100,7 @@ class Outflow:
         self.nc = owner.nc
         self.granted = window
         self.heard = 0.0  # loop time of the caller's last word (or of the opened frame)
+        self.patience = job.patience or PATIENCE
         self.waiter: asyncio.Future[None] | None = None
 
     def grant(self, credit: int) -> None:
@@ -207,12 +232,12 @@ class Outflows:
             await asyncio.sleep(_SWEEP)
             now = loop.time()
             for flow in list(self.open.values()):
-                if flow.heard and now - flow.heard > PATIENCE:
+                if flow.heard and now - flow.heard > flow.patience:
                     self.stats.streams_silent += 1
                     log.info(
                         "agent: stream %s (request id %s) stopped: its caller said nothing for %gs",
                         flow.token,
                         flow.job.request_id or "-",
-                        PATIENCE,
+                        flow.patience,
                     )
                     flow.stop(CUT_SILENT)

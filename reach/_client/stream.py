@@ -52,7 +52,7 @@ from ..errors import (
 from ..wire import Header, StreamCancel, StreamCredit
 from .attempts import Requester
 
-__all__ = ["KEEPALIVE", "MAX_WINDOW", "WINDOW", "Stream", "Streams"]
+__all__ = ["KEEPALIVE", "MAX_PATIENCE", "MAX_WINDOW", "MIN_PATIENCE", "WINDOW", "Stream", "Streams"]
 
 log = logging.getLogger("reach.client")
 
@@ -63,6 +63,9 @@ MAX_WINDOW = 1024
 #: seconds: a caller that has sent nothing to the agent for this long sends its credit
 #: (0 when it owes none): the keepalive an agent counts on (PROTOCOL.md 3.3)
 KEEPALIVE = 0.2
+#: seconds: the bounds of the silence a caller may ask its agent to bear
+#: (``Reach-Stream-Patience``; the agent's default is ``reach._agent.streaming.PATIENCE``)
+MIN_PATIENCE, MAX_PATIENCE = 0.5, 600.0
 
 _encode = msgspec.json.Encoder().encode
 _CANCEL = _encode(StreamCancel())
@@ -80,6 +83,7 @@ class Flow:
         "attempts",
         "control",
         "ended",
+        "epoch",
         "error",
         "frames",
         "ignored",
@@ -111,6 +115,7 @@ class Flow:
         #: the stream subjects of the attempts that opened (their handler ran): those
         #: not answered are told to stop when the call ends
         self.attempts: list[str] = []
+        self.epoch = 0
 
     # -- the inbox's side (``StreamSink``), in nats-py's reading task -----------------
 
@@ -309,6 +314,7 @@ class Stream:
         window: int,
         response_type: Any,
         options: dict[str, Any],
+        patience: float | None = None,
     ) -> None:
         """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
         self._flow: Flow | None = None  # (first: __del__ reads it, even after a refusal)
@@ -320,6 +326,11 @@ class Stream:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
         if total_timeout is not None and total_timeout <= 0:
             raise ConfigurationError(f"total_timeout must be positive, got {total_timeout}")
+        if patience is not None and not MIN_PATIENCE <= patience <= MAX_PATIENCE:
+            raise ConfigurationError(
+                f"patience must be {MIN_PATIENCE:g}..{MAX_PATIENCE:g} seconds, got {patience}"
+            )
+        self._patience = patience
         self.capability = capability
         self.agent_id = options.get("agent_id") or ""
         self.request_id = options.get("request_id") or ""
@@ -356,7 +367,7 @@ class Stream:
             # the agent stops.
             await self._leave(flow, told=isinstance(exc, _Told))
             if isinstance(exc, _Told):
-                raise exc.error from None
+                raise exc.error from exc.error.__cause__
             raise
 
     async def _open(self) -> Flow:
@@ -378,6 +389,7 @@ class Stream:
                 stream=flow,
                 window=flow.window,
                 total=self._total,
+                patience=self._patience,
                 **self._options,
             )
         except BaseException:
@@ -486,6 +498,12 @@ class Stream:
         )
         if err.code == "agent_unavailable" and self.chunks:
             broken = self._broken("agent_unavailable", err.message)
+            broken.__cause__ = err
+            return broken
+        if err.code == "cancelled":
+            # the agent heard nothing from us for its patience (our loop blocked, or cut
+            # off from NATS): the stream broke, nobody cancelled it on purpose
+            broken = self._broken("silent", err.message)
             broken.__cause__ = err
             return broken
         if self.chunks:
