@@ -125,11 +125,12 @@ class Outflow:
         loop = asyncio.get_running_loop()
         gen = fn(*args)
         try:
-            # The opened frame, before the handler runs: from now on the caller knows the
+            # The opened frame, before the handler runs (written with chunk 1 when the
+            # handler yields at once: time to first chunk): from now on the caller knows the
             # stream's subject, so its cancel and keepalives reach us, and its silence is
             # watched (a handler that hangs before its first item is stopped too).
-            if not publish(nc, reply, b"", via, _OPENED, alone=True):
-                await publish_by_nats(nc, reply, b"", via, _OPENED, alone=True)
+            if not publish(nc, reply, b"", via, _OPENED, alone=False):
+                await publish_by_nats(nc, reply, b"", via, _OPENED, alone=False)
             self.heard = loop.time()
             self.owner.watched()
             while True:
