@@ -72,6 +72,15 @@ class StreamSink(Protocol):
     token stays in the inbox after its first frame, and every later message on it is
     handed over, in order, in nats-py's reading task."""
 
+    #: the connection's reconnect count when its first chunk came (set by the inbox): a
+    #: reconnect reported later (nats-py calls back late) breaks only what opened before
+    epoch: int
+
+    def started(self, token: str, frame: Msg) -> None:
+        """The opened frame (``Reach-Chunk: 0``) of the attempt ``token``: its agent runs
+        the handler, and hears the caller on the frame's reply-to. The attempt still
+        waits for its first chunk (or an error, which fails over as a request's)."""
+
     def opened(self, token: str, first: Msg) -> None:
         """The first frame, an answer (not an error): the stream is this token's."""
 
@@ -185,7 +194,15 @@ class Inbox:
                 )
                 lost.outcome = LOST
                 fut.set_exception(lost)
-        self._fail_streams(ConnectionFailed("the connection to NATS was lost and restored"))
+        # Only streams past their first chunk: one still waiting for it is an attempt,
+        # which the lines above and the attempt logic look after (it lost nothing yet).
+        broken = ConnectionFailed("the connection to NATS was lost and restored")
+        pending = self.pending
+        now = self.nc.stats["reconnects"] if self.nc is not None else 0
+        for token, sink in list(self.streams.items()):
+            if token not in pending and sink.epoch < now:
+                del self.streams[token]
+                sink.fail(broken)
 
     def _on_reply(self, msg: Msg) -> None:
         """In nats-py's reading task (``subscribe_direct``): settle the future, no more."""
@@ -203,6 +220,12 @@ class Inbox:
             self.ignored += 1
             log.debug("reply on %s ignored: it names another instance than %s", token, asked)
             return
+        if self.streams:
+            sink = self.streams.get(token)
+            hdrs = msg.headers
+            if sink is not None and hdrs and hdrs.get(Header.CHUNK) == "0":
+                sink.started(token, msg)  # the opened frame: the attempt waits on
+                return
         fut.set_result(msg)
 
     def _impostor(self, msg: Msg, asked: str) -> bool:
@@ -400,6 +423,7 @@ class Inbox:
         if stream is not None:
             value = None
             self.streams[token] = stream
+            stream.epoch = nc.stats["reconnects"]
             stream.opened(token, msg)
         else:
             try:

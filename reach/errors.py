@@ -335,7 +335,8 @@ class StreamBroken(RemoteError):
     NATS lost, or the agent stopping (``agent_unavailable``). A started stream is never
     failed over silently: the caller decides whether to ask again. ``chunks`` is how many
     chunks the caller received; ``reason`` is the code of what broke it (``timeout``,
-    ``lost``, ``connection_lost``, ``agent_unavailable``, ``overrun``). A client-side
+    ``lost``, ``connection_lost``, ``agent_unavailable``, ``overrun``, ``silent``: the
+    agent heard nothing from this caller for its patience). A client-side
     code, as ``connection_failed`` is: no agent sends it."""
 
     code = "stream_broken"

@@ -18,7 +18,7 @@ from .._subjects import Subjects
 from ..wire import Header, Priority
 from .lifecycle import Lifecycle
 from .model import AgentStats, Job, Served, TopicSpec
-from .streaming import MAX_WINDOW
+from .streaming import MAX_PATIENCE, MAX_WINDOW, MIN_PATIENCE
 from .workers import Workers
 
 __all__ = ["Intake"]
@@ -118,6 +118,7 @@ class Intake:
         deadline: int | None = None
         request_id = ""
         window = 0
+        patience = 0.0
         hdrs = msg.headers
         if hdrs:
             request_id = hdrs.get(Header.REQUEST_ID, "")
@@ -145,6 +146,14 @@ class Intake:
                     return self._bad_header(
                         f"{Header.STREAM_WINDOW} {raw_window!r}: use 1..{MAX_WINDOW} chunks"
                     )
+                raw_patience = hdrs.get(Header.STREAM_PATIENCE)
+                if raw_patience is not None:
+                    patience = _patience(raw_patience)
+                    if not patience:
+                        return self._bad_header(
+                            f"{Header.STREAM_PATIENCE} {raw_patience!r}: use"
+                            f" {MIN_PATIENCE * 1000:.0f}..{MAX_PATIENCE * 1000:.0f} ms"
+                        )
         if cap.spec.streams and not window:
             return self._bad_header(
                 f"{cap.info.name!r} streams its answer: ask with a {Header.STREAM_WINDOW}"
@@ -169,7 +178,8 @@ class Intake:
             self._refused("paused")
             return "agent_unavailable", f"agent {self.agent_id} is {life.state.lower()}"
         workers = self.workers
-        if not workers.admit(Job(msg, cap, priority, deadline, request_id, window=window)):
+        job = Job(msg, cap, priority, deadline, request_id, window=window, patience=patience)
+        if not workers.admit(job):
             self.stats.rejected += 1
             self._refused("full")
             return (
@@ -195,6 +205,15 @@ def _window(raw: str) -> int:
     except ValueError:
         return 0
     return window if 1 <= window <= MAX_WINDOW else 0
+
+
+def _patience(raw: str) -> float:
+    """A stream's patience in seconds (the header says ms), 0 when it is out of bounds."""
+    try:
+        seconds = int(raw) / 1000
+    except ValueError:
+        return 0.0
+    return seconds if MIN_PATIENCE <= seconds <= MAX_PATIENCE else 0.0
 
 
 def _cost(reply: str, message: str) -> int:

@@ -78,6 +78,8 @@ class Job:
     via: str = ""
     #: why the stream's handler was cancelled: its caller's cancel, or its silence
     cut: str = ""
+    #: seconds of a stream's caller's silence that stop it (0: the agent's default)
+    patience: float = 0.0
 
     def context(self, agent_id: str, client: Client) -> Context:
         """What the handler sees of this request (built only for handlers that ask)."""

@@ -11,9 +11,11 @@ reading costs the agent one suspended generator, whatever the stream's length.
 
 Every frame's reply-to is the stream's subject ``<prefix>.agent.<id>.$stream.<token>``
 (one wildcard subscription for all of an agent's streams, read in nats-py's reading
-task): the caller sends credit there (0: a keepalive) and ``cancel``. A cancel, or a
-caller silent for ``PATIENCE`` seconds once the first chunk is out (its process gone, its
-connection lost), cancels the handler at once, as the deadline watch does: the worker
+task): the caller sends credit there (0: a keepalive) and ``cancel``. The first frame,
+sent before the handler runs, is the header-only opened frame (``Reach-Chunk: 0``), so
+the caller can speak from the start. A cancel, or a caller silent for ``PATIENCE`` seconds
+once the opened frame is out (its process gone, its connection lost), cancels the handler
+at once, as the deadline watch does: the worker
 task is cancelled with ``Job.cut`` set, and ``workers`` takes it for what it is, not for a
 stop. A handler cancelled while it waits at ``yield`` is closed there (``aclose``: its
 ``finally`` blocks run).
@@ -30,19 +32,32 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.nuid import NUID
 
+from .._client.stream import MAX_PATIENCE, MIN_PATIENCE
 from .._codec import encode_payload
 from .._delivery import publish, publish_by_nats
 from .._nats import HEADROOM, NatsConnection, fits
 from ..wire import Header, StreamCancel, StreamControl, StreamCredit
 from .model import AgentStats, Job
 
-__all__ = ["CUT_CANCEL", "CUT_SILENT", "MAX_WINDOW", "PATIENCE", "Outflow", "Outflows"]
+__all__ = [
+    "CUT_CANCEL",
+    "CUT_SILENT",
+    "MAX_PATIENCE",
+    "MAX_WINDOW",
+    "MIN_PATIENCE",
+    "PATIENCE",
+    "Outflow",
+    "Outflows",
+]
 
 log = logging.getLogger("reach.agent")
 
-#: seconds without a word from the caller (credit, keepalive) after which a started
-#: stream is stopped: its caller sends something at least every 0.2 s while it lives
-PATIENCE = 0.8
+#: seconds without a word from the caller (credit, keepalive) after which an opened
+#: stream is stopped, unless the caller asks for another (``Reach-Stream-Patience``,
+#: MIN_PATIENCE..MAX_PATIENCE): its caller sends something every 0.2 s while its event
+#: loop runs, so this is the longest a caller's loop may be blocked (a synchronous step
+#: of its reader) before its stream is taken for gone
+PATIENCE = 5.0
 #: the most chunks a caller may grant in its first window (more is ``bad_request``)
 MAX_WINDOW = 1024
 _SWEEP = 0.1  # seconds between two looks for silent callers, while streams run
@@ -50,6 +65,8 @@ _SWEEP = 0.1  # seconds between two looks for silent callers, while streams run
 CUT_CANCEL, CUT_SILENT = "cancel", "silent"
 
 _controls = msgspec.json.Decoder(StreamControl)
+#: the opened frame's headers: chunk 0, no body (PROTOCOL.md 3.3)
+_OPENED = {Header.CHUNK: "0"}
 
 
 class ChunkTooLarge(Exception):
@@ -59,7 +76,18 @@ class ChunkTooLarge(Exception):
 class Outflow:
     """One stream being sent: the handler's items, out within the caller's credit."""
 
-    __slots__ = ("granted", "heard", "job", "nc", "owner", "subject", "task", "token", "waiter")
+    __slots__ = (
+        "granted",
+        "heard",
+        "job",
+        "nc",
+        "owner",
+        "patience",
+        "subject",
+        "task",
+        "token",
+        "waiter",
+    )
 
     def __init__(
         self, owner: Outflows, token: str, job: Job, task: asyncio.Task[Any], window: int
@@ -71,7 +99,8 @@ class Outflow:
         self.task = task
         self.nc = owner.nc
         self.granted = window
-        self.heard = 0.0  # loop time of the caller's last word (or of the first chunk)
+        self.heard = 0.0  # loop time of the caller's last word (or of the opened frame)
+        self.patience = job.patience or PATIENCE
         self.waiter: asyncio.Future[None] | None = None
 
     def grant(self, credit: int) -> None:
@@ -96,6 +125,14 @@ class Outflow:
         loop = asyncio.get_running_loop()
         gen = fn(*args)
         try:
+            # The opened frame, before the handler runs (written with chunk 1 when the
+            # handler yields at once: time to first chunk): from now on the caller knows the
+            # stream's subject, so its cancel and keepalives reach us, and its silence is
+            # watched (a handler that hangs before its first item is stopped too).
+            if not publish(nc, reply, b"", via, _OPENED, alone=False):
+                await publish_by_nats(nc, reply, b"", via, _OPENED, alone=False)
+            self.heard = loop.time()
+            self.owner.watched()
             while True:
                 while job.chunks >= self.granted:
                     await self._credit()
@@ -110,9 +147,6 @@ class Outflow:
                     raise ChunkTooLarge(f"chunk {n} of {len(body)} bytes is too large")
                 job.chunks = n
                 first = n == 1
-                if first:
-                    self.heard = loop.time()  # the caller can speak from now on
-                    self.owner.watched()
                 # the first out now (time to first chunk); the others with what follows
                 if not publish(nc, reply, body, via, headers, alone=first):
                     await publish_by_nats(nc, reply, body, via, headers, alone=first)
@@ -165,7 +199,7 @@ class Outflows:
         self.open.pop(flow.token, None)
 
     def watched(self) -> None:
-        """A stream sent its first chunk: its caller's silence is watched from now on."""
+        """A stream sent its opened frame: its caller's silence is watched from now on."""
         if not self._armed.is_set():
             self._armed.set()
 
@@ -199,12 +233,12 @@ class Outflows:
             await asyncio.sleep(_SWEEP)
             now = loop.time()
             for flow in list(self.open.values()):
-                if flow.job.chunks and now - flow.heard > PATIENCE:
+                if flow.heard and now - flow.heard > flow.patience:
                     self.stats.streams_silent += 1
                     log.info(
                         "agent: stream %s (request id %s) stopped: its caller said nothing for %gs",
                         flow.token,
                         flow.job.request_id or "-",
-                        PATIENCE,
+                        flow.patience,
                     )
                     flow.stop(CUT_SILENT)

@@ -389,7 +389,9 @@ class Workers:
             return
         self._count_error(job, "the caller went silent")
         await self._answer(
-            job, "cancelled", f"the caller said nothing for {PATIENCE:g}s: stream stopped"
+            job,
+            "cancelled",
+            f"the caller said nothing for {job.patience or PATIENCE:g}s: stream stopped",
         )
 
     async def _timed_out(self, job: Job) -> None:

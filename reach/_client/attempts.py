@@ -128,6 +128,7 @@ class Requester:
         stream: StreamSink | None = None,
         window: int = 0,
         total: float | None = None,
+        patience: float | None = None,
     ) -> Reply:
         """One request, attempt after attempt. ``stream``: a streaming call (``window``
         chunks granted at first), which ends at its first frame: ``timeout`` bounds the
@@ -189,6 +190,8 @@ class Requester:
         else:
             base = self.headers(None if total is None else total - (now - began), prio, request_id)
             base[Header.STREAM_WINDOW] = str(window)
+            if patience is not None:
+                base[Header.STREAM_PATIENCE] = str(round(patience * 1000))
         call = Call(
             capability,
             data,

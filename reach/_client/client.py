@@ -421,6 +421,7 @@ class Client:
         affinity_key: str | None = None,
         max_attempts: int | None = None,
         idempotent: bool = False,
+        patience: float | None = None,
     ) -> Stream:
         """Call a capability whose answer comes in chunks (a handler written as an async
         generator): ``async for chunk in client.stream("chat.complete", prompt): ...``.
@@ -442,7 +443,12 @@ class Client:
         ``yield`` waits until the reader takes some. Leaving early (``break``,
         ``aclose()``, an exception, cancellation) cancels the handler; so does a caller
         that goes silent (its process gone): the agent stops a stream whose caller sent
-        nothing for ``PATIENCE`` (0.8 s; this client says something every 0.2 s).
+        nothing for ``patience`` seconds (the agent's default, 5 s, when None; 0.5..600).
+        This client says something every 0.2 s from its own task while its event loop
+        runs, however slowly the reader reads; a loop blocked for longer than
+        ``patience`` (a synchronous step) breaks the stream: ``StreamBroken(reason=
+        "silent")``. Use ``async with client.stream(...) as s:`` to leave early: the
+        handler is cancelled when the block ends, whatever happens in it.
         """
         return Stream(
             self._streams,
@@ -452,6 +458,7 @@ class Client:
             total_timeout=total_timeout,
             window=window,
             response_type=response_type,
+            patience=patience,
             options={
                 "priority": priority,
                 "agent_id": agent_id,

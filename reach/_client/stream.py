@@ -41,11 +41,18 @@ from .._codec import decoder_for, error_from_reply
 from .._delivery import publish, publish_by_nats
 from .._inbox import Inbox
 from .._nats import TRANSIENT
-from ..errors import ConfigurationError, InvalidReply, ReachError, RequestTimeout, StreamBroken
+from ..errors import (
+    ConfigurationError,
+    ConnectionFailed,
+    InvalidReply,
+    ReachError,
+    RequestTimeout,
+    StreamBroken,
+)
 from ..wire import Header, StreamCancel, StreamCredit
 from .attempts import Requester
 
-__all__ = ["KEEPALIVE", "MAX_WINDOW", "WINDOW", "Stream", "Streams"]
+__all__ = ["KEEPALIVE", "MAX_PATIENCE", "MAX_WINDOW", "MIN_PATIENCE", "WINDOW", "Stream", "Streams"]
 
 log = logging.getLogger("reach.client")
 
@@ -56,6 +63,9 @@ MAX_WINDOW = 1024
 #: seconds: a caller that has sent nothing to the agent for this long sends its credit
 #: (0 when it owes none): the keepalive an agent counts on (PROTOCOL.md 3.3)
 KEEPALIVE = 0.2
+#: seconds: the bounds of the silence a caller may ask its agent to bear
+#: (``Reach-Stream-Patience``; the agent's default is ``reach._agent.streaming.PATIENCE``)
+MIN_PATIENCE, MAX_PATIENCE = 0.5, 600.0
 
 _encode = msgspec.json.Encoder().encode
 _CANCEL = _encode(StreamCancel())
@@ -70,8 +80,10 @@ class Flow:
     the stream."""
 
     __slots__ = (
+        "attempts",
         "control",
         "ended",
+        "epoch",
         "error",
         "frames",
         "ignored",
@@ -100,8 +112,19 @@ class Flow:
         self.owed = 0
         self.sent_at = 0.0  # loop time of the last message to the agent
         self.ignored = 0
+        #: the stream subjects of the attempts that opened (their handler ran): those
+        #: not answered are told to stop when the call ends
+        self.attempts: list[str] = []
+        self.epoch = 0
 
     # -- the inbox's side (``StreamSink``), in nats-py's reading task -----------------
+
+    def started(self, token: str, frame: Msg) -> None:
+        if frame.reply:
+            self.token = token
+            self.control = frame.reply  # keepalives and a cancel go there from now on
+            self.sent_at = 0.0  # the next turn of the keepalive loop speaks
+            self.attempts.append(frame.reply)
 
     def opened(self, token: str, first: Msg) -> None:
         frames = self.frames
@@ -114,6 +137,8 @@ class Flow:
         hdrs = first.headers
         if hdrs and (Header.CHUNK in hdrs or Header.END in hdrs):
             self.control = first.reply  # (a whole answer's names its direct subject)
+        else:
+            self.control = ""
         self.ended = not hdrs or Header.CHUNK not in hdrs
 
     def deliver(self, msg: Msg) -> None:
@@ -223,6 +248,21 @@ class Streams:
         self.forget(flow)
         await self.send(flow, _CANCEL)
 
+    async def cancel_others(self, flow: Flow, keep: str) -> None:
+        """The call ended: every attempt that opened, but ``keep`` (the stream's own; ""
+        when the call failed), is told to stop: timed out, or left for another."""
+        left = [s for s in flow.attempts if s != keep]
+        flow.attempts.clear()
+        nc = self.inbox.nc
+        if nc is None:
+            return
+        for subject in left:
+            try:
+                if not publish(nc, subject, _CANCEL, alone=True):
+                    await publish_by_nats(nc, subject, _CANCEL, "", None, alone=True)
+            except TRANSIENT as exc:  # its agent's patience stops it
+                log.debug("stream %s: cancel lost: %s", subject, exc)
+
     async def _keep(self) -> None:
         loop = asyncio.get_running_loop()
         wake = self._wake
@@ -244,8 +284,11 @@ class Streams:
                     await wake.wait()
 
     async def close(self) -> None:
-        """The client closes: every open stream is cancelled (best effort), the loop ends."""
+        """The client closes: every open stream ends for its reader now (``StreamBroken``,
+        "client closed") and is cancelled at its agent (best effort); the loop ends."""
+        closed = ConnectionFailed("client closed", url=self.inbox.url)
         for flow in list(self.open):
+            flow.fail(closed)  # before forget: the inbox can tell its reader no more
             await self.cancel(flow)
         self._dropped.clear()
         self._keeper = None
@@ -271,6 +314,7 @@ class Stream:
         window: int,
         response_type: Any,
         options: dict[str, Any],
+        patience: float | None = None,
     ) -> None:
         """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
         self._flow: Flow | None = None  # (first: __del__ reads it, even after a refusal)
@@ -282,6 +326,11 @@ class Stream:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
         if total_timeout is not None and total_timeout <= 0:
             raise ConfigurationError(f"total_timeout must be positive, got {total_timeout}")
+        if patience is not None and not MIN_PATIENCE <= patience <= MAX_PATIENCE:
+            raise ConfigurationError(
+                f"patience must be {MIN_PATIENCE:g}..{MAX_PATIENCE:g} seconds, got {patience}"
+            )
+        self._patience = patience
         self.capability = capability
         self.agent_id = options.get("agent_id") or ""
         self.request_id = options.get("request_id") or ""
@@ -318,7 +367,7 @@ class Stream:
             # the agent stops.
             await self._leave(flow, told=isinstance(exc, _Told))
             if isinstance(exc, _Told):
-                raise exc.error from None
+                raise exc.error from exc.error.__cause__
             raise
 
     async def _open(self) -> Flow:
@@ -328,23 +377,36 @@ class Stream:
         if self._total is not None:
             self._deadline = began + self._total
         flow = Flow(self._window)
-        reply = await requests.call(
-            self.capability,
-            self._payload,
-            timeout=self._idle if self._total is None else min(self._idle, self._total),
-            response_type=None,
-            hedge=False,
-            stream=flow,
-            window=flow.window,
-            total=self._total,
-            **self._options,
-        )
+        streams = self._streams
+        streams.track(flow)  # its keepalives go from an attempt's opened frame on
+        try:
+            reply = await requests.call(
+                self.capability,
+                self._payload,
+                timeout=self._idle if self._total is None else min(self._idle, self._total),
+                response_type=None,
+                hedge=False,
+                stream=flow,
+                window=flow.window,
+                total=self._total,
+                patience=self._patience,
+                **self._options,
+            )
+        except BaseException:
+            # no chunk within the timeout (or a refusal, our own cancellation): a handler
+            # that runs all the same is told to stop
+            self._over = True
+            streams.forget(flow)
+            if flow.attempts:
+                await asyncio.shield(streams.cancel_others(flow, ""))
+            raise
         self.agent_id = reply.agent_id
         self.request_id = reply.request_id
         self.latency_ms = reply.latency_ms
         self._flow = flow
-        flow.sent_at = loop.time()
-        self._streams.track(flow)
+        if len(flow.attempts) > (1 if flow.control in flow.attempts else 0):
+            await streams.cancel_others(flow, flow.control)  # failed over after opening
+        flow.attempts.clear()
         return flow
 
     async def _next(self, flow: Flow) -> Any:
@@ -436,6 +498,12 @@ class Stream:
         )
         if err.code == "agent_unavailable" and self.chunks:
             broken = self._broken("agent_unavailable", err.message)
+            broken.__cause__ = err
+            return broken
+        if err.code == "cancelled":
+            # the agent heard nothing from us for its patience (our loop blocked, or cut
+            # off from NATS): the stream broke, nobody cancelled it on purpose
+            broken = self._broken("silent", err.message)
             broken.__cause__ = err
             return broken
         if self.chunks:

@@ -62,6 +62,8 @@ class Header:
     SERVICE_ERROR: Final = "Nats-Service-Error"
     #: streaming replies (PROTOCOL.md 3.3): the caller's first window, on the request
     STREAM_WINDOW: Final = "Reach-Stream-Window"
+    #: ...and, optionally, how long (ms) the agent waits for a word from a silent caller
+    STREAM_PATIENCE: Final = "Reach-Stream-Patience"
     #: on a chunk frame: its number, 1 for the first
     CHUNK: Final = "Reach-Chunk"
     #: on the last frame (end, or error): how many chunks the stream sent

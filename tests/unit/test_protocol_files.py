@@ -61,6 +61,7 @@ def test_there_are_vectors_of_every_kind():
         "broadcast",
         "registration",
         "deregistration",
+        "stream-opened",
         "stream-chunk",
         "stream-end",
         "stream-credit",
@@ -120,10 +121,13 @@ def test_vector_decodes(path):
         if Header.STREAM_WINDOW in headers:
             assert 1 <= int(headers[Header.STREAM_WINDOW]) <= 1024
         assert headers.get(Header.PRIORITY, "normal") in {"high", "normal", "low"}
-    elif kind in ("stream-chunk", "stream-end"):
+    elif kind in ("stream-opened", "stream-chunk", "stream-end"):
         assert v["subject"].startswith("_INBOX.")
         assert STREAM_SUBJECT.fullmatch(v["reply"])
-        if kind == "stream-chunk":
+        if kind == "stream-opened":
+            assert headers == {Header.CHUNK: "0"}
+            assert v["body"] is None  # an empty body
+        elif kind == "stream-chunk":
             assert int(headers[Header.CHUNK]) >= 1
             assert Header.END not in headers
         else:
