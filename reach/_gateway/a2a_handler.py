@@ -29,6 +29,7 @@ from a2a.types import (
     ListTasksRequest,
     ListTasksResponse,
     Message,
+    Part,
     Role,
     SendMessageRequest,
     SubscribeToTaskRequest,
@@ -68,7 +69,15 @@ from .errors import EdgeError
 from .inputs import check_timeout, is_task_id
 from .streams import StreamSlots
 
-__all__ = ["AGENT_NAME", "CALLER", "SCOPES", "Plan", "ReachRequestHandler"]
+__all__ = [
+    "AGENT_NAME",
+    "CALLER",
+    "MAX_CALL_BYTES",
+    "MAX_CALL_CHUNKS",
+    "SCOPES",
+    "Plan",
+    "ReachRequestHandler",
+]
 
 #: key of the agent name (the URL's ``{name}``) in the SDK's ``ServerCallContext.state``
 AGENT_NAME = "reach.agent_name"
@@ -76,6 +85,10 @@ AGENT_NAME = "reach.agent_name"
 SCOPES = "reach.scopes"
 #: key of who is asking (``auth.caller_id``): idempotency keys are theirs
 CALLER = "reach.caller"
+#: the most of a streaming skill's answer ``SendMessage`` gathers into one message (chunks,
+#: bytes): past either, the stream is cancelled and the client is told to stream it
+MAX_CALL_CHUNKS = 1000
+MAX_CALL_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +125,10 @@ class ReachRequestHandler(NotOffered):
     before it answers with the task as it is (the caller goes on with ``GetTask`` or
     ``SubscribeToTask``); ``cancel_wait``: how long ``CancelTask`` waits for a running
     task's agent to stop it; ``max_timeout``: the longest call timeout a message may ask
-    for; ``streams``: the bound on streams following a task (None: none).
+    for, and the longest a streaming skill's whole answer may take in ``SendMessage``;
+    ``streams``: the bound on streams following a task (None: none); ``max_call_chunks``
+    and ``max_call_bytes``: the most of a streaming skill's answer ``SendMessage`` gathers
+    before it gives up and tells the client to use ``SendStreamingMessage``.
     """
 
     def __init__(
@@ -123,8 +139,12 @@ class ReachRequestHandler(NotOffered):
         cancel_wait: float = 10.0,
         max_timeout: float = 300.0,
         streams: StreamSlots | None = None,
+        max_call_chunks: int = MAX_CALL_CHUNKS,
+        max_call_bytes: int = MAX_CALL_BYTES,
     ) -> None:
         self.client = client
+        self.max_call_chunks = max_call_chunks
+        self.max_call_bytes = max_call_bytes
         self.streams = streams
         self.task_wait = task_wait
         self.cancel_wait = cancel_wait
@@ -225,9 +245,10 @@ class ReachRequestHandler(NotOffered):
         chunks are its parts, in order)."""
         if plan.streams:
             with a2a_errors():
-                stream = self.open(plan)
+                # the whole answer in one message: bounded in time, chunks and bytes
+                stream = self.open(plan, total_timeout=self.max_timeout)
                 async with stream:
-                    parts = [result_part(chunk) async for chunk in stream]
+                    parts = await self._gather(plan, stream)
                 agent_id, request_id, latency = (
                     stream.agent_id,
                     stream.request_id,
@@ -260,11 +281,30 @@ class ReachRequestHandler(NotOffered):
             metadata=meta,
         )
 
-    def open(self, plan: Plan) -> Stream:
+    async def _gather(self, plan: Plan, stream: Stream) -> list[Part]:
+        """A streaming skill's chunks as the parts of one message, up to
+        ``max_call_chunks`` chunks and ``max_call_bytes`` bytes; past either, the stream
+        is cancelled (the caller's ``async with`` leaves) and the client told to stream."""
+        parts: list[Part] = []
+        size = 0
+        async for chunk in stream:
+            size += len(chunk)
+            if stream.chunks > self.max_call_chunks or size > self.max_call_bytes:
+                raise UnsupportedOperationError(
+                    f"skill {plan.capability!r} answered more than SendMessage gathers into"
+                    f" one message ({self.max_call_chunks} chunks or {self.max_call_bytes}"
+                    " bytes); call it with SendStreamingMessage (message/stream in A2A 0.3)"
+                    " to get its answer as it comes"
+                )
+            parts.append(result_part(chunk))
+        return parts
+
+    def open(self, plan: Plan, *, total_timeout: float | None = None) -> Stream:
         return self.client.stream(
             plan.capability,
             plan.payload,
             timeout=plan.timeout,
+            total_timeout=total_timeout,
             priority=plan.priority,
             response_type=bytes,
         )

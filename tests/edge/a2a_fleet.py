@@ -35,6 +35,8 @@ class Hold:
     counting: asyncio.Event = field(default_factory=asyncio.Event)
     #: text.story yields its first word, then waits for this before the rest
     telling: asyncio.Event = field(default_factory=asyncio.Event)
+    #: text.story calls that ended before their last word (cancelled by the caller)
+    stories_cut: int = 0
 
     def __post_init__(self) -> None:
         self.counting.set()
@@ -76,13 +78,19 @@ def helper_agent(settings: ReachSettings, hold: Hold) -> Agent:
 
     @agent.capability("text.story", description="Tell the text back a word at a time")
     async def story(p: dict[str, Any]) -> AsyncIterator[str]:
-        words = p["text"].split()
-        for i, word in enumerate(words):
-            if i == 1:
-                await hold.telling.wait()
-            if word == "boom":
-                raise RuntimeError("the storyteller fell silent")
-            yield word
+        words = p["text"].split() * int(p.get("times", 1))
+        told = 0
+        try:
+            for i, word in enumerate(words):
+                if i == 1:
+                    await hold.telling.wait()
+                if word == "boom":
+                    raise RuntimeError("the storyteller fell silent")
+                yield word
+                told += 1
+        finally:
+            if told < len(words) and "boom" not in words:
+                hold.stories_cut += 1
 
     @agent.capability("text.refuse")
     async def refuse(p: Any) -> None:

@@ -50,6 +50,8 @@ from reach.testing import eventually
 from .a2a_fleet import Fleet, a2a_fleet
 
 T = TaskState
+#: the most chunks SendMessage gathers into one message (the gateway's MAX_CALL_CHUNKS)
+MAX_CHUNKS = 1000
 
 
 @pytest.fixture
@@ -245,6 +247,31 @@ async def test_a_streaming_capability_without_streaming_is_one_message(fleet, ht
     [event] = await collect(client.send_message(request))
     assert event.HasField("message")
     assert [p.text for p in event.message.parts] == ["three", "little", "words"]
+
+
+@pytest.mark.parametrize(
+    ("text", "times"),
+    [
+        # more than the window (16) past the limit: the handler is still at it when the
+        # gateway gives up
+        ("w", MAX_CHUNKS + 100),  # too many chunks
+        ("x" * 60_000, 60),  # the 18th chunk (1.08 MB) is past 1 MiB
+    ],
+)
+async def test_a_streaming_answer_too_long_for_one_message_is_refused(fleet, http, text, times):
+    """SendMessage gathers a streaming skill's chunks into one message, up to 1,000 chunks
+    or 1 MiB: past that the stream is cancelled at its agent and the client is told to use
+    SendStreamingMessage."""
+    client = await a2a(fleet, http, "helper", streaming=False)
+    request = send([new_data_part({"text": text, "times": times})], capability="text.story")
+    with pytest.raises(UnsupportedOperationError, match="SendStreamingMessage"):
+        await collect(client.send_message(request))
+    await eventually(lambda: fleet.hold.stories_cut == 1, timeout=30)  # the handler stopped
+    # up to the limits, it is one message
+    request = send([new_data_part({"text": "w", "times": MAX_CHUNKS})], capability="text.story")
+    [event] = await collect(client.send_message(request))
+    assert len(event.message.parts) == MAX_CHUNKS
+    assert fleet.hold.stories_cut == 1
 
 
 async def test_a_durable_task_streams_its_states_from_the_record(fleet, http):
