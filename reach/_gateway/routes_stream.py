@@ -14,8 +14,8 @@ then ``event: end`` with ``{"chunks", "agent_id", "request_id"}``, or ``event: e
 with the error object of the gateway's error shape (``chunks`` when the stream broke). A
 stream waiting for its next chunk sends a ``: ping`` comment every ``sse_ping`` seconds,
 which keeps proxies from cutting it. The HTTP client going away cancels the handler (the
-stream is closed, which tells the agent). The stream holds one of the gateway's
-``StreamSlots`` while it runs.
+stream is closed, which tells the agent). The call holds one of the gateway's
+``StreamSlots`` from before it is sent until the stream ends (none free: 503).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .errors import error_body
 from .events import frame
 from .inputs import HEADERS, call_options, check_body, check_capability
 from .settings import Scope
-from .streams import StreamSlots
+from .streams import Slot
 
 __all__ = ["PATH", "router"]
 
@@ -58,8 +58,11 @@ def router(deps: EdgeDeps) -> APIRouter:
             200: {"content": {"text/event-stream": {}}},
             400: {"description": "invalid capability name, option or payload"},
             404: {"description": "capability_not_found"},
-            429: {"description": "resource_exhausted, or too many streams open"},
-            503: {"description": "agent_unavailable, circuit_open"},
+            429: {"description": "resource_exhausted"},
+            503: {
+                "description": "agent_unavailable, circuit_open, or too many streams open"
+                " (REACH_GATEWAY_MAX_STREAMS): resource_exhausted with Retry-After"
+            },
             504: {"description": "timeout before the first chunk"},
         },
     )
@@ -72,14 +75,18 @@ def router(deps: EdgeDeps) -> APIRouter:
         opts = call_options(dict(request.query_params), headers, deps.settings.max_timeout)
         body = await request.body()
         check_body(body, headers.get("content-type", ""))
-        if deps.streams.full():
-            raise deps.streams.refusal()
-        stream = deps.client.stream(
-            name, body, timeout=deps.timeout(opts.timeout), response_type=bytes, **opts.routed()
-        )
-        await stream.__aenter__()  # its first frame: an error before it is an HTTP error
+        # the slot is held from here: requests waiting for their first chunk count too
+        slot = deps.streams.take()
+        try:
+            stream = deps.client.stream(
+                name, body, timeout=deps.timeout(opts.timeout), response_type=bytes, **opts.routed()
+            )
+            await stream.__aenter__()  # its first frame: an error before it is an HTTP error
+        except BaseException:
+            slot.release()
+            raise
         return StreamingResponse(
-            _events(stream, deps.settings.sse_ping, deps.streams),
+            _events(stream, deps.settings.sse_ping, slot),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
@@ -87,13 +94,13 @@ def router(deps: EdgeDeps) -> APIRouter:
     return api
 
 
-async def _events(stream: Stream, ping: float, slots: StreamSlots) -> AsyncIterator[bytes]:
-    """The chunks as events; the stream closed however this ends (the HTTP client gone
-    included: the agent is told to stop)."""
+async def _events(stream: Stream, ping: float, slot: Slot) -> AsyncIterator[bytes]:
+    """The chunks as events; the stream closed and its slot given back however this ends
+    (the HTTP client gone included: the agent is told to stop)."""
     chunks = aiter(stream)
     waiting: asyncio.Task[bytes] | None = None
     try:
-        with slots.slot():
+        with slot:
             while True:
                 if waiting is None:
                     waiting = asyncio.ensure_future(anext(chunks))
@@ -116,8 +123,6 @@ async def _events(stream: Stream, ping: float, slots: StreamSlots) -> AsyncItera
                     yield frame("error", error_body(exc))
                     return
                 yield _chunk(chunk, stream.chunks)
-    except ReachError as exc:  # lost a race for the last slot
-        yield frame("error", error_body(exc))
     finally:
         if waiting is not None:
             waiting.cancel()

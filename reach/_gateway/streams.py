@@ -2,9 +2,12 @@
 much one keeps for a reader that falls behind.
 
 One ``StreamSlots`` is shared by the task event streams and the A2A streams of a gateway
-(``REACH_GATEWAY_MAX_STREAMS``). A route checks ``full()`` before it answers, so a refusal
-is an HTTP 503 with ``Retry-After``; the stream takes its slot only once it runs (a stream
-the server never starts never gives one back otherwise).
+(``REACH_GATEWAY_MAX_STREAMS``). A refusal is an HTTP 503 with ``Retry-After``, as for
+the gateway's other limits of its own (429 is an agent's ``resource_exhausted``). A route
+checks ``full()`` before it answers and the stream takes its slot once it runs, or, when
+the route waits before it answers (the capability stream route waits for the first
+chunk), the route ``take()``s the slot first and hands it to the stream: a ``Slot`` given
+back however it ends (released once; dropped unreleased, at garbage collection).
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Generic, Self, TypeVar
 
 from ..errors import ReachError
 from .errors import EdgeError
 
-__all__ = ["Latest", "StreamSlots"]
+__all__ = ["Latest", "Slot", "StreamSlots"]
 
 T = TypeVar("T")
 
@@ -46,16 +49,41 @@ class StreamSlots:
         err.retryable = True
         return err
 
-    @contextmanager
-    def slot(self) -> Iterator[None]:
-        """Hold a slot while the stream runs; ``refusal()`` raised when none is free."""
+    def take(self) -> Slot:
+        """A slot, held until it is released; ``refusal()`` raised when none is free."""
         if self.full():
             raise self.refusal()
         self.open += 1
-        try:
+        return Slot(self)
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold a slot while the stream runs; ``refusal()`` raised when none is free."""
+        with self.take():
             yield
-        finally:
-            self.open -= 1
+
+
+class Slot:
+    """One held slot of a ``StreamSlots``; ``release()`` gives it back (once)."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, slots: StreamSlots) -> None:
+        self._slots: StreamSlots | None = slots
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.open -= 1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # a response the server never started: given back all the same
+        self.release()
 
 
 class Latest(Generic[T]):

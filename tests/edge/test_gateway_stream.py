@@ -99,3 +99,43 @@ async def test_an_http_client_that_goes_away_cancels_the_handler(reach_settings)
         await eventually(lambda: ended == ["cancelled"] and deps.streams.open == 0)
         assert agent.stats.streams_cancelled == 1
     assert ended == ["cancelled"]
+
+
+async def test_streams_waiting_for_their_first_chunk_hold_their_slots(reach_settings):
+    """The stream limit counts a stream from before its call is sent: of three requests
+    sent at once with room for one, one reaches the agent and two are refused with 503,
+    even while the first still waits for its first chunk."""
+    gate = asyncio.Event()
+    entered: list[str] = []
+    agent = Agent("slow", "slow-1", settings=reach_settings)
+
+    @agent.capability("text.slow")
+    async def slow(req: Any) -> AsyncIterator[Any]:
+        entered.append("in")
+        await gate.wait()
+        yield {"page": 0}
+
+    async with (
+        agent,
+        served(reach_settings, max_streams=1) as (url, deps),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
+        calls = [
+            asyncio.create_task(http.post("/v1/capabilities/text.slow/stream", json={}))
+            for _ in range(3)
+        ]
+        # the handler runs once per request that was not refused
+        await eventually(lambda: len(entered) + deps.streams.refused >= 3)
+        gate.set()
+        answers = await asyncio.gather(*calls)
+        assert sorted(r.status_code for r in answers) == [200, 503, 503]
+        refused = [r for r in answers if r.status_code == 503]
+        assert {error_of(r)["code"] for r in refused} == {"resource_exhausted"}
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert (entered, deps.streams.refused) == (["in"], 2)
+        [ok] = [r for r in answers if r.status_code == 200]
+        assert [kind for kind, _ in parse_sse(ok.text)] == ["chunk", "end"]
+        await eventually(lambda: deps.streams.open == 0)
+        # a call refused before its first chunk gives its slot back
+        missing = await http.post("/v1/capabilities/text.nobody/stream", json={})
+        assert (missing.status_code, deps.streams.open) == (404, 0)
