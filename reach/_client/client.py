@@ -440,8 +440,10 @@ class Client:
         stream, and is the deadline the handler sees in ``ctx.remaining()``.
 
         Flow control: at most ``window`` chunks are on their way or unread; the handler's
-        ``yield`` waits until the reader takes some. Leaving early (``break``,
-        ``aclose()``, an exception, cancellation) cancels the handler; so does a caller
+        ``yield`` waits until the reader takes some. Leaving early (``aclose()``, the
+        end of ``async with``, an exception or cancellation in the loop) cancels the
+        handler at once; a ``break`` out of a bare ``async for`` only once the stream
+        object is dropped (Python does not close it). So does a caller
         that goes silent (its process gone): the agent stops a stream whose caller sent
         nothing for ``patience`` seconds (the agent's default, 5 s, when None; 0.5..600).
         This client says something every 0.2 s from its own task while its event loop

@@ -19,9 +19,10 @@ caller that has gone silent (``PATIENCE`` in ``reach._agent.streaming``).
 Ending: the end frame ends the iteration; an error frame raises its error, after the
 chunks before it; anything that cuts a started stream short (no frame within the idle
 ``timeout``, a chunk missing, the connection lost, the agent stopping) raises
-``StreamBroken``, never a silent failover. A reader that leaves early (``break``, an
-exception, ``aclose()``, the stream object dropped, cancellation) sends ``cancel``, so the
-agent stops the handler at once.
+``StreamBroken``, never a silent failover. A reader that leaves early (an exception,
+``aclose()``, the end of ``async with``, cancellation) sends ``cancel``, so the agent stops
+the handler at once; a stream object dropped unclosed (a ``break`` out of a bare ``async
+for``) sends it when it is collected.
 """
 
 from __future__ import annotations
@@ -301,7 +302,12 @@ class Stream:
     The request goes out when the first chunk is asked for (or at ``async with``).
     ``agent_id`` and ``request_id`` name who streams, ``latency_ms`` is the time to the
     first frame and ``chunks`` counts the chunks received so far. Leaving early
-    (``break``, ``aclose()``, the end of an ``async with``) cancels the handler."""
+    (``aclose()``, the end of an ``async with``, an exception or cancellation in
+    ``anext()``) cancels the handler at once; a ``break`` out of a bare ``async for``
+    does not close the iterator (Python never does), so the handler is cancelled only
+    when the stream object is dropped: read with ``async with client.stream(...) as s``
+    to leave early. One reader at a time: an ``anext()`` while another waits raises
+    ``RuntimeError``."""
 
     def __init__(
         self,
@@ -346,6 +352,10 @@ class Stream:
         self._response_type = response_type
         self._deadline: float | None = None
         self._unary: bool | None = None  # the first frame was a whole (non-streamed) answer
+        #: the request on its way (``_opened``): ``async with`` and a first ``anext()``
+        #: from another task share it instead of sending a second one
+        self._opening: asyncio.Future[Flow] | None = None
+        self._reading = False  # an ``anext()`` is under way: a stream has one reader
 
     # -- iteration -------------------------------------------------------------------
 
@@ -353,22 +363,51 @@ class Stream:
         return self
 
     async def __anext__(self) -> Any:
+        if self._reading:
+            raise RuntimeError(
+                f"{self.capability!r}: this stream is being read already (anext() called"
+                " while another anext() waits): a stream has one reader"
+            )
         if self._over:
             raise StopAsyncIteration
-        flow = self._flow if self._flow is not None else await self._open()
+        self._reading = True
         try:
-            return await self._next(flow)
-        except StopAsyncIteration:
-            self._end(flow)
-            raise
+            flow = self._flow if self._flow is not None else await self._opened()
+            try:
+                return await self._next(flow)
+            except StopAsyncIteration:
+                self._end(flow)
+                raise
+            except BaseException as exc:
+                # Ended by its last frame (an error frame): nothing to tell the agent.
+                # Anything else (a broken stream, a chunk that does not decode, our own
+                # cancellation): the agent stops.
+                await self._leave(flow, told=isinstance(exc, _Told))
+                if isinstance(exc, _Told):
+                    raise exc.error from exc.error.__cause__
+                raise
+        finally:
+            self._reading = False
+
+    async def _opened(self) -> Flow:
+        """The stream open, the request sent once: whoever comes while it is on its way
+        (``async with`` and ``anext()`` in two tasks) waits for the same first frame and
+        gets the same flow, or the same error."""
+        opening = self._opening
+        if opening is not None:
+            return await asyncio.shield(opening)  # (cancelling a waiter cancels not the call)
+        opening = self._opening = asyncio.get_running_loop().create_future()
+        try:
+            flow = await self._open()
         except BaseException as exc:
-            # Ended by its last frame (an error frame): nothing to tell the agent. Anything
-            # else (a broken stream, a chunk that does not decode, our own cancellation):
-            # the agent stops.
-            await self._leave(flow, told=isinstance(exc, _Told))
-            if isinstance(exc, _Told):
-                raise exc.error from exc.error.__cause__
+            if isinstance(exc, asyncio.CancelledError):
+                opening.cancel()
+            else:
+                opening.set_exception(exc)
+                opening.exception()  # (retrieved: its waiters, if any, raise it)
             raise
+        opening.set_result(flow)
+        return flow
 
     async def _open(self) -> Flow:
         requests = self._streams.requests
@@ -554,7 +593,7 @@ class Stream:
 
     async def __aenter__(self) -> Self:
         if self._flow is None:
-            await self._open()
+            await self._opened()
         return self
 
     async def __aexit__(

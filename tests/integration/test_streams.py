@@ -656,3 +656,25 @@ async def test_a_reader_whose_loop_blocks_for_a_second_per_chunk_keeps_its_strea
     assert got == [0, 1, 2]
     assert (agent.stats.streams_silent, agent.stats.streams_cancelled) == (0, 0)
     assert seen.how == "done"
+
+
+async def test_a_stream_opens_once_and_has_one_reader(settings):
+    """``async with`` and an ``anext()`` from another task while the request is on its way
+    share it (the handler runs once); a second ``anext()`` while one waits is refused."""
+    seen = Seen()
+    async with llm(settings, seen=seen) as agent, Client(settings=settings) as client:
+        stream = client.stream("chat.gated", Prompt(n=2), response_type=Token, timeout=10)
+        opening = asyncio.ensure_future(stream.__aenter__())
+        await seen.started.wait()  # the request is on its way, held before its first chunk
+        reading = asyncio.ensure_future(anext(stream))  # waits for the same first frame
+        rival = asyncio.ensure_future(anext(stream))  # runs after ``reading`` began (FIFO)
+        with pytest.raises(RuntimeError, match="one reader"):
+            await rival
+        assert not reading.done()
+        seen.gate.set()
+        assert await opening is stream
+        assert (await reading).i == 0
+        assert (await anext(stream)).i == 1
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        assert (stream.chunks, agent.stats.streams) == (2, 1)
