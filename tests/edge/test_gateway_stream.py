@@ -139,3 +139,28 @@ async def test_streams_waiting_for_their_first_chunk_hold_their_slots(reach_sett
         # a call refused before its first chunk gives its slot back
         missing = await http.post("/v1/capabilities/text.nobody/stream", json={})
         assert (missing.status_code, deps.streams.open) == (404, 0)
+
+
+async def test_an_idle_stream_sends_pings(reach_settings):
+    """While no chunk comes, a ``: ping`` comment every ``sse_ping`` seconds, and the
+    stream goes on after it."""
+    ended: list[str] = []
+    first = asyncio.Event()
+    async with (
+        writer(reach_settings, ended, first),
+        served(reach_settings, sse_ping=0.05) as (url, deps),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
+        async with http.stream("POST", "/v1/capabilities/text.hold/stream", json={}) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            assert [await anext(lines) for _ in range(4)] == [
+                "id: 1",
+                "event: chunk",
+                'data: {"page":0}',
+                "",
+            ]
+            # the handler waits: nothing but pings come, each a comment then a blank line
+            pings = [await anext(lines) for _ in range(6)]
+        assert pings == [": ping", ""] * 3
+        await eventually(lambda: ended == ["cancelled"] and deps.streams.open == 0)

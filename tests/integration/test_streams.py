@@ -678,3 +678,108 @@ async def test_a_stream_opens_once_and_has_one_reader(settings):
         with pytest.raises(StopAsyncIteration):
             await anext(stream)
         assert (stream.chunks, agent.stats.streams) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("Reach-Stream-Window", "0"),
+        ("Reach-Stream-Window", "abc"),
+        ("Reach-Stream-Window", "2000"),
+        ("Reach-Stream-Patience", "abc"),
+        ("Reach-Stream-Patience", "499"),
+        ("Reach-Stream-Patience", "600001"),
+    ],
+)
+async def test_a_bad_stream_header_is_bad_request(settings, header, value):
+    """PROTOCOL.md 3.3: a window not in 1..1024 chunks, or a patience not in 500..600000
+    ms, is answered ``bad_request`` and the handler never runs."""
+    seen = Seen()
+    async with llm(settings, seen=seen) as agent:
+        nc = await nats.connect(settings.nats_url)
+        try:
+            headers = {"Reach-Stream-Window": "4", header: value}
+            reply = await nc.request(
+                f"{settings.subject_prefix}.cap.{CAP}",
+                json.dumps({"n": 1}).encode(),
+                timeout=10,
+                headers=headers,
+            )
+        finally:
+            await nc.close()
+        assert reply.headers is not None
+        assert reply.headers["Nats-Service-Error-Code"] == "400"
+        assert json.loads(reply.data)["code"] == "bad_request"
+        assert value in json.loads(reply.data)["message"]
+        assert (agent.stats.invalid, agent.stats.streams, seen.produced) == (1, 0, 0)
+
+
+def rogue(nc: Any, frames: list[tuple[int | None, str | None]]) -> Any:
+    """A responder that answers a stream request with ``frames`` at once, whatever its
+    credit: (chunk number, None) is a chunk, (None, count) the end."""
+
+    async def answer(msg: Any) -> None:
+        control = f"rogue.{msg.reply.rpartition('.')[2]}"
+        await nc.publish(msg.reply, b"", reply=control, headers={"Reach-Chunk": "0"})
+        for number, end in frames:
+            if number is not None:
+                body = json.dumps({"i": number}).encode()
+                await nc.publish(
+                    msg.reply, body, reply=control, headers={"Reach-Chunk": str(number)}
+                )
+            else:
+                await nc.publish(msg.reply, b"", reply=control, headers={"Reach-End": str(end)})
+        await nc.flush()
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason", "read"),
+    [
+        ([(1, None), (3, None)], "lost", 1),  # chunk 2 never came
+        ([(1, None), (None, "2")], "lost", 1),  # the end counts a chunk that never came
+        ([(i, None) for i in range(1, 12)], "overrun", 0),  # 11 chunks, 2 granted
+    ],
+)
+async def test_an_agent_that_breaks_the_protocol_breaks_the_stream(settings, frames, reason, read):
+    """StreamBroken ``lost`` for a missing chunk, ``overrun`` for chunks past the window."""
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await nc.subscribe(f"{settings.subject_prefix}.cap.chat.rogue", cb=rogue(nc, frames))
+        await nc.flush()
+        async with Client(settings=settings) as client:
+            stream = client.stream("chat.rogue", window=2, timeout=10)
+            async with stream:
+                flow = stream._flow
+                assert flow is not None
+                if reason == "overrun":  # every frame delivered before the reader reads
+                    await eventually(lambda: flow.error is not None)
+                got = [(await anext(stream))["i"] for _ in range(read)]
+                with pytest.raises(StreamBroken) as info:
+                    await anext(stream)
+            assert got == list(range(1, read + 1))
+            assert (info.value.reason, info.value.chunks) == (reason, read)
+    finally:
+        await nc.close()
+
+
+async def test_a_chunk_larger_than_max_payload_fails_the_stream(settings):
+    """The agent checks a chunk against the server's max_payload before it sends it: the
+    stream ends with ``failed`` after the chunks before it (none lost, none hanging)."""
+    agent = Agent("big", settings=settings)
+
+    @agent.capability("chat.big")
+    async def big(req: dict[str, int]) -> AsyncIterator[str]:
+        yield "small"
+        yield "x" * req["size"]
+        yield "never"
+
+    async with agent, Client(settings=settings) as client:
+        size = client.nc.max_payload + 1
+        async with client.stream("chat.big", {"size": size}, timeout=10) as stream:
+            assert await anext(stream) == "small"
+            with pytest.raises(HandlerFailed, match="after 1 chunk received") as info:
+                await anext(stream)
+        assert info.value.code == "failed"
+        assert agent.stats.failed == 1
