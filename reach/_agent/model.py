@@ -134,10 +134,12 @@ class AgentStats:
     #: when the agent stopped): their callers wait for their timeout
     unsent_refusals: int = 0
     #: streaming replies started; stopped by their caller's cancel; stopped because their
-    #: caller went silent; times a handler waited at ``yield`` for its caller's credit;
-    #: credit messages heard (keepalives included)
+    #: caller went silent; stopped because NATS refused their frames to the caller (the
+    #: user's ``allow_responses`` lets one through); times a handler waited at ``yield``
+    #: for its caller's credit; credit messages heard (keepalives included)
     streams: int = 0
     streams_cancelled: int = 0
     streams_silent: int = 0
+    streams_refused: int = 0
     stream_waits: int = 0
     stream_credits: int = 0

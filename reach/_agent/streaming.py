@@ -35,12 +35,14 @@ from nats.nuid import NUID
 from .._client.stream import MAX_PATIENCE, MIN_PATIENCE
 from .._codec import encode_payload
 from .._delivery import publish, publish_by_nats
-from .._nats import HEADROOM, NatsConnection, fits
+from .._nats import HEADROOM, NatsConnection, fits, permissions_of
+from .._permissions import Violation
 from ..wire import Header, StreamCancel, StreamControl, StreamCredit
 from .model import AgentStats, Job
 
 __all__ = [
     "CUT_CANCEL",
+    "CUT_REFUSED",
     "CUT_SILENT",
     "MAX_PATIENCE",
     "MAX_WINDOW",
@@ -61,8 +63,9 @@ PATIENCE = 5.0
 #: the most chunks a caller may grant in its first window (more is ``bad_request``)
 MAX_WINDOW = 1024
 _SWEEP = 0.1  # seconds between two looks for silent callers, while streams run
-#: why a stream's handler was cancelled (``Job.cut``)
-CUT_CANCEL, CUT_SILENT = "cancel", "silent"
+#: why a stream's handler was cancelled (``Job.cut``): its caller's cancel, its silence,
+#: or the server refusing a frame to the caller's reply subject (a user allowed one answer)
+CUT_CANCEL, CUT_SILENT, CUT_REFUSED = "cancel", "silent", "refused"
 
 _controls = msgspec.json.Decoder(StreamControl)
 #: the opened frame's headers: chunk 0, no body (PROTOCOL.md 3.3)
@@ -184,6 +187,32 @@ class Outflows:
 
     def start(self, nc: NatsConnection) -> None:
         self.nc = nc
+        perms = permissions_of(nc)
+        if perms is not None:
+            perms.listen(self.refused)
+
+    def refused(self, violation: Violation) -> None:
+        """The server refused a publish on this connection (``reach._permissions``): a
+        stream whose caller's reply subject it was stops, since none of its frames can
+        reach the caller. Under ``allow_responses: true`` the opened frame is the one
+        answer allowed and chunk 1 is refused: the user needs ``allow_responses: {max:
+        -1, expires: ...}``."""
+        if violation.kind != "publish":
+            return
+        for flow in list(self.open.values()):
+            if flow.job.msg.reply.lower() != violation.subject or flow.job.cut:
+                continue
+            self.stats.streams_refused += 1
+            log.warning(
+                "agent: stream %s (request id %s) stopped: NATS refused its frames to the"
+                " caller's reply subject %r; a streaming agent's user needs"
+                ' allow_responses: {max: -1, expires: "10m"} (allow_responses: true lets'
+                " one message through)",
+                flow.token,
+                flow.job.request_id or "-",
+                violation.subject,
+            )
+            flow.stop(CUT_REFUSED)
 
     def open_for(self, job: Job, task: asyncio.Task[Any]) -> Outflow:
         self._seq += 1

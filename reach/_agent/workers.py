@@ -34,7 +34,7 @@ from ..wire import Header
 from .lifecycle import TIMEOUT_WINDOW, Lifecycle, Reason, TimeoutWatch
 from .model import AgentStats, Job
 from .scheduler import WorkQueue
-from .streaming import CUT_CANCEL, PATIENCE, Outflows
+from .streaming import CUT_CANCEL, CUT_REFUSED, PATIENCE, Outflows
 
 if TYPE_CHECKING:
     from .._client import Client
@@ -383,8 +383,13 @@ class Workers:
 
     async def _cut(self, job: Job) -> None:
         """A stream's handler stopped for its caller: by its cancel (nobody reads an
-        answer), or its silence (told, in case it still listens)."""
+        answer), the server refusing its frames (nothing can reach the caller), or its
+        silence (told, in case it still listens)."""
         if job.cut == CUT_CANCEL:
+            job.answered = True
+            return
+        if job.cut == CUT_REFUSED:  # nothing reaches the caller: no answer to send
+            self._count_error(job, "NATS refused its frames to the caller")
             job.answered = True
             return
         self._count_error(job, "the caller went silent")

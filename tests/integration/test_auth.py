@@ -559,3 +559,39 @@ async def test_a_cancel_and_the_sweep_work_with_their_own_users(secured: NatsSer
         await owner.close()
         await nc.close()
     assert violations(secured)[before:] == []
+
+
+async def test_a_stream_under_allow_responses_true_is_stopped_by_its_agent(
+    secured: NatsServer, caplog: pytest.LogCaptureFixture
+):
+    """The shipped agent users have ``allow_responses: true``: one message to a request's
+    reply subject. A stream's opened frame is that one; the server refuses chunk 1. The
+    agent hears the refusal, stops the handler (it would wait at its yield for credit that
+    never comes) and logs a line naming allow_responses."""
+    ended = asyncio.Event()
+    produced: list[int] = []
+    agent = Agent("logistics", "logistics-1", settings=as_user(secured, "logistics-1"))
+
+    @agent.capability("logistics.track")
+    async def track(ref: OrderRef) -> AsyncIterator[int]:
+        try:
+            for i in range(1_000):
+                produced.append(i)
+                yield i
+        finally:
+            ended.set()
+
+    async with agent, Client(settings=as_user(secured, "client"), name="shopper") as client:
+        stream = client.stream(
+            "logistics.track", {"order_id": "A-1"}, agent_id="logistics-1", timeout=60
+        )
+        reading = asyncio.ensure_future(anext(stream))
+        await eventually(ended.is_set, timeout=30)  # not the caller's 60 s
+        assert agent.stats.streams_refused == 1
+        assert agent.stats.streams_cancelled == 0
+        assert len(produced) <= 16 + 1  # the first window, at most
+        assert any("allow_responses" in r.getMessage() for r in caplog.records)
+        assert not reading.done()  # nothing reached the caller; it waits for its timeout
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
