@@ -52,7 +52,7 @@ def _settings(args: argparse.Namespace) -> ReachSettings:
     """The command's settings, built once here at the edge: ``--url`` over ``REACH_*`` over
     the settings file (``--config``, else ``REACH_CONFIG``)."""
     values: dict[str, Any] = {}
-    if getattr(args, "url", None):
+    if getattr(args, "url", None) is not None:  # an empty --url is an error, not the default
         values["nats_url"] = args.url
     if getattr(args, "settings_file", None):
         values["config"] = args.settings_file

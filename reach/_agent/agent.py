@@ -123,7 +123,7 @@ class Agent:
         # so Reach-Agent/Reach-Duration-Ms on success replies are opt-in.
         self.reply_headers = reply_headers
         self.stats = AgentStats()
-        self._url = url or self.settings.nats_url
+        self._url = self.settings.nats_url if url is None else url
         self._client = Client(
             self._url, settings=self.settings, name=self.agent_id, telemetry=self.telemetry
         )

@@ -102,7 +102,7 @@ class Client:
         self.settings = settings if settings is not None else ReachSettings()
         #: metrics, spans and health of this client (its own unless one is passed in)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
-        self.url = url or self.settings.nats_url
+        self.url = self.settings.nats_url if url is None else url
         if len(name) > MAX_NAME:  # it travels in every request's headers
             raise ConfigurationError(f"client name is {len(name)} characters; at most {MAX_NAME}")
         self.name = name

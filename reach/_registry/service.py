@@ -68,7 +68,7 @@ class Registry:
         #: serve /metrics and /healthz on this port while running (0: any free port)
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
         self._attachment: Attachment | None = None
-        self.url = url or self.settings.nats_url
+        self.url = self.settings.nats_url if url is None else url
         self.subjects = Subjects(self.settings.subject_prefix)
         self.bucket_name = self.subjects.bucket("agents")
         self.registry_id = registry_id or f"registry-{NUID().next().decode()}"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import reach
 from reach import Client, ReachSettings
 from reach._urls import redact
 from reach.testing import NatsServer, eventually
@@ -190,3 +191,33 @@ async def test_a_lost_connection_is_logged_once_until_it_is_back(caplog):
                 )
     finally:
         server.close()
+
+
+async def test_an_empty_url_given_directly_is_refused_not_the_default(reach_settings):
+    """``Client("")``, ``Agent(url="")`` and ``--url ''`` name the empty URL; none falls
+    back to the settings' URL (a server is up there: it would connect)."""
+    settings = reach_settings
+    for make in (
+        lambda: reach.Client("", settings=settings),
+        lambda: reach.Agent("probe", url="", settings=settings),
+        lambda: reach.Registry(url="", settings=settings),
+    ):
+        with pytest.raises(reach.ConnectionFailed, match="URL is empty"):
+            async with make():
+                pass
+    env = {**os.environ, "REACH_NATS_URL": settings.nats_url}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "agents",
+        "--url",
+        "",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    async with asyncio.timeout(HANG_GUARD):
+        _, err = await proc.communicate()
+    assert proc.returncode not in (0, None)
+    assert "URL is empty" in err.decode()
