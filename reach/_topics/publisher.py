@@ -189,10 +189,11 @@ class DurableTopics:
                 topic=pattern,
                 reason="no_stream",
             ) from None
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
             raise NotStored(
                 f"no history of topic {pattern!r}: JetStream did not answer; is the server"
-                " running with JetStream on?",
+                " running with JetStream on (nats-server -js, or 'jetstream {}' in its"
+                " config)?",
                 topic=pattern,
                 reason="jetstream_unavailable",
             ) from None

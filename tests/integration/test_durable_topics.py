@@ -367,6 +367,9 @@ async def test_not_stored_without_jetstream():
                 await client.publish("sensor.hall", {"n": 1}, durable=True)
             assert caught.value.reason == "jetstream_unavailable"
             assert await client.publish("sensor.hall", {"n": 1}) == 0  # plain still works
+            with pytest.raises(NotStored, match="JetStream on") as caught:
+                await client.subscribe("sensor.>", since=60)  # history needs it too
+            assert caught.value.reason == "jetstream_unavailable"
 
 
 async def test_lag_is_sampled_and_exported(settings):
