@@ -156,8 +156,9 @@ class Intake:
                         )
         if cap.spec.streams and not window:
             return self._bad_header(
-                f"{cap.info.name!r} streams its answer: ask with a {Header.STREAM_WINDOW}"
-                " header (client.stream)"
+                f"{cap.info.name!r} streams its answer: call it with client.stream(...),"
+                " 'reach call --stream', or the gateway's POST /v1/capabilities/"
+                f"{cap.info.name}/stream (on the wire: a {Header.STREAM_WINDOW} header)"
             )
         if not request_id:
             # Without Reach-Request-Id the reply subject names the request (PROTOCOL.md).

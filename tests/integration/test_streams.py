@@ -193,7 +193,7 @@ async def test_the_handler_sees_the_total_deadline_in_ctx_remaining(settings):
 
 async def test_a_plain_request_to_a_streaming_capability_is_refused(settings):
     async with llm(settings), Client(settings=settings) as client:
-        with pytest.raises(BadRequest, match="streams its answer"):
+        with pytest.raises(BadRequest, match=r"call it with client\.stream.*reach call --stream"):
             await client.request(CAP, Prompt(n=1))
 
 
