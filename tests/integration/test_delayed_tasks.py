@@ -200,3 +200,44 @@ async def test_cancel_while_waiting_for_retry_later(reach_settings: ReachSetting
         await witness.cancel()
         assert runs == [1, 1]
         assert (await ref.status()).state is S.CANCELLED
+
+
+class _StaleOnce:
+    """A task store whose first ``lookup`` answers what it answered before (the cancel's
+    read just before the schedule fired); everything else is the real store's."""
+
+    def __init__(self, store: Any, stale: Any) -> None:
+        self._store, self._stale = store, stale
+
+    async def lookup(self, task_id: str) -> Any:
+        stale, self._stale = self._stale, None
+        return stale or await self._store.lookup(task_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_cancel_that_saw_scheduled_after_the_firing(reach_settings: ReachSettings) -> None:
+    """A cancel that read SCHEDULED just before the schedule fired does not record
+    "cancelled before it ran" over a task an agent may be running: deleting the schedule
+    finds it gone, so it looks again and cancels the PENDING task (its history says so,
+    and an agent that holds it is told). Forced in order: the read, the firing, the
+    cancel."""
+    from reach._tasks.refs import cancel_record
+
+    async with Client(settings=reach_settings) as client:
+        ref = await client.submit("delay.race", None, delay=0.3)
+        store = client._tasks.store
+        stale = await store.lookup(ref.task_id)
+        assert stale is not None
+        assert stale.record.state is S.SCHEDULED
+
+        async def fired() -> bool:
+            return (await ref.status()).state is S.PENDING
+
+        await eventually(fired, timeout=5)
+        rec = await cancel_record(_StaleOnce(store, stale), ref.task_id)  # type: ignore[arg-type]
+        assert rec.state is S.CANCELLED
+        assert [h.state for h in rec.history] == [S.PENDING, S.CANCELLED]
+        await ref.cancel()  # finishes it: the fired message goes
+        await eventually(stream_empty(client, reach_settings), timeout=5)
