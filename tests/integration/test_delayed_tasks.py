@@ -241,3 +241,26 @@ async def test_cancel_that_saw_scheduled_after_the_firing(reach_settings: ReachS
         assert [h.state for h in rec.history] == [S.PENDING, S.CANCELLED]
         await ref.cancel()  # finishes it: the fired message goes
         await eventually(stream_empty(client, reach_settings), timeout=5)
+
+
+async def test_retry_later_longer_than_the_retention(reach_settings: ReachSettings) -> None:
+    """A retry later past ``task_retention`` keeps the record until it runs again (kept
+    past its due time): the attempts add up and the task ends FAILED when they run out,
+    never starting over as attempt 1 forever."""
+    settings = reach_settings.model_copy(
+        update={"task_retention": 2.0, "task_timeout": 1.0, "task_idempotency_ttl": 1.0}
+    )
+    runs: list[int] = []
+    agent = Agent("later-ret", settings=settings)
+
+    @agent.task("later.ret", max_attempts=2)
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        runs.append(ctx.attempt)
+        raise reach.RetryLater(after=3)
+
+    async with agent, Client(settings=settings) as client:
+        ref = await client.submit("later.ret", None)
+        rec = await ref.wait(timeout=15)
+        assert rec.state is S.FAILED
+        assert runs == [1, 2]
+        assert [a.outcome for a in rec.attempts] == ["retry_later", "retry_later"]
