@@ -121,12 +121,25 @@ class Executor:
                 self.stats.duplicates += 1
                 return False
             seq = d.msg.metadata.sequence.stream
+            if await self._retry_waits(d, rec, seq):
+                # the message a retry later replaced, back because its ack was lost: the
+                # retry's schedule holds the task until its due time
+                self.stats.duplicates += 1
+                await d.msg.ack()
+                return False
             if rec.seq and rec.seq != seq:
-                if rec.seq != requeued_from(d.msg) and await self.store.message_exists(rec.seq):
+                adopted = rec.seq == requeued_from(d.msg)
+                if not adopted and await self.store.message_exists(rec.seq):
                     # a second message of a task whose own message is still in the
                     # stream (that one comes back if its agent dies): drop this one
                     self.stats.duplicates += 1
                     await d.msg.ack()
+                    return False
+                if adopted and rec.state is S.RUNNING and await self.store.message_exists(rec.seq):
+                    # the message we replace is held by a running attempt (its ack was
+                    # lost and it came back): never end that attempt as lost; if its
+                    # agent dies, that message comes back and ends it
+                    await self._put_back(d, self.settings.task_ack_wait / 3)
                     return False
                 rec = msgspec.structs.replace(rec, seq=seq)  # a republished message: ours
             if not d.claim_rev and not await self._claim(d):
@@ -183,6 +196,15 @@ class Executor:
         await self.release(d)
         await self._put_back(d, 1.0)
         return False
+
+    async def _retry_waits(self, d: Delivery, rec: TaskRecord, seq: int) -> bool:
+        """Whether ``rec`` waits for a retry later whose schedule (not message ``seq``) the
+        stream still holds: then message ``seq`` is one the retry replaced."""
+        if rec.state is not S.RETRYING or rec.due_ms <= now_ms():
+            return False
+        subject = self.store.subjects.task_at(d.task_id, d.sub.capability)
+        waiting = await self.store.last_on(subject)
+        return waiting is not None and waiting.seq != seq
 
     async def confirm(self, d: Delivery, *, count: bool = True) -> bool:
         """Write RUNNING if it is not written yet; False when another write came first.

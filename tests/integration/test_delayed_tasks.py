@@ -264,3 +264,42 @@ async def test_retry_later_longer_than_the_retention(reach_settings: ReachSettin
         assert rec.state is S.FAILED
         assert runs == [1, 2]
         assert [a.outcome for a in rec.attempts] == ["retry_later", "retry_later"]
+
+
+async def test_retry_later_whose_ack_was_lost(
+    reach_settings: ReachSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that scheduled a retry later and then lost the old message's ack (a crash
+    between the two): the old message comes back after ack_wait, long before the retry is
+    due, and is dropped; the task runs again once, at its due time, from the schedule."""
+    from nats.aio.msg import Msg
+
+    settings = reach_settings.model_copy(update={"task_ack_wait": 1.0})
+    starts: list[tuple[int, int]] = []
+    agent = Agent("later-lost", settings=settings)
+
+    @agent.task("later.lost")
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        starts.append((ctx.attempt, _ms()))
+        if ctx.attempt == 1:
+            raise reach.RetryLater(after=4)
+        return "done"
+
+    real_ack = Msg.ack_sync
+    lost: list[int] = []
+
+    async def ack_lost_once(self: Msg, timeout: float = 1.0) -> Msg:
+        if not lost:
+            lost.append(self.metadata.sequence.stream)
+            return self  # the crash: the ack is never sent
+        return await real_ack(self, timeout)
+
+    monkeypatch.setattr(Msg, "ack_sync", ack_lost_once)
+    async with agent, Client(settings=settings) as client:
+        ref = await client.submit("later.lost", None)
+        assert await ref.result(timeout=20) == "done"
+        rec = await ref.status()
+        assert lost, "the retry later's ack was never reached"
+        assert [n for n, _ in starts] == [1, 2], "ran again before its due time"
+        assert starts[1][1] >= rec.attempts[0].ended_ms + 4000 - 50
+        await eventually(stream_empty(client, settings), timeout=5)
