@@ -13,13 +13,15 @@ nothing fires; resuming stores it with the header again.
 
 An agent of the capability takes a firing and turns it into tasks, one per period:
 
-- the periods are the schedule's own due times (``cron.slots``): for ``every``, the
+- the periods are the schedule's own due times (``cron.catch_up``): for ``every``, the
   definition's stored time rounded to the second plus whole intervals; for a cron line,
   its times in its zone. A firing covers every period due up to its own time that no
   firing covered yet (``sched.<name>`` in ``<prefix>_idem`` holds the last one, written by
   compare-and-set). The server fires once after an outage however many periods it missed
   (measured: a restart, a stream leader change); those periods are made up here, at most
-  ``CATCH_UP`` at once (the rest are counted as missed and logged);
+  the newest ``CATCH_UP`` at once (the older ones are counted as missed and logged); a
+  firing that loses the compare-and-set reads the definition again and stops if the
+  schedule was removed or defined anew (it never starts over from the schedule's start);
 - each period's task has a deterministic id, ``<name>_<unix seconds of its due time>``,
   published with that id as ``Nats-Msg-Id``, so a firing handled twice (an agent died
   before its ack, two agents raced) makes one task;
@@ -51,7 +53,7 @@ from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
-from .cron import Timing, slots, timing
+from .cron import Timing, catch_up, timing
 from .execute import Executor
 from .states import advance
 from .store import Conflict, Got, TaskStore, idem_key, pending_record
@@ -250,6 +252,8 @@ class _Covered:
     last: int = 0
     made: int = 0
     revision: int = 0
+    #: the key's newest message is a delete marker: the schedule was removed
+    removed: bool = False
 
     def value(self) -> bytes:
         return f"{self.last} {self.made}".encode()
@@ -257,6 +261,8 @@ class _Covered:
 
 async def _covered(store: TaskStore, name: str) -> _Covered:
     value, rev = await store.idem_latest(idem_key("sched", name))
+    if value is None and rev:
+        return _Covered(revision=rev, removed=True)
     try:
         last, _, made = (value or b"").decode().partition(" ")
         return _Covered(int(last or 0), int(made or 0), rev)
@@ -396,13 +402,20 @@ async def _fire(ex: Executor, msg: Msg) -> None:
     anchor = got.stored_ms or spec.created_ms
     when = _timing(spec)
     key = idem_key("sched", name)
-    for _ in range(_STATE_TRIES):
+    for tries in range(_STATE_TRIES):
         done = await _covered(store, name)
-        due = slots(when, max(done.last, anchor), tick + 500, anchor, CATCH_UP)
+        if tries or done.removed:
+            # a conflict, or the key deleted: the schedule may have been removed (or
+            # defined anew) since we read it; then stop, never make its periods up again
+            # from its start (the key of one defined anew counts from its own start)
+            again = await store.last_on(store.subjects.schedule(name))
+            if again is None or again.seq != got.seq:
+                log.info("schedule %r: removed or changed while it fired: stopped", name)
+                return
+        due, missed = catch_up(when, max(done.last, anchor), tick + 500, anchor, CATCH_UP)
         if not due:
             return  # covered by a firing handled before this one
-        if len(due) > CATCH_UP:
-            missed = len(due) - CATCH_UP
+        if missed:
             stats.firings_missed += missed
             log.error(
                 "schedule %r: %d periods missed (more than %d to make up at once)",
@@ -410,7 +423,6 @@ async def _fire(ex: Executor, msg: Msg) -> None:
                 missed,
                 CATCH_UP,
             )
-            due = due[-CATCH_UP:]
         made = done.made
         for at in due:
             if await _one(ex, spec, at, firing_id(name, made) if made else ""):

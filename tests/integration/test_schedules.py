@@ -228,3 +228,45 @@ async def test_schedule_telemetry(reach_settings: ReachSettings) -> None:
         assert made >= 1
         for name in ("on", "off"):
             await client.unschedule(name)
+
+
+class _Firing:
+    """A firing of schedule ``name`` stored at ``at`` (what ``_fire`` reads of one)."""
+
+    def __init__(self, name: str, at_ms: int) -> None:
+        from types import SimpleNamespace
+
+        self.subject = f"firing.{name}"
+        self.headers = {"Reach-Schedule": name}
+        stamp = datetime.datetime.fromtimestamp(at_ms / 1000, datetime.UTC)
+        self.metadata = SimpleNamespace(timestamp=stamp)
+
+
+async def test_unschedule_while_a_firing_is_handled(reach_settings: ReachSettings) -> None:
+    """An unschedule that lands between a firing's read of what was covered and its
+    compare-and-set: the firing loses the write, sees the schedule gone and stops; it
+    never makes the schedule's periods again from its start. Forced in order: a firing
+    covering three periods, a second one whose write the removal beats."""
+    from reach._tasks import schedules as sch
+    from reach._tasks.execute import Executor
+    from reach._tasks.model import TaskStats
+
+    async with Client(settings=reach_settings) as client:
+        info = await client.schedule("rm-race", "rm.cap", None, every=1)
+        store = await client._tasks.ready(client.nc)
+        ex = Executor("rm-agent", client.nc, store, TaskStats())
+        first = info.next_ms
+        await sch._fire(ex, _Firing("rm-race", first + 2000))  # type: ignore[arg-type]
+        assert ex.stats.fired == 3
+        real = store.idem_renew
+
+        async def removed_first(*args: Any, **kwargs: Any) -> int:
+            store.idem_renew = real  # type: ignore[method-assign]
+            assert await sch.remove(store, "rm-race")
+            return await real(*args, **kwargs)
+
+        store.idem_renew = removed_first  # type: ignore[method-assign]
+        await sch._fire(ex, _Firing("rm-race", first + 3000))  # type: ignore[arg-type]
+        assert ex.stats.fired == 4, "periods made again after the schedule was removed"
+        await sch._fire(ex, _Firing("rm-race", first + 5000))  # type: ignore[arg-type]
+        assert ex.stats.fired == 4  # a late firing of a removed schedule is dropped

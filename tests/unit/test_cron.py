@@ -6,7 +6,7 @@ import datetime
 import pytest
 
 from reach import ConfigurationError
-from reach._tasks.cron import Every, parse_cron, slots, timing
+from reach._tasks.cron import Every, catch_up, parse_cron, slots, timing
 
 UTC = datetime.UTC
 
@@ -86,3 +86,26 @@ def test_timing_takes_one_of_every_and_cron():
     ):
         with pytest.raises(ConfigurationError, match=why):
             timing(**bad)
+
+
+def test_catch_up_keeps_the_newest_periods_and_counts_the_rest():
+    """A firing after a long outage makes up the newest ``limit`` periods (up to its own
+    time), never the oldest, and counts the older ones as missed, exactly."""
+    start = ms(2026, 1, 1)
+    e = Every(1)
+    due, missed = catch_up(e, start, start + 500_000, start, 100)
+    assert due == [start + (401 + i) * 1000 for i in range(100)]
+    assert due[-1] == start + 500_000
+    assert missed == 400
+    assert catch_up(e, start, start + 3000, start, 100) == (
+        [start + 1000, start + 2000, start + 3000],
+        0,
+    )
+    # a year of every second: still arithmetic
+    due, missed = catch_up(e, start, start + 365 * 86_400_000, start, 100)
+    assert (len(due), missed, due[-1]) == (100, 365 * 86_400 - 100, start + 365 * 86_400_000)
+    # a cron line: every minute for two days
+    c = parse_cron("0 * * * * *")
+    due, missed = catch_up(c, start, start + 2 * 86_400_000, start, 100)
+    assert due == [start + 2 * 86_400_000 - (99 - i) * 60_000 for i in range(100)]
+    assert missed == 2 * 1440 - 100
