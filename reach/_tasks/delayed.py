@@ -33,7 +33,7 @@ from .._nats import TRANSIENT
 from .._subjects import Subjects
 from ..errors import ConfigurationError, RetryLater
 from ..wire import ErrorBody
-from ..wire.tasks import TaskState
+from ..wire.tasks import MAX_WAIT, TaskState
 from .dlq import TASK_ID
 from .execute import REQUEUED_FROM, Executor
 from .model import Delivery
@@ -62,7 +62,8 @@ def rfc3339(ms: int) -> str:
 
 def due_of(at: datetime.datetime | None, delay: datetime.timedelta | float | None, now: int) -> int:
     """The unix ms a submit with ``at`` or ``delay`` is due (0: at once, also for a time
-    already past). ``ConfigurationError`` for both, a naive ``at`` or a negative delay."""
+    already past). ``ConfigurationError`` for both, a naive ``at``, a negative delay or
+    one more than ``MAX_WAIT`` (five years) ahead."""
     if at is not None and delay is not None:
         raise ConfigurationError("give at or delay, not both")
     if at is not None:
@@ -72,10 +73,14 @@ def due_of(at: datetime.datetime | None, delay: datetime.timedelta | float | Non
                 " datetime.now(UTC) + timedelta(minutes=10)"
             )
         due = int(at.timestamp() * 1000)
+        if due - now > MAX_WAIT * 1000:
+            raise ConfigurationError(f"at={at.isoformat()} is more than five years ahead")
     elif delay is not None:
         seconds = delay.total_seconds() if isinstance(delay, datetime.timedelta) else delay
-        if not seconds >= 0:
-            raise ConfigurationError(f"delay must be >= 0, not {delay!r}")
+        if not 0 <= seconds <= MAX_WAIT:
+            raise ConfigurationError(
+                f"delay must be 0 to {MAX_WAIT} seconds (five years), not {delay!r}"
+            )
         due = now + int(seconds * 1000)
     else:
         return 0

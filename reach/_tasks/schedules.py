@@ -52,7 +52,7 @@ from .._nats import TRANSIENT
 from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord
 from ..wire import ErrorBody, Priority
-from ..wire.tasks import OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
+from ..wire.tasks import MAX_WAIT, OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
 from .cron import Timing, catch_up, timing
 from .execute import Executor
 from .states import advance
@@ -173,8 +173,10 @@ def spec_of(
     seconds = 0
     if every is not None:
         raw = every.total_seconds() if isinstance(every, datetime.timedelta) else float(every)
-        if raw < 1 or raw != int(raw):
-            raise ConfigurationError(f"every must be whole seconds, at least 1 (not {raw:g}s)")
+        if not 1 <= raw <= MAX_WAIT or raw != int(raw):
+            raise ConfigurationError(
+                f"every must be whole seconds, 1 to {MAX_WAIT} (five years), not {raw:g}s"
+            )
         seconds = int(raw)
     timing(seconds, cron or "", tz or "")  # checked as the server would
     if timeout is not None and not timeout > 0:

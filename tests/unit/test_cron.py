@@ -1,12 +1,17 @@
 """The server's schedule timing, pure (reach._tasks.cron): cron lines with seconds and a
 time zone, ``every``, and the periods a firing covers."""
 
+import argparse
 import datetime
+import math
 
 import pytest
 
-from reach import ConfigurationError
+from reach import ConfigurationError, RetryLater
+from reach._cli_common import parse_duration
 from reach._tasks.cron import Every, catch_up, parse_cron, slots, timing
+from reach._tasks.delayed import due_of
+from reach._tasks.schedules import spec_of
 
 UTC = datetime.UTC
 
@@ -109,3 +114,40 @@ def test_catch_up_keeps_the_newest_periods_and_counts_the_rest():
     due, missed = catch_up(c, start, start + 2 * 86_400_000, start, 100)
     assert due == [start + 2 * 86_400_000 - (99 - i) * 60_000 for i in range(100)]
     assert missed == 2 * 1440 - 100
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 1e12, -1.0])
+def test_waits_must_be_finite_and_at_most_five_years(bad: float) -> None:
+    """A delay, a retry later or an interval that is infinite, not a number or beyond
+    five years is one clear ConfigurationError, never an OverflowError later."""
+    with pytest.raises(ConfigurationError, match="delay must be 0 to"):
+        due_of(None, bad, 0)
+    with pytest.raises(ConfigurationError, match="after must be 0 to"):
+        RetryLater(after=bad)
+    with pytest.raises(ConfigurationError, match="every must be whole seconds"):
+        spec_of(
+            "n",
+            "cap.x",
+            None,
+            every=bad,
+            cron=None,
+            tz=None,
+            priority="normal",
+            overlap="allow",
+            timeout=None,
+            max_attempts=None,
+            required_tags=[],
+            version=None,
+            caller="",
+        )
+
+
+def test_at_more_than_five_years_ahead_is_refused() -> None:
+    far = datetime.datetime(2100, 1, 1, tzinfo=datetime.UTC)
+    with pytest.raises(ConfigurationError, match="five years ahead"):
+        due_of(far, None, ms(2026, 1, 1))
+
+
+def test_a_duration_too_long_for_python_is_a_usage_error() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="too long"):
+        parse_duration("99999999999d")
