@@ -32,6 +32,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from .._codec import now_ms
 from .._kv import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
+from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_GROUP, DLQ_KIND, DLQ_REASON, TASK_ID
@@ -389,7 +390,13 @@ async def dead_letters_to_purge(
 ) -> list[int]:
     """The DLQ sequences a purge with these filters removes: every dead letter (tasks,
     callbacks and durable topics' letters), or those of ``capability``; only those stored
-    more than ``older_than`` seconds ago, if given. Oldest first."""
+    more than ``older_than`` seconds ago, if given. Oldest first. A capability with a
+    wildcard or a bad token is a ``ConfigurationError``: a purge takes exact names."""
+    if capability:
+        try:
+            validate_capability(capability)
+        except ValueError as exc:
+            raise ConfigurationError(f"dead letters of {capability!r}: {exc}") from None
     subject = store.subjects.dlq(capability or ">")
     cutoff = now_ms() - int(older_than * 1000) if older_than is not None else None
     seen = await scan(store.js, store.dlq_stream, subject, last_per_subject=False)

@@ -178,7 +178,9 @@ def spec_of(
                 f"every must be whole seconds, 1 to {MAX_WAIT} (five years), not {raw:g}s"
             )
         seconds = int(raw)
-    timing(seconds, cron or "", tz or "")  # checked as the server would
+    # checked as the server would, and a cron line must be due some time (the server
+    # takes a line that never is, e.g. 31 February, and never fires it)
+    timing(seconds, cron or "", tz or "").next_after(now_ms(), now_ms())
     if timeout is not None and not timeout > 0:
         raise ConfigurationError("timeout must be > 0 seconds")
     if max_attempts is not None and not 1 <= max_attempts <= 100:

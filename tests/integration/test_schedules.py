@@ -270,3 +270,31 @@ async def test_unschedule_while_a_firing_is_handled(reach_settings: ReachSetting
         assert ex.stats.fired == 4, "periods made again after the schedule was removed"
         await sch._fire(ex, _Firing("rm-race", first + 5000))  # type: ignore[arg-type]
         assert ex.stats.fired == 4  # a late firing of a removed schedule is dropped
+
+
+async def test_a_request_the_server_refuses_is_a_configuration_error(
+    reach_settings: ReachSettings,
+) -> None:
+    """A request JetStream answers with a refusal (400: here a schedule pattern it does
+    not take) is ConfigurationError with the server's reason, never connection_failed;
+    a cron line that is never due is refused before anything is sent; a dead-letter
+    count or purge takes an exact capability name, never a wildcard."""
+    from reach._tasks.faults import task_errors
+
+    async with Client(settings=reach_settings) as client:
+        store = await client._tasks.ready(client.nc)
+        await store.ensure_schedules()
+        target = store.subjects.schedule_fire("refused", "x.y", "normal")
+        headers = {"Nats-Schedule": "@every 0s", "Nats-Schedule-Target": target}
+        with (
+            pytest.raises(reach.ConfigurationError, match=r"the server refused it: .*invalid"),
+            task_errors("schedule refused"),
+        ):
+            await store.publish(store.subjects.schedule("refused"), b"{}", headers)
+        with pytest.raises(reach.ConfigurationError, match="never due"):
+            await client.schedule("feb30", "x.y", None, cron="0 0 2 30 2 *")
+        for bad in ("a b", "x.*", ">"):
+            with pytest.raises(reach.ConfigurationError, match="dead letters of"):
+                await client.count_dead_letters(bad)
+            with pytest.raises(reach.ConfigurationError, match="dead letters of"):
+                await client.purge_dead_letters(bad)
