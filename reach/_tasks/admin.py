@@ -255,8 +255,7 @@ async def list_records(
         raise ConfigurationError(f"state {state!r} is not one of {names}") from None
     out: list[TaskRecord] = []
     if want in (None, TaskState.PENDING, TaskState.SCHEDULED):
-        waiting = await pending_tasks(store, capability=capability, limit=limit)
-        out = [r for r in waiting if want is None or r.state is want]
+        out = await pending_tasks(store, capability=capability, state=want, limit=limit)
     metas = [m for m in await record_index(store) if want is None or m.state in (want, None)]
     metas.sort(key=lambda m: m.revision, reverse=True)
     found: list[TaskRecord] = []
@@ -279,12 +278,17 @@ async def list_records(
 
 
 async def pending_tasks(
-    store: TaskStore, *, capability: str | None = None, limit: int = 100, scan: int = 10_000
+    store: TaskStore,
+    *,
+    capability: str | None = None,
+    state: TaskState | None = None,
+    limit: int = 100,
+    scan: int = 10_000,
 ) -> list[TaskRecord]:
     """Tasks no agent has taken yet: messages in the task stream without a record (the
-    message is the PENDING state; a schedule the server holds, the SCHEDULED state).
-    Walks the stream with direct gets (a work queue takes no second consumer), at most
-    ``scan`` messages."""
+    message is the PENDING state; a schedule the server holds, the SCHEDULED state), only
+    those in ``state`` if given (filtered before ``limit`` counts them). Walks the stream
+    with direct gets (a work queue takes no second consumer), at most ``scan`` messages."""
     subject = f"{store.subjects.prefix}.task.>"
     out: list[TaskRecord] = []
     seq = 0
@@ -304,7 +308,12 @@ async def pending_tasks(
             continue  # not a task (a periodic schedule, one of its firings), or junk
         if capability and sub.capability != capability:
             continue
-        made = scheduled_record if SCHEDULE_HEADER in (msg.headers or {}) else pending_record
+        scheduled = SCHEDULE_HEADER in (msg.headers or {})
+        if state is not None and state is not (
+            TaskState.SCHEDULED if scheduled else TaskState.PENDING
+        ):
+            continue
+        made = scheduled_record if scheduled else pending_record
         try:
             if await store.get(sub.task_id) is None:
                 out.append(made(sub, seq))

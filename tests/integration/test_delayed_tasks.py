@@ -303,3 +303,17 @@ async def test_retry_later_whose_ack_was_lost(
         assert [n for n, _ in starts] == [1, 2], "ran again before its due time"
         assert starts[1][1] >= rec.attempts[0].ended_ms + 4000 - 50
         await eventually(stream_empty(client, settings), timeout=5)
+
+
+async def test_list_scheduled_tasks_behind_many_pending(reach_settings: ReachSettings) -> None:
+    """``list_tasks(state="scheduled")`` filters by state before the limit counts: five
+    PENDING tasks stored first do not hide the SCHEDULED one (nor the reverse)."""
+    async with Client(settings=reach_settings) as client:
+        pending = [await client.submit("list.now", i) for i in range(5)]
+        later = await client.submit("list.later", 0, delay=3600)
+        listed = await client.list_tasks(state="scheduled", limit=5)
+        assert [r.task_id for r in listed] == [later.task_id]
+        listed = await client.list_tasks(state="pending", limit=5)
+        assert {r.task_id for r in listed} == {p.task_id for p in pending}
+        for ref in [*pending, later]:
+            await ref.cancel()
