@@ -369,21 +369,30 @@ _NO_TTL: float | None = None
 # -- firings ---------------------------------------------------------------------------
 
 
+#: the task token of a firing's subject starts so (``Subjects.schedule_fire``); never a
+#: task id's, which has no ``$``
+_FIRE_TOKEN = ".task.$fire-"
+
+
 def is_firing(msg: Msg) -> bool:
-    """A periodic schedule's firing (not a task): it names its schedule and its scheduler."""
-    headers = msg.headers or {}
-    return SCHEDULE_NAME in headers and "Nats-Scheduler" in headers
+    """A periodic schedule's firing (not a task): it names its schedule and came on a
+    firing subject. By our own marks only: a firing put back as a new message
+    (``hand_back`` on its last delivery) has lost the server's ``Nats-*`` headers."""
+    return SCHEDULE_NAME in (msg.headers or {}) and _FIRE_TOKEN in msg.subject
 
 
 async def fire(ex: Executor, msg: Msg) -> None:
     """Turn one firing into the tasks of the periods it covers, then ack it. Put back
-    (to be tried again) when JetStream cannot answer."""
+    (to be tried again) when JetStream cannot answer; dropped (logged) when the stored
+    definition is one no firing can use (trying again would not change it)."""
     try:
         await _fire(ex, msg)
     except _TRIED_AGAIN as exc:
         log.warning("schedule firing %s: not handled (%r); tried again", msg.subject, exc)
         await ex.hand_back(msg, 1.0)
         return
+    except ConfigurationError as exc:
+        log.error("schedule firing %s: dropped: %s", msg.subject, exc)
     await msg.ack()
 
 

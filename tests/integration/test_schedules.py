@@ -233,13 +233,17 @@ async def test_schedule_telemetry(reach_settings: ReachSettings) -> None:
 class _Firing:
     """A firing of schedule ``name`` stored at ``at`` (what ``_fire`` reads of one)."""
 
-    def __init__(self, name: str, at_ms: int) -> None:
+    def __init__(self, name: str, at_ms: int, subject: str = "") -> None:
         from types import SimpleNamespace
 
-        self.subject = f"firing.{name}"
+        self.subject = subject or f"firing.{name}"
         self.headers = {"Reach-Schedule": name}
         stamp = datetime.datetime.fromtimestamp(at_ms / 1000, datetime.UTC)
         self.metadata = SimpleNamespace(timestamp=stamp)
+        self.acked = 0
+
+    async def ack(self) -> None:
+        self.acked += 1
 
 
 async def test_unschedule_while_a_firing_is_handled(reach_settings: ReachSettings) -> None:
@@ -298,3 +302,34 @@ async def test_a_request_the_server_refuses_is_a_configuration_error(
                 await client.count_dead_letters(bad)
             with pytest.raises(reach.ConfigurationError, match="dead letters of"):
                 await client.purge_dead_letters(bad)
+
+
+async def test_a_firing_put_back_and_one_of_a_broken_definition(
+    reach_settings: ReachSettings,
+) -> None:
+    """A firing put back as a new message (its ``Nats-*`` headers gone) is still known as
+    a firing, by its subject and ``Reach-Schedule``; a firing whose stored definition no
+    firing can use (a cron line never due, stored by hand) is logged and dropped (acked),
+    never tried again forever."""
+    from reach._tasks import schedules as sch
+    from reach._tasks.execute import Executor
+    from reach._tasks.model import TaskStats
+    from reach.wire.tasks import ScheduleSpec
+
+    async with Client(settings=reach_settings) as client:
+        store = await client._tasks.ready(client.nc)
+        subject = store.subjects.schedule_fire("feb31", "x.y", "normal")
+        requeued = _Firing("feb31", 0, subject)  # Reach-Schedule only, no Nats-Scheduler
+        assert sch.is_firing(requeued)  # type: ignore[arg-type]
+        assert not sch.is_firing(_Firing("feb31", 0))  # type: ignore[arg-type]
+        # the server refuses such a line: the body says it, the headers fire every 60 s
+        spec = ScheduleSpec(name="feb31", capability="x.y", cron="0 0 0 31 2 *", created_ms=1)
+        fires = ScheduleSpec(name="feb31", capability="x.y", every=60, created_ms=1)
+        await store.ensure_schedules()
+        await store.publish(
+            store.subjects.schedule("feb31"), sch._encode(spec), sch._headers(store, fires)
+        )
+        ex = Executor("broken-agent", client.nc, store, TaskStats())
+        await sch.fire(ex, requeued)  # type: ignore[arg-type]
+        assert requeued.acked == 1
+        assert ex.stats.fired == 0
