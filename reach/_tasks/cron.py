@@ -79,14 +79,19 @@ class Cron:
         day = start.date()
         for _ in range(366 * _YEARS):
             if day.month in self.months and self._day(day):
-                t = self._first_on(day, start)
+                t = self._first_on(day, start, zone)
                 if t is not None:
                     return int(t.replace(tzinfo=zone).timestamp()) * 1000
             day += datetime.timedelta(days=1)
         raise ConfigurationError(f"cron {self.line!r} is never due within {_YEARS} years")
 
-    def _first_on(self, day: datetime.date, start: datetime.datetime) -> datetime.datetime | None:
-        """The first due time on ``day`` at or after ``start`` (local, naive), or None."""
+    def _first_on(
+        self, day: datetime.date, start: datetime.datetime, zone: zoneinfo.ZoneInfo
+    ) -> datetime.datetime | None:
+        """The first due time on ``day`` at or after ``start`` (local, naive), or None.
+        A local time that does not exist (skipped when the clocks go forward) is not due,
+        as with the server; one that happens twice (when they go back) is due once, the
+        first time."""
         today = day == start.date()
         for h in sorted(self.hours):
             if today and h < start.hour:
@@ -96,9 +101,15 @@ class Cron:
                     continue
                 for s in sorted(self.seconds):
                     t = datetime.datetime(day.year, day.month, day.day, h, m, s)
-                    if t >= start:
+                    if t >= start and _exists(t, zone):
                         return t
         return None
+
+
+def _exists(t: datetime.datetime, zone: zoneinfo.ZoneInfo) -> bool:
+    """Whether the naive local time ``t`` happens in ``zone`` (it survives a round trip)."""
+    at = t.replace(tzinfo=zone).timestamp()
+    return datetime.datetime.fromtimestamp(at, zone).replace(tzinfo=None) == t
 
 
 @dataclass(frozen=True, slots=True)

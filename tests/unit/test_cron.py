@@ -151,3 +151,32 @@ def test_at_more_than_five_years_ahead_is_refused() -> None:
 def test_a_duration_too_long_for_python_is_a_usage_error() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="too long"):
         parse_duration("99999999999d")
+
+
+BERLIN = "Europe/Berlin"
+
+
+def test_cron_across_the_spring_transition_skips_the_missing_hour() -> None:
+    """2026-03-29 in Berlin: 02:00 CET jumps to 03:00 CEST. A daily 02:30 is not due
+    that day (the time does not exist: the server skips it too); an every-15-minutes
+    line goes from 01:45 CET straight to 03:00 CEST."""
+    daily = parse_cron("0 30 2 * * *", BERLIN)
+    before = ms(2026, 3, 28, 12, 0, 0)
+    assert daily.next_after(before) == ms(2026, 3, 30, 0, 30, 0)  # 02:30 CEST on the 30th
+    quarter = parse_cron("0 */15 * * * *", BERLIN)
+    at_0145 = ms(2026, 3, 29, 0, 45, 0)  # 01:45 CET
+    assert quarter.next_after(at_0145) == ms(2026, 3, 29, 1, 0, 0)  # 03:00 CEST
+    assert slots(quarter, at_0145, ms(2026, 3, 29, 1, 30, 0), 0, 100) == [
+        ms(2026, 3, 29, 1, 0, 0),
+        ms(2026, 3, 29, 1, 15, 0),
+        ms(2026, 3, 29, 1, 30, 0),
+    ]
+
+
+def test_cron_across_the_autumn_transition_fires_once_at_the_first_time() -> None:
+    """2026-10-25 in Berlin: 03:00 CEST goes back to 02:00 CET, so 02:00-02:59 happens
+    twice. A daily 02:30 is due once, the first time (00:30 UTC), then on the 26th."""
+    daily = parse_cron("0 30 2 * * *", BERLIN)
+    first = daily.next_after(ms(2026, 10, 24, 12, 0, 0))
+    assert first == ms(2026, 10, 25, 0, 30, 0)  # 02:30 CEST
+    assert daily.next_after(first) == ms(2026, 10, 26, 1, 30, 0)  # 02:30 CET, next day
