@@ -21,7 +21,6 @@ delivery of the task.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 
@@ -34,8 +33,7 @@ from .._subjects import Subjects
 from ..errors import ConfigurationError, RetryLater
 from ..wire import ErrorBody
 from ..wire.tasks import MAX_WAIT, TaskState
-from .dlq import TASK_ID
-from .execute import REQUEUED_FROM, Executor
+from .execute import Executor, republish
 from .model import Delivery
 from .states import attempts_used, end_attempt
 
@@ -135,26 +133,14 @@ async def retry_later(ex: Executor, d: Delivery, exc: RetryLater) -> None:
 
 async def _reschedule(ex: Executor, d: Delivery, due: int) -> None:
     """Publish the task's message again as a schedule for ``due``, then ack this one
-    (confirmed; failing that, deleted): a crash between the two leaves the task twice,
-    and the record's ``seq`` with ``Reach-Requeued-From`` settles which one runs."""
+    (``republish``): a crash between the two leaves the task twice, and the record's
+    ``seq`` with ``Reach-Requeued-From`` settles which one runs."""
     msg, store = d.msg, ex.store
-    seq = msg.metadata.sequence.stream
-    headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
     subject, schedule = at_schedule(store.subjects, d.task_id, d.sub.capability, msg.subject, due)
-    headers.update(schedule)
-    headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or d.task_id}.l{seq}"
-    headers[REQUEUED_FROM] = str(seq)
     try:
         await store.ensure_schedules()
-        await store.publish(subject, msg.data, headers)
+        await republish(store, msg, subject, "l", schedule)
     except _NOT_SCHEDULED as exc:
         # not scheduled: put it back the old way (a delayed nak), so it still runs
         log.warning("task %s: retry later not scheduled (%r); put back instead", d.task_id, exc)
         await ex.hand_back(msg, max(0.0, (due - now_ms()) / 1000))
-        return
-    try:
-        await msg.ack_sync()
-    except TRANSIENT as exc:
-        log.debug("task %s: ack after retry later: %s", d.task_id, exc)
-        with contextlib.suppress(nats.js.errors.NotFoundError, *TRANSIENT):
-            await store.js.delete_msg(store.stream, seq)

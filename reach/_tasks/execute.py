@@ -49,7 +49,7 @@ from .store import (
     undecodable_record,
 )
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "republish"]
 
 log = logging.getLogger("reach.tasks")
 _RECORD_OVERHEAD = 8192  # bytes of a record besides its payload and result (history...)
@@ -617,24 +617,37 @@ class Executor:
                 log.debug("task message %s: nak: %s (it comes back after ack_wait)", seq, exc)
 
     async def _requeue(self, msg: Msg) -> None:
-        """Publish the task again as it is (``Nats-Msg-Id`` ``<task_id>.q<old sequence>``:
-        a second try is one message; ``Reach-Requeued-From``: a record naming the old
-        message does not make ``begin`` drop the new one as a duplicate while the old one is
-        still there), then ack the old one, confirmed: one left unacked would reach
-        max deliveries and fail the task. The new one is first, so a crash between the two
-        leaves two messages of one task (``begin`` drops the second), never none."""
-        seq = msg.metadata.sequence.stream
-        headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
-        headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or 'task'}.q{seq}"
-        headers[REQUEUED_FROM] = str(seq)
-        await self.store.publish(msg.subject, msg.data, headers)
+        """Publish the task again as it is, then ack the old message (``republish``).
+        The new one is first, so a crash between the two leaves two messages of one
+        task (``begin`` drops the second), never none."""
+        await republish(self.store, msg, msg.subject, "q")
         self.stats.requeued += 1
-        try:
-            await msg.ack_sync()
-        except TRANSIENT as exc:  # the ack may be lost: make sure the old one is gone
-            log.debug("requeued message %s: ack: %s", seq, exc)
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.store.js.delete_msg(self.store.stream, seq)
+
+
+async def republish(
+    store: TaskStore, msg: Msg, subject: str, tag: str, extra: dict[str, str] | None = None
+) -> None:
+    """The one way a task's message is put back as a new one (a hand back on the last
+    delivery, tag ``q``; a retry later's schedule, tag ``l`` with its schedule headers in
+    ``extra``): publish its body and headers (less ``Nats-*``) on ``subject`` with
+    ``Nats-Msg-Id`` ``<task_id>.<tag><old sequence>`` (a second try is one message) and
+    ``Reach-Requeued-From`` (a record naming the old message does not make ``begin`` drop
+    the new one as a duplicate while the old one is still there), then ack the old one,
+    confirmed: one left unacked would come back, or reach max deliveries and fail the
+    task; failing that it is deleted. Raises what the publish raises (nothing was put
+    back then)."""
+    seq = msg.metadata.sequence.stream
+    headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+    headers.update(extra or {})
+    headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or 'task'}.{tag}{seq}"
+    headers[REQUEUED_FROM] = str(seq)
+    await store.publish(subject, msg.data, headers)
+    try:
+        await msg.ack_sync()
+    except TRANSIENT as exc:  # the ack may be lost: make sure the old one is gone
+        log.debug("task message %s put back as a new one: ack: %s", seq, exc)
+        with contextlib.suppress(nats.js.errors.NotFoundError, *TRANSIENT):
+            await store.js.delete_msg(store.stream, seq)
 
 
 def requeued_from(msg: Msg) -> int:
