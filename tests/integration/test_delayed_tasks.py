@@ -317,3 +317,44 @@ async def test_list_scheduled_tasks_behind_many_pending(reach_settings: ReachSet
         assert {r.task_id for r in listed} == {p.task_id for p in pending}
         for ref in [*pending, later]:
             await ref.cancel()
+
+
+async def test_a_requeued_message_does_not_take_over_a_running_attempt(
+    reach_settings: ReachSettings,
+) -> None:
+    """A message put back as a new one (``Reach-Requeued-From`` naming the task's own
+    message) while that old message is held by a RUNNING attempt, whose agent is alive
+    (its ack was lost, or it came back and runs): the new one is put back, never ends
+    that attempt as lost and runs the task a second time at once. Forced in order: the
+    old message taken and begun, the new one published, then taken."""
+    import msgspec
+
+    from reach._tasks.execute import REQUEUED_FROM, Executor
+    from reach._tasks.model import Delivery, TaskStats
+    from reach.wire.tasks import TaskSubmit
+
+    async with Client(settings=reach_settings) as client:
+        ref = await client.submit("requeue.held", None, max_attempts=3)
+        store = await client._tasks.ready(client.nc)
+        psub = await store.js.pull_subscribe(
+            f"{reach_settings.subject_prefix}.task.*.requeue.held.>",
+            durable="held",
+            stream=store.stream,
+        )
+        (old,) = await psub.fetch(1, timeout=5)
+        sub = msgspec.json.decode(old.data, type=TaskSubmit)
+        alive = Executor("alive", client.nc, store, TaskStats())
+        assert await alive.begin(Delivery(old, sub))  # RUNNING, attempt 1, old held
+        seq = old.metadata.sequence.stream
+        headers = {k: v for k, v in (old.headers or {}).items() if not k.startswith("Nats-")}
+        headers |= {REQUEUED_FROM: str(seq), "Nats-Msg-Id": f"{ref.task_id}.q{seq}"}
+        await store.publish(old.subject, old.data, headers)
+        (new,) = await psub.fetch(1, timeout=5)
+        assert new.metadata.sequence.stream != seq
+        other = Executor("other", client.nc, store, TaskStats())
+        assert not await other.begin(Delivery(new, sub))
+        rec = await ref.status()
+        assert (rec.state, rec.attempt, rec.agent_id) == (S.RUNNING, 1, "alive")
+        assert [a.outcome for a in rec.attempts] == ["running"]
+        assert other.stats.handed_back == 1
+        await ref.cancel()
