@@ -46,7 +46,12 @@ def duration_of(text: str) -> datetime.timedelta | None:
     text = text.strip()
     if not _DURATIONS.fullmatch(text):
         return None
-    return datetime.timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(text)))
+    try:
+        return datetime.timedelta(
+            seconds=sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(text))
+        )
+    except OverflowError:
+        return datetime.timedelta.max  # beyond what a timedelta holds: its users refuse it
 
 
 def parse_duration(text: str) -> datetime.timedelta:
@@ -56,6 +61,8 @@ def parse_duration(text: str) -> datetime.timedelta:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a duration: give a number and a unit, e.g. 90s, 10m, 2h, 7d"
         )
+    if got == datetime.timedelta.max:
+        raise argparse.ArgumentTypeError(f"{text!r} is too long for a duration")
     return got
 
 

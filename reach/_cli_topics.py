@@ -33,7 +33,7 @@ def parse_since(text: str) -> Since:
     if text.isdigit():
         if int(text) >= 1:
             return int(text)
-    elif (duration := duration_of(text)) is not None:
+    elif (duration := duration_of(text)) is not None and duration < datetime.timedelta.max:
         return duration
     else:
         with contextlib.suppress(ValueError):

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from ._urls import redact
 from .wire import ERROR_CODES
+from .wire.tasks import MAX_WAIT
 
 # The protocol's codes (section 3.2); any other code is the handler's own refusal.
 #: the codes of the protocol; any other is an application's own
@@ -231,8 +232,10 @@ class RetryLater(ReachError):
     retryable = True
 
     def __init__(self, after: float, reason: str = "", *, count: bool = True) -> None:
-        if not after >= 0:
-            raise ConfigurationError(f"RetryLater: after must be >= 0 seconds, not {after!r}")
+        if not 0 <= after <= MAX_WAIT:
+            raise ConfigurationError(
+                f"RetryLater: after must be 0 to {MAX_WAIT} seconds (five years), not {after!r}"
+            )
         self.after = float(after)
         self.reason = reason
         self.count = count

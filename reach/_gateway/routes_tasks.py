@@ -13,7 +13,7 @@ from pydantic import Field
 
 from .._cli_common import json_or_text
 from ..wire import Priority
-from ..wire.tasks import TaskRecord
+from ..wire.tasks import MAX_WAIT, TaskRecord
 from .auth import CALLER_DIGITS, scoped_key
 from .deps import EdgeDeps
 from .events import task_events
@@ -39,6 +39,7 @@ class SubmitBody(Selection):
     delay: float | None = Field(
         default=None,
         ge=0,
+        le=MAX_WAIT,
         description="seconds to hold the task back: SCHEDULED until then, due_ms in its record",
     )
 

@@ -32,6 +32,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from .._codec import now_ms
 from .._kv import KV_OP, MARKER_REASON
 from .._nats import TRANSIENT
+from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord, DeadLetterNotFound, NotReplayable
 from ..wire.tasks import TaskAttempt, TaskRecord, TaskState, TaskSubmit
 from .dlq import DLQ_ATTEMPTS, DLQ_ERROR, DLQ_GROUP, DLQ_KIND, DLQ_REASON, TASK_ID
@@ -254,8 +255,7 @@ async def list_records(
         raise ConfigurationError(f"state {state!r} is not one of {names}") from None
     out: list[TaskRecord] = []
     if want in (None, TaskState.PENDING, TaskState.SCHEDULED):
-        waiting = await pending_tasks(store, capability=capability, limit=limit)
-        out = [r for r in waiting if want is None or r.state is want]
+        out = await pending_tasks(store, capability=capability, state=want, limit=limit)
     metas = [m for m in await record_index(store) if want is None or m.state in (want, None)]
     metas.sort(key=lambda m: m.revision, reverse=True)
     found: list[TaskRecord] = []
@@ -278,12 +278,17 @@ async def list_records(
 
 
 async def pending_tasks(
-    store: TaskStore, *, capability: str | None = None, limit: int = 100, scan: int = 10_000
+    store: TaskStore,
+    *,
+    capability: str | None = None,
+    state: TaskState | None = None,
+    limit: int = 100,
+    scan: int = 10_000,
 ) -> list[TaskRecord]:
     """Tasks no agent has taken yet: messages in the task stream without a record (the
-    message is the PENDING state; a schedule the server holds, the SCHEDULED state).
-    Walks the stream with direct gets (a work queue takes no second consumer), at most
-    ``scan`` messages."""
+    message is the PENDING state; a schedule the server holds, the SCHEDULED state), only
+    those in ``state`` if given (filtered before ``limit`` counts them). Walks the stream
+    with direct gets (a work queue takes no second consumer), at most ``scan`` messages."""
     subject = f"{store.subjects.prefix}.task.>"
     out: list[TaskRecord] = []
     seq = 0
@@ -303,7 +308,12 @@ async def pending_tasks(
             continue  # not a task (a periodic schedule, one of its firings), or junk
         if capability and sub.capability != capability:
             continue
-        made = scheduled_record if SCHEDULE_HEADER in (msg.headers or {}) else pending_record
+        scheduled = SCHEDULE_HEADER in (msg.headers or {})
+        if state is not None and state is not (
+            TaskState.SCHEDULED if scheduled else TaskState.PENDING
+        ):
+            continue
+        made = scheduled_record if scheduled else pending_record
         try:
             if await store.get(sub.task_id) is None:
                 out.append(made(sub, seq))
@@ -389,7 +399,13 @@ async def dead_letters_to_purge(
 ) -> list[int]:
     """The DLQ sequences a purge with these filters removes: every dead letter (tasks,
     callbacks and durable topics' letters), or those of ``capability``; only those stored
-    more than ``older_than`` seconds ago, if given. Oldest first."""
+    more than ``older_than`` seconds ago, if given. Oldest first. A capability with a
+    wildcard or a bad token is a ``ConfigurationError``: a purge takes exact names."""
+    if capability:
+        try:
+            validate_capability(capability)
+        except ValueError as exc:
+            raise ConfigurationError(f"dead letters of {capability!r}: {exc}") from None
     subject = store.subjects.dlq(capability or ">")
     cutoff = now_ms() - int(older_than * 1000) if older_than is not None else None
     seen = await scan(store.js, store.dlq_stream, subject, last_per_subject=False)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigurationError
 
-__all__ = ["Cron", "Every", "Timing", "parse_cron", "slots", "timing"]
+__all__ = ["Cron", "Every", "Timing", "catch_up", "parse_cron", "slots", "timing"]
 
 _PREDEFINED = {
     "@yearly": "0 0 0 1 1 *",
@@ -79,14 +79,19 @@ class Cron:
         day = start.date()
         for _ in range(366 * _YEARS):
             if day.month in self.months and self._day(day):
-                t = self._first_on(day, start)
+                t = self._first_on(day, start, zone)
                 if t is not None:
                     return int(t.replace(tzinfo=zone).timestamp()) * 1000
             day += datetime.timedelta(days=1)
         raise ConfigurationError(f"cron {self.line!r} is never due within {_YEARS} years")
 
-    def _first_on(self, day: datetime.date, start: datetime.datetime) -> datetime.datetime | None:
-        """The first due time on ``day`` at or after ``start`` (local, naive), or None."""
+    def _first_on(
+        self, day: datetime.date, start: datetime.datetime, zone: zoneinfo.ZoneInfo
+    ) -> datetime.datetime | None:
+        """The first due time on ``day`` at or after ``start`` (local, naive), or None.
+        A local time that does not exist (skipped when the clocks go forward) is not due,
+        as with the server; one that happens twice (when they go back) is due once, the
+        first time."""
         today = day == start.date()
         for h in sorted(self.hours):
             if today and h < start.hour:
@@ -96,9 +101,15 @@ class Cron:
                     continue
                 for s in sorted(self.seconds):
                     t = datetime.datetime(day.year, day.month, day.day, h, m, s)
-                    if t >= start:
+                    if t >= start and _exists(t, zone):
                         return t
         return None
+
+
+def _exists(t: datetime.datetime, zone: zoneinfo.ZoneInfo) -> bool:
+    """Whether the naive local time ``t`` happens in ``zone`` (it survives a round trip)."""
+    at = t.replace(tzinfo=zone).timestamp()
+    return datetime.datetime.fromtimestamp(at, zone).replace(tzinfo=None) == t
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +144,42 @@ def slots(t: Timing, after: int, until: int, anchor: int, limit: int) -> list[in
         out.append(at)
         at = t.next_after(at, anchor)
     return out
+
+
+#: periods of a cron line counted one by one at most, to tell how many were missed
+_COUNT_CAP = 100_000
+
+
+def catch_up(t: Timing, after: int, until: int, anchor: int, limit: int) -> tuple[list[int], int]:
+    """The periods in (``after``, ``until``] to make up: the newest ``limit`` of them,
+    oldest first, and how many older ones are missed (for ``every``, counted
+    arithmetically; for a cron line, one by one up to ``_COUNT_CAP``)."""
+    head = slots(t, after, until, anchor, limit)
+    if len(head) <= limit:
+        return head, 0
+    if isinstance(t, Every):
+        step = t.seconds * 1000
+        count = (until - head[0]) // step + 1
+        first = head[0] + (count - limit) * step
+        return [first + i * step for i in range(limit)], count - limit
+    # a cron line: look back from ``until`` far enough to hold ``limit`` periods
+    window = max(1000, head[-1] - head[0])
+    while True:
+        low = max(after, until - window)
+        tail = slots(t, low, until, anchor, 4 * limit)
+        if len(tail) > 4 * limit:
+            window = max(1000, window // 2)  # too many to list: look back less far
+        elif len(tail) >= limit or low == after:
+            break
+        else:
+            window *= 4
+    kept = tail[-limit:]
+    missed = 0
+    at = head[0]
+    while at < kept[0] and missed < _COUNT_CAP:
+        missed += 1
+        at = t.next_after(at, anchor)
+    return kept, missed
 
 
 def _field(

@@ -21,7 +21,6 @@ delivery of the task.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 
@@ -33,9 +32,8 @@ from .._nats import TRANSIENT
 from .._subjects import Subjects
 from ..errors import ConfigurationError, RetryLater
 from ..wire import ErrorBody
-from ..wire.tasks import TaskState
-from .dlq import TASK_ID
-from .execute import REQUEUED_FROM, Executor
+from ..wire.tasks import MAX_WAIT, TaskState
+from .execute import Executor, republish
 from .model import Delivery
 from .states import attempts_used, end_attempt
 
@@ -62,7 +60,8 @@ def rfc3339(ms: int) -> str:
 
 def due_of(at: datetime.datetime | None, delay: datetime.timedelta | float | None, now: int) -> int:
     """The unix ms a submit with ``at`` or ``delay`` is due (0: at once, also for a time
-    already past). ``ConfigurationError`` for both, a naive ``at`` or a negative delay."""
+    already past). ``ConfigurationError`` for both, a naive ``at``, a negative delay or
+    one more than ``MAX_WAIT`` (five years) ahead."""
     if at is not None and delay is not None:
         raise ConfigurationError("give at or delay, not both")
     if at is not None:
@@ -72,10 +71,14 @@ def due_of(at: datetime.datetime | None, delay: datetime.timedelta | float | Non
                 " datetime.now(UTC) + timedelta(minutes=10)"
             )
         due = int(at.timestamp() * 1000)
+        if due - now > MAX_WAIT * 1000:
+            raise ConfigurationError(f"at={at.isoformat()} is more than five years ahead")
     elif delay is not None:
         seconds = delay.total_seconds() if isinstance(delay, datetime.timedelta) else delay
-        if not seconds >= 0:
-            raise ConfigurationError(f"delay must be >= 0, not {delay!r}")
+        if not 0 <= seconds <= MAX_WAIT:
+            raise ConfigurationError(
+                f"delay must be 0 to {MAX_WAIT} seconds (five years), not {delay!r}"
+            )
         due = now + int(seconds * 1000)
     else:
         return 0
@@ -130,26 +133,14 @@ async def retry_later(ex: Executor, d: Delivery, exc: RetryLater) -> None:
 
 async def _reschedule(ex: Executor, d: Delivery, due: int) -> None:
     """Publish the task's message again as a schedule for ``due``, then ack this one
-    (confirmed; failing that, deleted): a crash between the two leaves the task twice,
-    and the record's ``seq`` with ``Reach-Requeued-From`` settles which one runs."""
+    (``republish``): a crash between the two leaves the task twice, and the record's
+    ``seq`` with ``Reach-Requeued-From`` settles which one runs."""
     msg, store = d.msg, ex.store
-    seq = msg.metadata.sequence.stream
-    headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
     subject, schedule = at_schedule(store.subjects, d.task_id, d.sub.capability, msg.subject, due)
-    headers.update(schedule)
-    headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or d.task_id}.l{seq}"
-    headers[REQUEUED_FROM] = str(seq)
     try:
         await store.ensure_schedules()
-        await store.publish(subject, msg.data, headers)
+        await republish(store, msg, subject, "l", schedule)
     except _NOT_SCHEDULED as exc:
         # not scheduled: put it back the old way (a delayed nak), so it still runs
         log.warning("task %s: retry later not scheduled (%r); put back instead", d.task_id, exc)
         await ex.hand_back(msg, max(0.0, (due - now_ms()) / 1000))
-        return
-    try:
-        await msg.ack_sync()
-    except TRANSIENT as exc:
-        log.debug("task %s: ack after retry later: %s", d.task_id, exc)
-        with contextlib.suppress(nats.js.errors.NotFoundError, *TRANSIENT):
-            await store.js.delete_msg(store.stream, seq)

@@ -49,7 +49,7 @@ from .store import (
     undecodable_record,
 )
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "republish"]
 
 log = logging.getLogger("reach.tasks")
 _RECORD_OVERHEAD = 8192  # bytes of a record besides its payload and result (history...)
@@ -121,12 +121,25 @@ class Executor:
                 self.stats.duplicates += 1
                 return False
             seq = d.msg.metadata.sequence.stream
+            if await self._retry_waits(d, rec, seq):
+                # the message a retry later replaced, back because its ack was lost: the
+                # retry's schedule holds the task until its due time
+                self.stats.duplicates += 1
+                await d.msg.ack()
+                return False
             if rec.seq and rec.seq != seq:
-                if rec.seq != requeued_from(d.msg) and await self.store.message_exists(rec.seq):
+                adopted = rec.seq == requeued_from(d.msg)
+                if not adopted and await self.store.message_exists(rec.seq):
                     # a second message of a task whose own message is still in the
                     # stream (that one comes back if its agent dies): drop this one
                     self.stats.duplicates += 1
                     await d.msg.ack()
+                    return False
+                if adopted and rec.state is S.RUNNING and await self.store.message_exists(rec.seq):
+                    # the message we replace is held by a running attempt (its ack was
+                    # lost and it came back): never end that attempt as lost; if its
+                    # agent dies, that message comes back and ends it
+                    await self._put_back(d, self.settings.task_ack_wait / 3)
                     return False
                 rec = msgspec.structs.replace(rec, seq=seq)  # a republished message: ours
             if not d.claim_rev and not await self._claim(d):
@@ -183,6 +196,15 @@ class Executor:
         await self.release(d)
         await self._put_back(d, 1.0)
         return False
+
+    async def _retry_waits(self, d: Delivery, rec: TaskRecord, seq: int) -> bool:
+        """Whether ``rec`` waits for a retry later whose schedule (not message ``seq``) the
+        stream still holds: then message ``seq`` is one the retry replaced."""
+        if rec.state is not S.RETRYING or rec.due_ms <= now_ms():
+            return False
+        subject = self.store.subjects.task_at(d.task_id, d.sub.capability)
+        waiting = await self.store.last_on(subject)
+        return waiting is not None and waiting.seq != seq
 
     async def confirm(self, d: Delivery, *, count: bool = True) -> bool:
         """Write RUNNING if it is not written yet; False when another write came first.
@@ -595,24 +617,37 @@ class Executor:
                 log.debug("task message %s: nak: %s (it comes back after ack_wait)", seq, exc)
 
     async def _requeue(self, msg: Msg) -> None:
-        """Publish the task again as it is (``Nats-Msg-Id`` ``<task_id>.q<old sequence>``:
-        a second try is one message; ``Reach-Requeued-From``: a record naming the old
-        message does not make ``begin`` drop the new one as a duplicate while the old one is
-        still there), then ack the old one, confirmed: one left unacked would reach
-        max deliveries and fail the task. The new one is first, so a crash between the two
-        leaves two messages of one task (``begin`` drops the second), never none."""
-        seq = msg.metadata.sequence.stream
-        headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
-        headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or 'task'}.q{seq}"
-        headers[REQUEUED_FROM] = str(seq)
-        await self.store.publish(msg.subject, msg.data, headers)
+        """Publish the task again as it is, then ack the old message (``republish``).
+        The new one is first, so a crash between the two leaves two messages of one
+        task (``begin`` drops the second), never none."""
+        await republish(self.store, msg, msg.subject, "q")
         self.stats.requeued += 1
-        try:
-            await msg.ack_sync()
-        except TRANSIENT as exc:  # the ack may be lost: make sure the old one is gone
-            log.debug("requeued message %s: ack: %s", seq, exc)
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.store.js.delete_msg(self.store.stream, seq)
+
+
+async def republish(
+    store: TaskStore, msg: Msg, subject: str, tag: str, extra: dict[str, str] | None = None
+) -> None:
+    """The one way a task's message is put back as a new one (a hand back on the last
+    delivery, tag ``q``; a retry later's schedule, tag ``l`` with its schedule headers in
+    ``extra``): publish its body and headers (less ``Nats-*``) on ``subject`` with
+    ``Nats-Msg-Id`` ``<task_id>.<tag><old sequence>`` (a second try is one message) and
+    ``Reach-Requeued-From`` (a record naming the old message does not make ``begin`` drop
+    the new one as a duplicate while the old one is still there), then ack the old one,
+    confirmed: one left unacked would come back, or reach max deliveries and fail the
+    task; failing that it is deleted. Raises what the publish raises (nothing was put
+    back then)."""
+    seq = msg.metadata.sequence.stream
+    headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+    headers.update(extra or {})
+    headers["Nats-Msg-Id"] = f"{headers.get(TASK_ID) or 'task'}.{tag}{seq}"
+    headers[REQUEUED_FROM] = str(seq)
+    await store.publish(subject, msg.data, headers)
+    try:
+        await msg.ack_sync()
+    except TRANSIENT as exc:  # the ack may be lost: make sure the old one is gone
+        log.debug("task message %s put back as a new one: ack: %s", seq, exc)
+        with contextlib.suppress(nats.js.errors.NotFoundError, *TRANSIENT):
+            await store.js.delete_msg(store.stream, seq)
 
 
 def requeued_from(msg: Msg) -> int:

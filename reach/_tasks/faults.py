@@ -16,9 +16,10 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import msgspec
+import nats.js.errors
 
 from .._nats import TRANSIENT, NatsConnection, check_refused, jetstream_unready, refusals
-from ..errors import ConnectionFailed, ReachError
+from ..errors import ConfigurationError, ConnectionFailed, ReachError
 
 __all__ = ["patiently", "task_errors"]
 
@@ -30,12 +31,16 @@ _FIRST_PAUSE, _LONGEST_PAUSE = 0.2, 2.0
 @contextmanager
 def task_errors(what: str) -> Iterator[None]:
     """Translate for ``what`` (e.g. "task abc", "list tasks"): the server out of reach
-    (or slow, or the connection closed) is ``ConnectionFailed``, a stored record or dead
+    (or slow, or the connection closed) is ``ConnectionFailed``, a request it refused
+    (400) ``ConfigurationError`` with its reason, a stored record or dead
     letter that does not decode is a ``ReachError`` saying so."""
     try:
         yield
     except ReachError:
         raise  # ConnectionFailed is an OSError and RequestTimeout a TimeoutError: ours
+    except nats.js.errors.BadRequestError as exc:
+        # the server answered and refused it: waiting or reconnecting would not help
+        raise ConfigurationError(f"{what}: the server refused it: {exc.description}") from exc
     except TRANSIENT as exc:
         raise ConnectionFailed(
             f"{what}: the task store is out of reach ({type(exc).__name__}: {exc})"

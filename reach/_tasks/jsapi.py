@@ -43,6 +43,13 @@ _purged_decoder = msgspec.json.Decoder(_Purged)
 
 
 def _refused(e: _ApiError) -> nats.js.errors.APIError:
+    """The refusal as nats-py types it (400 ``BadRequestError``, 404 ``NotFoundError``...)."""
+    try:
+        nats.js.errors.APIError.from_error(
+            {"code": e.code, "err_code": e.err_code, "description": e.description}
+        )
+    except nats.js.errors.APIError as typed:
+        return typed
     return nats.js.errors.APIError(code=e.code, err_code=e.err_code, description=e.description)
 
 

@@ -114,6 +114,11 @@ async def read_record(store: TaskStore, task_id: str) -> Stored | None:
 
 
 async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
+    """Cancel ``task_id`` in its record: CANCELLED before it runs, else a request its
+    agent acts on. A SCHEDULED task's schedule is deleted first: once it is gone nothing
+    can fire, so CANCELLED is safe to write; if it is gone already it fired (an agent
+    may be running it without a record yet), and the cancel looks again and follows the
+    PENDING/RUNNING path like any other task's."""
     for _ in range(16):
         st = await store.lookup(task_id)
         if st is None:
@@ -121,6 +126,8 @@ async def cancel_record(store: TaskStore, task_id: str) -> TaskRecord:
         rec = st.record
         if rec.final or rec.cancel_requested:
             return rec
+        if rec.state is S.SCHEDULED and rec.seq and not await store.delete_message(rec.seq):
+            continue  # it fired between the look and the delete
         if rec.state in (S.SCHEDULED, S.PENDING, S.RETRYING):
             new = advance(
                 rec,

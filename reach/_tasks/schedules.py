@@ -13,13 +13,15 @@ nothing fires; resuming stores it with the header again.
 
 An agent of the capability takes a firing and turns it into tasks, one per period:
 
-- the periods are the schedule's own due times (``cron.slots``): for ``every``, the
+- the periods are the schedule's own due times (``cron.catch_up``): for ``every``, the
   definition's stored time rounded to the second plus whole intervals; for a cron line,
   its times in its zone. A firing covers every period due up to its own time that no
   firing covered yet (``sched.<name>`` in ``<prefix>_idem`` holds the last one, written by
   compare-and-set). The server fires once after an outage however many periods it missed
   (measured: a restart, a stream leader change); those periods are made up here, at most
-  ``CATCH_UP`` at once (the rest are counted as missed and logged);
+  the newest ``CATCH_UP`` at once (the older ones are counted as missed and logged); a
+  firing that loses the compare-and-set reads the definition again and stops if the
+  schedule was removed or defined anew (it never starts over from the schedule's start);
 - each period's task has a deterministic id, ``<name>_<unix seconds of its due time>``,
   published with that id as ``Nats-Msg-Id``, so a firing handled twice (an agent died
   before its ack, two agents raced) makes one task;
@@ -50,8 +52,8 @@ from .._nats import TRANSIENT
 from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord
 from ..wire import ErrorBody, Priority
-from ..wire.tasks import OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
-from .cron import Timing, slots, timing
+from ..wire.tasks import MAX_WAIT, OVERLAPS, ScheduleSpec, TaskState, TaskSubmit
+from .cron import Timing, catch_up, timing
 from .execute import Executor
 from .states import advance
 from .store import Conflict, Got, TaskStore, idem_key, pending_record
@@ -171,10 +173,14 @@ def spec_of(
     seconds = 0
     if every is not None:
         raw = every.total_seconds() if isinstance(every, datetime.timedelta) else float(every)
-        if raw < 1 or raw != int(raw):
-            raise ConfigurationError(f"every must be whole seconds, at least 1 (not {raw:g}s)")
+        if not 1 <= raw <= MAX_WAIT or raw != int(raw):
+            raise ConfigurationError(
+                f"every must be whole seconds, 1 to {MAX_WAIT} (five years), not {raw:g}s"
+            )
         seconds = int(raw)
-    timing(seconds, cron or "", tz or "")  # checked as the server would
+    # checked as the server would, and a cron line must be due some time (the server
+    # takes a line that never is, e.g. 31 February, and never fires it)
+    timing(seconds, cron or "", tz or "").next_after(now_ms(), now_ms())
     if timeout is not None and not timeout > 0:
         raise ConfigurationError("timeout must be > 0 seconds")
     if max_attempts is not None and not 1 <= max_attempts <= 100:
@@ -250,6 +256,8 @@ class _Covered:
     last: int = 0
     made: int = 0
     revision: int = 0
+    #: the key's newest message is a delete marker: the schedule was removed
+    removed: bool = False
 
     def value(self) -> bytes:
         return f"{self.last} {self.made}".encode()
@@ -257,6 +265,8 @@ class _Covered:
 
 async def _covered(store: TaskStore, name: str) -> _Covered:
     value, rev = await store.idem_latest(idem_key("sched", name))
+    if value is None and rev:
+        return _Covered(revision=rev, removed=True)
     try:
         last, _, made = (value or b"").decode().partition(" ")
         return _Covered(int(last or 0), int(made or 0), rev)
@@ -359,21 +369,30 @@ _NO_TTL: float | None = None
 # -- firings ---------------------------------------------------------------------------
 
 
+#: the task token of a firing's subject starts so (``Subjects.schedule_fire``); never a
+#: task id's, which has no ``$``
+_FIRE_TOKEN = ".task.$fire-"
+
+
 def is_firing(msg: Msg) -> bool:
-    """A periodic schedule's firing (not a task): it names its schedule and its scheduler."""
-    headers = msg.headers or {}
-    return SCHEDULE_NAME in headers and "Nats-Scheduler" in headers
+    """A periodic schedule's firing (not a task): it names its schedule and came on a
+    firing subject. By our own marks only: a firing put back as a new message
+    (``hand_back`` on its last delivery) has lost the server's ``Nats-*`` headers."""
+    return SCHEDULE_NAME in (msg.headers or {}) and _FIRE_TOKEN in msg.subject
 
 
 async def fire(ex: Executor, msg: Msg) -> None:
     """Turn one firing into the tasks of the periods it covers, then ack it. Put back
-    (to be tried again) when JetStream cannot answer."""
+    (to be tried again) when JetStream cannot answer; dropped (logged) when the stored
+    definition is one no firing can use (trying again would not change it)."""
     try:
         await _fire(ex, msg)
     except _TRIED_AGAIN as exc:
         log.warning("schedule firing %s: not handled (%r); tried again", msg.subject, exc)
         await ex.hand_back(msg, 1.0)
         return
+    except ConfigurationError as exc:
+        log.error("schedule firing %s: dropped: %s", msg.subject, exc)
     await msg.ack()
 
 
@@ -396,13 +415,20 @@ async def _fire(ex: Executor, msg: Msg) -> None:
     anchor = got.stored_ms or spec.created_ms
     when = _timing(spec)
     key = idem_key("sched", name)
-    for _ in range(_STATE_TRIES):
+    for tries in range(_STATE_TRIES):
         done = await _covered(store, name)
-        due = slots(when, max(done.last, anchor), tick + 500, anchor, CATCH_UP)
+        if tries or done.removed:
+            # a conflict, or the key deleted: the schedule may have been removed (or
+            # defined anew) since we read it; then stop, never make its periods up again
+            # from its start (the key of one defined anew counts from its own start)
+            again = await store.last_on(store.subjects.schedule(name))
+            if again is None or again.seq != got.seq:
+                log.info("schedule %r: removed or changed while it fired: stopped", name)
+                return
+        due, missed = catch_up(when, max(done.last, anchor), tick + 500, anchor, CATCH_UP)
         if not due:
             return  # covered by a firing handled before this one
-        if len(due) > CATCH_UP:
-            missed = len(due) - CATCH_UP
+        if missed:
             stats.firings_missed += missed
             log.error(
                 "schedule %r: %d periods missed (more than %d to make up at once)",
@@ -410,7 +436,6 @@ async def _fire(ex: Executor, msg: Msg) -> None:
                 missed,
                 CATCH_UP,
             )
-            due = due[-CATCH_UP:]
         made = done.made
         for at in due:
             if await _one(ex, spec, at, firing_id(name, made) if made else ""):

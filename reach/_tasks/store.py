@@ -29,6 +29,7 @@ from nats.js.api import (
 )
 
 from .. import _kv
+from .._codec import now_ms
 from .._kv import KV_OP, MARKER_REASON, Conflict, JsErrorCode, bind_bucket, check_replicas
 from .._subjects import Subjects
 from ..errors import ConfigurationError, CorruptRecord
@@ -367,9 +368,13 @@ class TaskStore:
 
     async def write(self, record: TaskRecord, last: int) -> int:
         """Write ``record`` iff the key's revision is still ``last`` (0: absent); its new
-        revision. Raises Conflict when someone wrote in between."""
+        revision. Raises Conflict when someone wrote in between.
+
+        The record is kept ``task_retention`` past its last write, or past its due time
+        when that is later: a task waiting for a retry later longer than the retention
+        must still find its record (its attempts) when it runs again."""
         headers = {STATE_HEADER: str(record.state), AGENT_HEADER: record.agent_id or "-"}
-        ttl = self.settings.task_retention
+        ttl = self.settings.task_retention + max(0.0, (record.due_ms - now_ms()) / 1000)
         return await _kv.write(
             self._send,
             self.bucket,

@@ -15,6 +15,7 @@ from .messages import ErrorBody, Priority
 
 __all__ = [
     "FINAL",
+    "MAX_WAIT",
     "OVERLAPS",
     "ScheduleSpec",
     "TaskAttempt",
@@ -23,6 +24,10 @@ __all__ = [
     "TaskStep",
     "TaskSubmit",
 ]
+
+#: the longest a task may wait, in seconds (a delay, a retry later, an ``every``
+#: interval): five years, as long as the server looks ahead for a cron line's next time
+MAX_WAIT = 5 * 365 * 86_400
 
 
 class TaskState(enum.StrEnum):

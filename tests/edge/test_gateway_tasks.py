@@ -134,6 +134,7 @@ async def test_a_task_record_that_does_not_decode_is_500_corrupt_record(settings
         ({"capability": "demo.job", "tags": ["a b"]}, {}, ["body", "tags"]),
         ({"capability": "demo.job", "version": "?"}, {}, ["body", "version"]),
         ({"capability": "demo.job", "callback": "x"}, {}, ["body", "callback"]),
+        ({"capability": "demo.job", "delay": 1e12}, {}, ["body", "delay"]),
         ({"payload": 1}, {}, ["body", "capability"]),
         ({"capability": "demo.job"}, {"Idempotency-Key": "k" * 300}, ["header", "idempotency-key"]),
     ],

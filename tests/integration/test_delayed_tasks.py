@@ -200,3 +200,161 @@ async def test_cancel_while_waiting_for_retry_later(reach_settings: ReachSetting
         await witness.cancel()
         assert runs == [1, 1]
         assert (await ref.status()).state is S.CANCELLED
+
+
+class _StaleOnce:
+    """A task store whose first ``lookup`` answers what it answered before (the cancel's
+    read just before the schedule fired); everything else is the real store's."""
+
+    def __init__(self, store: Any, stale: Any) -> None:
+        self._store, self._stale = store, stale
+
+    async def lookup(self, task_id: str) -> Any:
+        stale, self._stale = self._stale, None
+        return stale or await self._store.lookup(task_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_cancel_that_saw_scheduled_after_the_firing(reach_settings: ReachSettings) -> None:
+    """A cancel that read SCHEDULED just before the schedule fired does not record
+    "cancelled before it ran" over a task an agent may be running: deleting the schedule
+    finds it gone, so it looks again and cancels the PENDING task (its history says so,
+    and an agent that holds it is told). Forced in order: the read, the firing, the
+    cancel."""
+    from reach._tasks.refs import cancel_record
+
+    async with Client(settings=reach_settings) as client:
+        ref = await client.submit("delay.race", None, delay=0.3)
+        store = client._tasks.store
+        stale = await store.lookup(ref.task_id)
+        assert stale is not None
+        assert stale.record.state is S.SCHEDULED
+
+        async def fired() -> bool:
+            return (await ref.status()).state is S.PENDING
+
+        await eventually(fired, timeout=5)
+        rec = await cancel_record(_StaleOnce(store, stale), ref.task_id)  # type: ignore[arg-type]
+        assert rec.state is S.CANCELLED
+        assert [h.state for h in rec.history] == [S.PENDING, S.CANCELLED]
+        await ref.cancel()  # finishes it: the fired message goes
+        await eventually(stream_empty(client, reach_settings), timeout=5)
+
+
+async def test_retry_later_longer_than_the_retention(reach_settings: ReachSettings) -> None:
+    """A retry later past ``task_retention`` keeps the record until it runs again (kept
+    past its due time): the attempts add up and the task ends FAILED when they run out,
+    never starting over as attempt 1 forever."""
+    settings = reach_settings.model_copy(
+        update={"task_retention": 2.0, "task_timeout": 1.0, "task_idempotency_ttl": 1.0}
+    )
+    runs: list[int] = []
+    agent = Agent("later-ret", settings=settings)
+
+    @agent.task("later.ret", max_attempts=2)
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        runs.append(ctx.attempt)
+        raise reach.RetryLater(after=3)
+
+    async with agent, Client(settings=settings) as client:
+        ref = await client.submit("later.ret", None)
+        rec = await ref.wait(timeout=15)
+        assert rec.state is S.FAILED
+        assert runs == [1, 2]
+        assert [a.outcome for a in rec.attempts] == ["retry_later", "retry_later"]
+
+
+async def test_retry_later_whose_ack_was_lost(
+    reach_settings: ReachSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that scheduled a retry later and then lost the old message's ack (a crash
+    between the two): the old message comes back after ack_wait, long before the retry is
+    due, and is dropped; the task runs again once, at its due time, from the schedule."""
+    from nats.aio.msg import Msg
+
+    settings = reach_settings.model_copy(update={"task_ack_wait": 1.0})
+    starts: list[tuple[int, int]] = []
+    agent = Agent("later-lost", settings=settings)
+
+    @agent.task("later.lost")
+    async def op(payload: Any, ctx: reach.TaskContext) -> Any:
+        starts.append((ctx.attempt, _ms()))
+        if ctx.attempt == 1:
+            raise reach.RetryLater(after=4)
+        return "done"
+
+    real_ack = Msg.ack_sync
+    lost: list[int] = []
+
+    async def ack_lost_once(self: Msg, timeout: float = 1.0) -> Msg:
+        if not lost:
+            lost.append(self.metadata.sequence.stream)
+            return self  # the crash: the ack is never sent
+        return await real_ack(self, timeout)
+
+    monkeypatch.setattr(Msg, "ack_sync", ack_lost_once)
+    async with agent, Client(settings=settings) as client:
+        ref = await client.submit("later.lost", None)
+        assert await ref.result(timeout=20) == "done"
+        rec = await ref.status()
+        assert lost, "the retry later's ack was never reached"
+        assert [n for n, _ in starts] == [1, 2], "ran again before its due time"
+        assert starts[1][1] >= rec.attempts[0].ended_ms + 4000 - 50
+        await eventually(stream_empty(client, settings), timeout=5)
+
+
+async def test_list_scheduled_tasks_behind_many_pending(reach_settings: ReachSettings) -> None:
+    """``list_tasks(state="scheduled")`` filters by state before the limit counts: five
+    PENDING tasks stored first do not hide the SCHEDULED one (nor the reverse)."""
+    async with Client(settings=reach_settings) as client:
+        pending = [await client.submit("list.now", i) for i in range(5)]
+        later = await client.submit("list.later", 0, delay=3600)
+        listed = await client.list_tasks(state="scheduled", limit=5)
+        assert [r.task_id for r in listed] == [later.task_id]
+        listed = await client.list_tasks(state="pending", limit=5)
+        assert {r.task_id for r in listed} == {p.task_id for p in pending}
+        for ref in [*pending, later]:
+            await ref.cancel()
+
+
+async def test_a_requeued_message_does_not_take_over_a_running_attempt(
+    reach_settings: ReachSettings,
+) -> None:
+    """A message put back as a new one (``Reach-Requeued-From`` naming the task's own
+    message) while that old message is held by a RUNNING attempt, whose agent is alive
+    (its ack was lost, or it came back and runs): the new one is put back, never ends
+    that attempt as lost and runs the task a second time at once. Forced in order: the
+    old message taken and begun, the new one published, then taken."""
+    import msgspec
+
+    from reach._tasks.execute import REQUEUED_FROM, Executor
+    from reach._tasks.model import Delivery, TaskStats
+    from reach.wire.tasks import TaskSubmit
+
+    async with Client(settings=reach_settings) as client:
+        ref = await client.submit("requeue.held", None, max_attempts=3)
+        store = await client._tasks.ready(client.nc)
+        psub = await store.js.pull_subscribe(
+            f"{reach_settings.subject_prefix}.task.*.requeue.held.>",
+            durable="held",
+            stream=store.stream,
+        )
+        (old,) = await psub.fetch(1, timeout=5)
+        sub = msgspec.json.decode(old.data, type=TaskSubmit)
+        alive = Executor("alive", client.nc, store, TaskStats())
+        assert await alive.begin(Delivery(old, sub))  # RUNNING, attempt 1, old held
+        seq = old.metadata.sequence.stream
+        headers = {k: v for k, v in (old.headers or {}).items() if not k.startswith("Nats-")}
+        headers |= {REQUEUED_FROM: str(seq), "Nats-Msg-Id": f"{ref.task_id}.q{seq}"}
+        await store.publish(old.subject, old.data, headers)
+        (new,) = await psub.fetch(1, timeout=5)
+        assert new.metadata.sequence.stream != seq
+        other = Executor("other", client.nc, store, TaskStats())
+        assert not await other.begin(Delivery(new, sub))
+        rec = await ref.status()
+        assert (rec.state, rec.attempt, rec.agent_id) == (S.RUNNING, 1, "alive")
+        assert [a.outcome for a in rec.attempts] == ["running"]
+        assert other.stats.handed_back == 1
+        await ref.cancel()

@@ -228,3 +228,108 @@ async def test_schedule_telemetry(reach_settings: ReachSettings) -> None:
         assert made >= 1
         for name in ("on", "off"):
             await client.unschedule(name)
+
+
+class _Firing:
+    """A firing of schedule ``name`` stored at ``at`` (what ``_fire`` reads of one)."""
+
+    def __init__(self, name: str, at_ms: int, subject: str = "") -> None:
+        from types import SimpleNamespace
+
+        self.subject = subject or f"firing.{name}"
+        self.headers = {"Reach-Schedule": name}
+        stamp = datetime.datetime.fromtimestamp(at_ms / 1000, datetime.UTC)
+        self.metadata = SimpleNamespace(timestamp=stamp)
+        self.acked = 0
+
+    async def ack(self) -> None:
+        self.acked += 1
+
+
+async def test_unschedule_while_a_firing_is_handled(reach_settings: ReachSettings) -> None:
+    """An unschedule that lands between a firing's read of what was covered and its
+    compare-and-set: the firing loses the write, sees the schedule gone and stops; it
+    never makes the schedule's periods again from its start. Forced in order: a firing
+    covering three periods, a second one whose write the removal beats."""
+    from reach._tasks import schedules as sch
+    from reach._tasks.execute import Executor
+    from reach._tasks.model import TaskStats
+
+    async with Client(settings=reach_settings) as client:
+        info = await client.schedule("rm-race", "rm.cap", None, every=1)
+        store = await client._tasks.ready(client.nc)
+        ex = Executor("rm-agent", client.nc, store, TaskStats())
+        first = info.next_ms
+        await sch._fire(ex, _Firing("rm-race", first + 2000))  # type: ignore[arg-type]
+        assert ex.stats.fired == 3
+        real = store.idem_renew
+
+        async def removed_first(*args: Any, **kwargs: Any) -> int:
+            store.idem_renew = real  # type: ignore[method-assign]
+            assert await sch.remove(store, "rm-race")
+            return await real(*args, **kwargs)
+
+        store.idem_renew = removed_first  # type: ignore[method-assign]
+        await sch._fire(ex, _Firing("rm-race", first + 3000))  # type: ignore[arg-type]
+        assert ex.stats.fired == 4, "periods made again after the schedule was removed"
+        await sch._fire(ex, _Firing("rm-race", first + 5000))  # type: ignore[arg-type]
+        assert ex.stats.fired == 4  # a late firing of a removed schedule is dropped
+
+
+async def test_a_request_the_server_refuses_is_a_configuration_error(
+    reach_settings: ReachSettings,
+) -> None:
+    """A request JetStream answers with a refusal (400: here a schedule pattern it does
+    not take) is ConfigurationError with the server's reason, never connection_failed;
+    a cron line that is never due is refused before anything is sent; a dead-letter
+    count or purge takes an exact capability name, never a wildcard."""
+    from reach._tasks.faults import task_errors
+
+    async with Client(settings=reach_settings) as client:
+        store = await client._tasks.ready(client.nc)
+        await store.ensure_schedules()
+        target = store.subjects.schedule_fire("refused", "x.y", "normal")
+        headers = {"Nats-Schedule": "@every 0s", "Nats-Schedule-Target": target}
+        with (
+            pytest.raises(reach.ConfigurationError, match=r"the server refused it: .*invalid"),
+            task_errors("schedule refused"),
+        ):
+            await store.publish(store.subjects.schedule("refused"), b"{}", headers)
+        with pytest.raises(reach.ConfigurationError, match="never due"):
+            await client.schedule("feb30", "x.y", None, cron="0 0 2 30 2 *")
+        for bad in ("a b", "x.*", ">"):
+            with pytest.raises(reach.ConfigurationError, match="dead letters of"):
+                await client.count_dead_letters(bad)
+            with pytest.raises(reach.ConfigurationError, match="dead letters of"):
+                await client.purge_dead_letters(bad)
+
+
+async def test_a_firing_put_back_and_one_of_a_broken_definition(
+    reach_settings: ReachSettings,
+) -> None:
+    """A firing put back as a new message (its ``Nats-*`` headers gone) is still known as
+    a firing, by its subject and ``Reach-Schedule``; a firing whose stored definition no
+    firing can use (a cron line never due, stored by hand) is logged and dropped (acked),
+    never tried again forever."""
+    from reach._tasks import schedules as sch
+    from reach._tasks.execute import Executor
+    from reach._tasks.model import TaskStats
+    from reach.wire.tasks import ScheduleSpec
+
+    async with Client(settings=reach_settings) as client:
+        store = await client._tasks.ready(client.nc)
+        subject = store.subjects.schedule_fire("feb31", "x.y", "normal")
+        requeued = _Firing("feb31", 0, subject)  # Reach-Schedule only, no Nats-Scheduler
+        assert sch.is_firing(requeued)  # type: ignore[arg-type]
+        assert not sch.is_firing(_Firing("feb31", 0))  # type: ignore[arg-type]
+        # the server refuses such a line: the body says it, the headers fire every 60 s
+        spec = ScheduleSpec(name="feb31", capability="x.y", cron="0 0 0 31 2 *", created_ms=1)
+        fires = ScheduleSpec(name="feb31", capability="x.y", every=60, created_ms=1)
+        await store.ensure_schedules()
+        await store.publish(
+            store.subjects.schedule("feb31"), sch._encode(spec), sch._headers(store, fires)
+        )
+        ex = Executor("broken-agent", client.nc, store, TaskStats())
+        await sch.fire(ex, requeued)  # type: ignore[arg-type]
+        assert requeued.acked == 1
+        assert ex.stats.fired == 0
