@@ -250,6 +250,10 @@ class _Link:
             return
         if exc is None and not self.nc.is_reconnecting:
             return  # closed on purpose
+        if closing(self.nc):
+            # our own close: a drain that timed out, a socket it shut; nothing reconnects
+            log.debug("nats connection %s: closing: %s", self.name, exc)
+            return
         self.down_since, self.failed = time.monotonic(), 0
         why = f" ({str(exc) or type(exc).__name__})" if exc is not None else ""
         log.warning(
@@ -292,6 +296,13 @@ class ReachConnection(NatsConnection):
         #: read by ``_delivery`` on every publish and subscription; only connections made
         #: by ``connect_nats`` ever have it on (never a connection a user hands us)
         self.reach_shortcuts = shortcuts and shortcuts_allowed(self)
+        #: set by ``close_nats``: what goes wrong from then on is the close, not a loss
+        self.reach_closing = False
+
+
+def closing(nc: NatsConnection) -> bool:
+    """Whether ``nc`` is being closed or drained on purpose (by us or nats-py)."""
+    return bool(getattr(nc, "reach_closing", False)) or nc.is_draining or nc.is_closed
 
 
 def permissions_of(nc: NatsConnection) -> Permissions | None:
@@ -442,6 +453,8 @@ async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
     connection was lost): that is not our task being cancelled, so it is not passed on."""
     if nc.is_closed:
         return
+    if isinstance(nc, ReachConnection):
+        nc.reach_closing = True
     try:
         if drain and nc.is_connected:
             try:
