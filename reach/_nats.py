@@ -450,7 +450,9 @@ async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
     """Drain (or close) a connection we own, whatever state it is in. Draining needs a
     live connection; a reconnecting one is closed instead. nats-py's close can end in a
     ``CancelledError`` of its own (it waits on a socket whose close it cancelled, when the
-    connection was lost): that is not our task being cancelled, so it is not passed on."""
+    connection was lost): that is not our task being cancelled, so it is not passed on.
+    Nor are nats-py's errors, or uvloop's RuntimeError, of a connection whose server is gone:
+    expected while stopping, they are logged at debug, without a traceback."""
     if nc.is_closed:
         return
     if isinstance(nc, ReachConnection):
@@ -463,7 +465,9 @@ async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
             except TRANSIENT as exc:
                 log.debug("drain failed, closing instead: %s", exc)
         await nc.close()
-    except TRANSIENT as exc:
+    except (*TRANSIENT, RuntimeError) as exc:
+        # RuntimeError: uvloop's "unable to perform operation on <TCPTransport closed=True>;
+        # the handler is closed", from nats-py writing to the socket of a server gone
         log.debug("close after a lost connection: %s", exc)
     except asyncio.CancelledError:
         task = asyncio.current_task()

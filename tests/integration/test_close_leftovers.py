@@ -10,9 +10,11 @@ import logging
 import nats.errors
 import pytest
 
-from reach import Client, ReachSettings
+from reach import Agent, Client, ReachSettings, Registry
 from reach._nats import NatsConnection, ReachConnection, _Link
 from reach._permissions import Permissions
+from reach._runtime import loop_factory
+from reach.testing import NatsServer, unique_prefix
 
 
 async def closes_promptly(client: Client) -> None:
@@ -81,3 +83,45 @@ def test_an_error_of_our_own_close_is_not_logged_as_a_lost_connection(
     with caplog.at_level(logging.DEBUG, logger="reach"):
         link.error(nats.errors.DrainTimeoutError())
     assert len(reconnecting(caplog)) == 1
+
+
+def test_an_agent_and_a_registry_whose_server_is_gone_stop_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+):
+    """On the loop a program runs on (uvloop when installed), nats-py's close of a connection
+    whose server was killed raises RuntimeError ("the handler is closed"): stopping logs
+    no error and no traceback."""
+    server = NatsServer().start()
+
+    async def run() -> None:
+        settings = ReachSettings(nats_url=server.url, subject_prefix=unique_prefix())
+        registry = Registry(settings=settings, stop_timeout=2)
+        agent = Agent("doomed", settings=settings, drain_timeout=1)
+
+        @agent.capability("noop")
+        async def noop(x: int) -> int:
+            return x
+
+        await registry.start()
+        await agent.start()
+        server.kill()  # by PID
+        await agent.stop()
+        await registry.stop()
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                runner.run(run())
+    finally:
+        server.close()
+    # (the registry's task loops log their failed requests while the server is away:
+    # another matter; here, what stopping itself logs)
+    bad = [
+        r
+        for r in caplog.records
+        if "stop failed" in r.getMessage()
+        or "clos" in r.getMessage()
+        and (r.levelno >= logging.ERROR or r.exc_info)
+        or (r.exc_info and isinstance(r.exc_info[1], RuntimeError))
+    ]
+    assert bad == [], [r.getMessage() for r in bad]
