@@ -446,6 +446,10 @@ def jetstream_unready(exc: BaseException) -> bool:
     )
 
 
+#: what closing a connection whose server is gone may raise (uvloop's RuntimeError too)
+_CLOSE_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RuntimeError)
+
+
 async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
     """Drain (or close) a connection we own, whatever state it is in. Draining needs a
     live connection; a reconnecting one is closed instead. nats-py's close can end in a
@@ -465,7 +469,7 @@ async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
             except TRANSIENT as exc:
                 log.debug("drain failed, closing instead: %s", exc)
         await nc.close()
-    except (*TRANSIENT, RuntimeError) as exc:
+    except _CLOSE_ERRORS as exc:
         # RuntimeError: uvloop's "unable to perform operation on <TCPTransport closed=True>;
         # the handler is closed", from nats-py writing to the socket of a server gone
         log.debug("close after a lost connection: %s", exc)
