@@ -120,8 +120,7 @@ def test_an_agent_and_a_registry_whose_server_is_gone_stop_without_an_error(
         r
         for r in caplog.records
         if "stop failed" in r.getMessage()
-        or ("clos" in r.getMessage()
-        and (r.levelno >= logging.ERROR or r.exc_info))
+        or ("clos" in r.getMessage() and (r.levelno >= logging.ERROR or r.exc_info))
         or (r.exc_info and isinstance(r.exc_info[1], RuntimeError))
     ]
     assert bad == [], [r.getMessage() for r in bad]
