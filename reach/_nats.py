@@ -250,6 +250,10 @@ class _Link:
             return
         if exc is None and not self.nc.is_reconnecting:
             return  # closed on purpose
+        if closing(self.nc):
+            # our own close: a drain that timed out, a socket it shut; nothing reconnects
+            log.debug("nats connection %s: closing: %s", self.name, exc)
+            return
         self.down_since, self.failed = time.monotonic(), 0
         why = f" ({str(exc) or type(exc).__name__})" if exc is not None else ""
         log.warning(
@@ -292,6 +296,13 @@ class ReachConnection(NatsConnection):
         #: read by ``_delivery`` on every publish and subscription; only connections made
         #: by ``connect_nats`` ever have it on (never a connection a user hands us)
         self.reach_shortcuts = shortcuts and shortcuts_allowed(self)
+        #: set by ``close_nats``: what goes wrong from then on is the close, not a loss
+        self.reach_closing = False
+
+
+def closing(nc: NatsConnection) -> bool:
+    """Whether ``nc`` is being closed or drained on purpose (by us or nats-py)."""
+    return bool(getattr(nc, "reach_closing", False)) or nc.is_draining or nc.is_closed
 
 
 def permissions_of(nc: NatsConnection) -> Permissions | None:
@@ -435,13 +446,21 @@ def jetstream_unready(exc: BaseException) -> bool:
     )
 
 
+#: what closing a connection whose server is gone may raise (uvloop's RuntimeError too)
+_CLOSE_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, RuntimeError)
+
+
 async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
     """Drain (or close) a connection we own, whatever state it is in. Draining needs a
     live connection; a reconnecting one is closed instead. nats-py's close can end in a
     ``CancelledError`` of its own (it waits on a socket whose close it cancelled, when the
-    connection was lost): that is not our task being cancelled, so it is not passed on."""
+    connection was lost): that is not our task being cancelled, so it is not passed on.
+    Nor are nats-py's errors, or uvloop's RuntimeError, of a connection whose server is gone:
+    expected while stopping, they are logged at debug, without a traceback."""
     if nc.is_closed:
         return
+    if isinstance(nc, ReachConnection):
+        nc.reach_closing = True
     try:
         if drain and nc.is_connected:
             try:
@@ -450,7 +469,9 @@ async def close_nats(nc: NatsConnection, *, drain: bool = True) -> None:
             except TRANSIENT as exc:
                 log.debug("drain failed, closing instead: %s", exc)
         await nc.close()
-    except TRANSIENT as exc:
+    except _CLOSE_ERRORS as exc:
+        # RuntimeError: uvloop's "unable to perform operation on <TCPTransport closed=True>;
+        # the handler is closed", from nats-py writing to the socket of a server gone
         log.debug("close after a lost connection: %s", exc)
     except asyncio.CancelledError:
         task = asyncio.current_task()

@@ -30,7 +30,7 @@ from .._client import Client
 from .._codec import now_ms
 from .._contracts.schemas import capability_info, topic_info
 from .._handlers import Capable, Handler, TaskContext, inspect_handler
-from .._nats import TRANSIENT, NatsConnection, check_refused, connect_nats, flush_nats
+from .._nats import NatsConnection, check_refused, close_nats, connect_nats, flush_nats
 from .._runtime import on_stop_signals, run_async
 from .._subjects import validate_agent_id, validate_capability, validate_topic
 from .._tasks import TaskDecl, TaskRunner, TaskStats
@@ -586,11 +586,8 @@ class Agent:
                 await self._subs.withdraw(nc)
             self._subs.forget()
             await self._intake.close()
-            if nc is not None and not nc.is_closed:
-                try:
-                    await nc.close()
-                except TRANSIENT as exc:
-                    log.debug("agent %s: close: %s", self.agent_id, exc)
+            if nc is not None:
+                await close_nats(nc, drain=False)
             self._life.stopped()
             self._drain_requested.set()
             log.log(logging.INFO if started else logging.DEBUG, "agent %s stopped", self.agent_id)

@@ -132,6 +132,9 @@ class Client:
         if self._metrics is not None:
             self._tasks.on_final = self._metrics.task_final
         self._unsource: Callable[[], None] | None = None
+        #: topic subscriptions opened here and not yet unsubscribed: ``close()`` ends them
+        #: before it drains (nats-py's drain waits, up to 30 s, for unread messages)
+        self._topic_subs: set[TopicSubscription] = set()
         self._requests = Requester(
             self.settings,
             self.subjects,
@@ -298,6 +301,8 @@ class Client:
         await self._tasks.close()
         await self._durable.close()
         self._requests.table = None
+        for sub in list(self._topic_subs):
+            await sub.unsubscribe()
         nc, self._nc = self._nc, None
         await self._inbox.close(unsubscribe=not self._owns_nc)
         if nc is not None and self._owns_nc:
@@ -548,14 +553,17 @@ class Client:
         are stored, in order, with no gap and no duplicate where one meets the other;
         each message carries its ``seq`` and ``time``. ``NotStored`` when no stream keeps
         topics yet."""
-        return await subscribe(
+        sub = await subscribe(
             self.nc,
             self.subjects,
             self.url,
             topic,
             since,
             self._durable if since is not None else None,
+            on_unsubscribe=self._topic_subs.discard,
         )
+        self._topic_subs.add(sub)
+        return sub
 
     async def flush(self) -> None:
         """Wait until the server has everything this client sent (e.g. after publish);

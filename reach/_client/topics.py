@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -98,9 +98,11 @@ async def subscribe(
     topic: str,
     since: Since | None = None,
     durable: DurableTopics | None = None,
+    on_unsubscribe: Callable[[TopicSubscription], None] | None = None,
 ) -> TopicSubscription:
     """Subscribe and flush; Unauthorized when the server refused the subscription. With
-    ``since`` (and ``durable``), the stored history from there, then live messages."""
+    ``since`` (and ``durable``), the stored history from there, then live messages.
+    ``on_unsubscribe`` is called with the subscription when it is unsubscribed (once)."""
     validate_topic(topic, wildcards=True)
     if since is not None and durable is not None:
         _check_since(since)
@@ -108,7 +110,7 @@ async def subscribe(
             since = start_time(since)  # once: the server and the guard below start alike
         with translate(url):
             jsub = await durable.history(nc, topic, since)
-        return TopicSubscription(subjects, jsub, since=since)
+        return TopicSubscription(subjects, jsub, since=since, on_unsubscribe=on_unsubscribe)
     subject = subjects.topic(topic)
     permissions = permissions_of(nc)
     mark = permissions.count if permissions is not None else 0
@@ -120,15 +122,22 @@ async def subscribe(
         if refused in permissions.since(mark):
             await TopicSubscription(subjects, sub).unsubscribe()
             raise permissions.error(refused)
-    return TopicSubscription(subjects, sub)
+    return TopicSubscription(subjects, sub, on_unsubscribe=on_unsubscribe)
 
 
 class TopicSubscription:
     """An async iterator of :class:`TopicMessage`; ``async with`` unsubscribes on exit."""
 
-    def __init__(self, subjects: Subjects, sub: Subscription, since: Since | None = None) -> None:
+    def __init__(
+        self,
+        subjects: Subjects,
+        sub: Subscription,
+        since: Since | None = None,
+        on_unsubscribe: Callable[[TopicSubscription], None] | None = None,
+    ) -> None:
         self._subjects = subjects
         self._sub = sub
+        self._on_unsubscribe = on_unsubscribe
         self._messages: AsyncIterator[Msg] = sub.messages
         #: a ``since`` subscription: the first sequence or time it shows, and the last
         #: sequence shown (nats-py's ordered consumer, rebuilt after a lost connection,
@@ -176,6 +185,10 @@ class TopicSubscription:
             raise RequestTimeout(f"no message within {timeout}s") from None
 
     async def unsubscribe(self) -> None:
+        """Stop the subscription (unread messages are dropped); again is harmless."""
+        done, self._on_unsubscribe = self._on_unsubscribe, None
+        if done is not None:
+            done(self)
         try:
             await self._sub.unsubscribe()
         except TRANSIENT as exc:

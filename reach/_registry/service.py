@@ -26,7 +26,7 @@ from nats.nuid import NUID
 
 from .. import _kv
 from .._background import Background
-from .._nats import TRANSIENT, check_refused, connect_nats, flush_nats, redact
+from .._nats import TRANSIENT, check_refused, close_nats, connect_nats, flush_nats, redact
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
 from .._telemetry.core import Attachment, Telemetry
@@ -315,11 +315,8 @@ class Registry:
         # bounded: a coroutine that swallowed its cancellation is logged by name, left behind
         await self._owner.close(self.stop_timeout)
         nc, core.nc, core.js = core.nc, None, None
-        if nc is not None and not nc.is_closed:
-            try:
-                await nc.close()
-            except TRANSIENT as exc:
-                log.debug("registry %s: closing: %s", self.registry_id, exc)
+        if nc is not None:
+            await close_nats(nc, drain=False)
 
     async def _drain(self, sub: Subscription) -> None:
         """Unsubscribe and wait until the messages already delivered are handled."""
