@@ -8,6 +8,11 @@ one message each, and the rest of its free slots to the level that had work last
 steady stream needs no request per task. Only when it has fewer free slots than consumers
 does it hold more than it can run (one message per consumer at most); held messages are
 kept alive like running ones and start in priority order.
+
+A slot is a handler: it is taken when a task starts and given back when its handler has
+returned. How the attempt ended is then recorded and the message acked beside the next task
+(an fsynced write, the longest step of a short task), at most ``concurrency`` of them at
+once; the delivery stays in ``running`` meanwhile, its lease kept, until it is acked.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class TaskRunner:
         self._order = PriorityOrder()
         self._pullers: dict[tuple[str, Priority], Puller] = {}
         self._rotate = 0
+        self._settling = 0  # deliveries whose handler has returned, being recorded and acked
         self._busy = Priority.HIGH  # the level that had work last
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -191,7 +197,7 @@ class TaskRunner:
 
     async def _dispatch(self) -> None:
         while self.fetching:
-            free = self.concurrency - len(self.running)
+            free = self._free()
             self._wake.clear()
             if free <= 0:
                 await self._wake.wait()
@@ -204,6 +210,13 @@ class TaskRunner:
             # a request the server lost (a restart) never ends by itself: look again then
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 2 * _LINGER)
+
+    def _free(self) -> int:
+        """Slots free now: every delivery held takes one, but one whose handler has
+        returned (its end being recorded and acked) gives its slot to the next task, at
+        most ``concurrency`` of them: so handlers never outnumber the slots, and the
+        deliveries held never the slots twice over."""
+        return self.concurrency - len(self.running) + min(self._settling, self.concurrency)
 
     async def _linger(self, free: int) -> None:
         """Wait on the server for new tasks without asking for more than ``free``: one
@@ -418,6 +431,7 @@ class TaskRunner:
         ex = self._exec
         assert ex is not None
         assert self._owner is not None
+        settling = False
         try:
             if not await ex.begin(d, early=True):
                 return
@@ -449,9 +463,15 @@ class TaskRunner:
                 inner.cancel()
                 done, _ = await asyncio.wait({inner}, timeout=_GRACE)
                 self._abandon(d, inner)
+            if inner.done():  # its slot goes to the next task while the end is recorded
+                settling = True
+                self._settling += 1
+                self._wake.set()
             await self._ended(ex, d, self._settle(ex, d, inner, bool(done)))
             return
         finally:
+            if settling:
+                self._settling -= 1
             if d.abandoned:  # cancelled (the agent stops) while it waited: the claim lapses
                 self._unstick(d)
             self.running.pop(d.task_id, None)
