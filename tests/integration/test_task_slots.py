@@ -1,6 +1,7 @@
 """What an agent's task slots bound, on a real nats-server: handlers, never more than the
 slots; a task whose handler has returned gives its slot to the next while its end is
-recorded and acked (at most as many of those as slots)."""
+recorded and acked (at most as many of those as slots). And a claim taken beside the first
+read of a task's record is given back when the record says the task has ended."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 
 from reach import Agent, Client, ReachSettings, TaskState
-from reach._tasks.store import TaskStore
+from reach._tasks.refs import cancel_record
+from reach._tasks.store import TaskStore, idem_key
 from reach.testing import eventually
 
 from .task_helpers import stream_empty
@@ -102,3 +104,28 @@ async def test_tasks_being_recorded_never_outnumber_the_slots(settings: ReachSet
         await eventually(stream_empty(client, settings), timeout=30)
     assert sorted(handlers.runs) == [1, 2, 3]
     assert handlers.most == 1
+
+
+async def test_a_claim_taken_beside_the_record_read_is_released_when_the_task_has_ended(
+    settings: ReachSettings,
+):
+    """A task with a key whose first delivery finds it CANCELLED (a cancel cut short
+    before it removed the message): nothing runs, the message goes, and the key's run
+    claim, taken while the record was read, is not left to lapse."""
+    handlers = Handlers()
+    agent = Agent("slots", settings=settings)
+    handlers.serve(agent)
+    async with Client(settings=settings) as client:
+        ref = await client.submit(CAP, {"n": 1}, idempotency_key="slots-key")
+        store = client._tasks.store
+        await cancel_record(store, ref.task_id)  # the record only, as a cancel cut short
+        assert not await stream_empty(client, settings)()
+        async with agent:
+            await eventually(stream_empty(client, settings), timeout=30)
+            await eventually(lambda: agent.task_stats.running == 0, timeout=30)
+        assert await store.idem_get(idem_key("run", "slots-key")) is None
+        rec = await ref.status()
+    assert rec.state is S.CANCELLED
+    assert [s.state for s in rec.history] == [S.PENDING, S.CANCELLED]
+    assert handlers.runs == []
+    assert agent.task_stats.duplicates == 1
