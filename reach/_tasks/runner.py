@@ -3,7 +3,10 @@ every running task's lease (claim and ack timer) alive until its result is recor
 
 Priority is ours: one durable consumer per capability and priority, probed high before
 normal before low (with aging, ``states.PriorityOrder``), asking for no more messages than
-there are free slots. An idle runner leaves a lingering pull request on every consumer:
+there are free slots; a level found empty is probed again only after ``_EMPTY_FOR`` while
+lower levels keep the runner busy (a probe is a round trip the free slots wait on, and a
+steady backlog of normal tasks would otherwise pay one for the empty high level before
+every refill). An idle runner leaves a lingering pull request on every consumer:
 one message each, and the rest of its free slots to the level that had work last, so a
 steady stream needs no request per task. Only when it has fewer free slots than consumers
 does it hold more than it can run (one message per consumer at most); held messages are
@@ -58,6 +61,9 @@ _NOT_HERE_MAX = 30.0  # seconds at most before a task for another instance is lo
 #: in one write (PENDING, RUNNING, SUCCEEDED in its history)
 _RECORD_RUNNING_AFTER = 0.05
 _HAND_BACK = 5.0  # seconds a drain waits for handed-back tasks' records and naks
+#: seconds a level found empty is not probed again while the runner starts tasks of lower
+#: levels (a probe is a round trip the slots wait on); an idle runner lingers on it instead
+_EMPTY_FOR = 0.05
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 
 
@@ -242,7 +248,7 @@ class TaskRunner:
                 puller = self._pullers[(cap, level)]
                 msgs = puller.take(free - started)
                 if not msgs:
-                    if not puller.idle:
+                    if not puller.idle or puller.found_empty(_EMPTY_FOR):
                         all_probed = False
                         continue
                     msgs = await puller.probe(free - started)
