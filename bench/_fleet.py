@@ -225,11 +225,13 @@ async def interleaved(
     *,
     runs: Callable[[str, int], bool] = lambda name, n: True,
     before: Callable[[str], Awaitable[None]] | None = None,
+    after: Callable[[str, int, int], Awaitable[None]] | None = None,
     tolerated: Callable[[int, str, int, Exception], bool] = lambda r, name, n, exc: False,
 ) -> tuple[Rounds, Latencies]:
     """Each variant that ``runs`` at each number in flight, ``seconds`` each, once a round,
     the variants' order rotated each round (so none is always first after a change of
-    level); the rates by round and every latency. ``before(name)`` runs before each run; a
+    level); the rates by round and every latency. ``before(name)`` runs before each run,
+    ``after(name, n, calls)`` after each that ended (with how many calls it made); a
     run that raises ends the bench unless ``tolerated(round, name, n, exc)`` (then it is
     left out of that round)."""
     names = list(calls)
@@ -248,6 +250,8 @@ async def interleaved(
                     if not tolerated(r, name, n, exc):
                         raise
                     continue
+                if after is not None:
+                    await after(name, n, len(values))
                 rates[name][str(n)] = rate
                 lat[name].setdefault(str(n), []).extend(values)
         per_round.append(rates)

@@ -20,6 +20,21 @@ Variants (`--variants`, default all):
 With reach, one `client.request("bench.echo")` at a time is also timed, to report the added
 latency of one task over one request/reply (p50 at 1 in flight).
 
+Writes per task, for each variant and concurrency: what the server stored during the measured
+runs, divided by the tasks they completed. Read from the streams' state (`$JS.API.STREAM.LIST`:
+each stream's last sequence and message count) before and after each run, once the run's last
+acks have landed, so nothing is added to the path being timed and nothing in reach is counted
+by reach itself: a write no code path owns up to is counted all the same. With the shipped
+`sync_interval: always`, each stored write is an fsync, and one stream stores its writes one
+at a time. Columns: task messages (the work stream: a submit, a requeue), record writes
+(`KV_reach_tasks`), claims (`KV_reach_idem`: idempotency keys, run claims and their releases),
+other (any other file-storage stream: dead letters, advisories, taskiq's results), and acks
+(messages removed from the work stream: with work-queue retention an ack deletes its message).
+An ack stores no message, but nats-server 2.15 writes a delete tombstone for each removal it
+is asked for, and with `sync_interval: always` fsyncs it (500 acks, 511 fsync calls under
+strace), so the last column counts them too: fsyncs per task. Memory-storage streams (the
+agents' leases) are left out: nothing of theirs is fsynced.
+
 Rounds interleave the variants (rotating their order); ratios are computed within each
 round and the median over rounds is reported. 256-byte JSON bodies.
 
@@ -57,7 +72,9 @@ from _fleet import (
     whole_fleet,
 )
 from _tasks_baselines import (
+    BARE_STREAM,
     TASKIQ_POLL,
+    TASKIQ_STREAM,
     BareSubmitter,
     TaskiqSubmitter,
     run_bare_worker,
@@ -74,6 +91,80 @@ REQUEST = "request"  # reach request/reply to bench.echo, for the latency compar
 WORK = "bench.work"
 ECHO = "bench.echo"
 CONFIG = Path(__file__).resolve().parent.parent / "nats-server.conf"
+#: what each stream holds, for the writes per task (reach's names under the prefix "reach")
+ROLES = {
+    BARE_STREAM: "messages",
+    TASKIQ_STREAM: "messages",
+    "REACH_TASKS": "messages",
+    "KV_reach_tasks": "records",
+    "KV_reach_idem": "claims",
+}
+WRITE_COLUMNS = ("messages", "records", "claims", "other")
+SETTLE = 5.0  # s at most a run's last acks may take to land before its writes are read
+
+
+class Ledger:
+    """Stored writes per task, from the server's stream state read around each run.
+
+    ``before()`` and ``after(variant, n, tasks)`` bracket one timed run; ``after`` first
+    waits (up to ``SETTLE`` s) until the work streams hold no more messages than before,
+    so the acks of the run's last tasks, sent after their results, are in. Between runs
+    only: the timed path carries nothing extra.
+    """
+
+    def __init__(self, nc: Any) -> None:
+        self.js = nc.jetstream()
+        self.totals: dict[str, dict[str, dict[str, int]]] = {}
+        self._before: dict[str, tuple[int, int, str]] = {}
+
+    async def state(self) -> dict[str, tuple[int, int, str]]:
+        """Each stream's (last sequence, messages, storage)."""
+        return {
+            i.config.name or "": (i.state.last_seq, i.state.messages, str(i.config.storage))
+            for i in await self.js.streams_info()
+        }
+
+    async def before(self) -> None:
+        self._before = await self.state()
+
+    async def after(self, variant: str, n: int, tasks: int) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + SETTLE
+        while True:
+            now = await self.state()
+            held = [
+                name
+                for name, (_, msgs, _) in now.items()
+                if ROLES.get(name) == "messages" and msgs > self._before.get(name, (0, 0, ""))[1]
+            ]
+            if not held or loop.time() > until:
+                break
+            await asyncio.sleep(0.05)  # a bench waiting on the server, not a test
+        row = self.totals.setdefault(variant, {}).setdefault(
+            str(n), dict.fromkeys((*WRITE_COLUMNS, "acks", "tasks"), 0)
+        )
+        row["tasks"] += tasks
+        for name, (last, msgs, storage) in now.items():
+            last0, msgs0, _ = self._before.get(name, (0, 0, ""))
+            role = ROLES.get(name, "other")
+            if "memory" in storage.lower() and role == "other":
+                continue  # leases and such: not fsynced
+            row[role] += last - last0
+            if role == "messages":
+                row["acks"] += (last - last0) - (msgs - msgs0)
+
+    def per_task(self) -> dict[str, dict[str, dict[str, float]]]:
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for variant, by_level in self.totals.items():
+            for n, row in by_level.items():
+                if not row["tasks"]:
+                    continue
+                cells = {k: row[k] / row["tasks"] for k in (*WRITE_COLUMNS, "acks")}
+                cells["stored"] = sum(cells[k] for k in WRITE_COLUMNS)
+                cells["fsyncs"] = cells["stored"] + cells["acks"]
+                cells["tasks"] = row["tasks"]
+                out.setdefault(variant, {})[n] = cells
+        return out
 
 
 def run_agent(url: str, max_concurrency: int | None, ready: Any, stop: Any) -> None:
@@ -215,6 +306,9 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     out: dict[str, Any] = {"failures": [], "taskiq": {}}
     async with contextlib.AsyncExitStack() as stack:
         calls, taskiq = await submitters(args, url, stack)
+        stats_nc = await nats.connect(url)
+        stack.push_async_callback(stats_nc.close)
+        ledger = Ledger(stats_nc)
         taskiq_level: int | None = None
         if taskiq is not None:
             taskiq_level, out["taskiq"]["probe"] = await probe_taskiq(taskiq, calls["taskiq"], args)
@@ -231,6 +325,11 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
         async def settle(name: str) -> None:
             if name == "taskiq" and taskiq is not None:
                 await taskiq.settle()
+            await ledger.before()
+
+        async def counted(name: str, n: int, calls_made: int) -> None:
+            if name != REQUEST:
+                await ledger.after(name, n, calls_made)
 
         def tolerated(r: int, name: str, n: int, exc: Exception) -> bool:
             if name == "taskiq":
@@ -244,6 +343,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             args.seconds,
             runs=lambda name, n: runs_at(name, n, taskiq_level),
             before=settle,
+            after=counted,
             tolerated=tolerated,
         )
         if taskiq is not None:
@@ -251,6 +351,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     out["levels"] = levels
     out["rounds"] = per_round
+    out["writes"] = ledger.per_task()
     out["variants"] = summary(per_round, lat)
     out["ratios"] = {
         f"{a} / {b}": {str(n): median_ratio(per_round, a, b, str(n)) for n in levels}
@@ -269,6 +370,23 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 v["reach+key"]["1"]["p50_ms"] - v["reach"]["1"]["p50_ms"]
             )
     return out
+
+
+def writes_table(out: dict[str, Any]) -> str:
+    """Writes per task by variant and concurrency (``Ledger``)."""
+    rows = [
+        "| variant | in flight | task messages | record writes | claims | other"
+        " | stored writes | acks | **fsyncs** | tasks counted |",
+        "|---" * 10 + "|",
+    ]
+    for name, by_level in out["writes"].items():
+        for n, c in by_level.items():
+            cells = [f"{c[k]:.2f}" for k in (*WRITE_COLUMNS, "stored", "acks")]
+            rows.append(
+                f"| {name} | {n} | " + " | ".join(cells) + f" | **{c['fsyncs']:.2f}**"
+                f" | {c['tasks']:,.0f} |"
+            )
+    return "\n".join(rows)
 
 
 def report(out: dict[str, Any], args: argparse.Namespace, url: str) -> None:
@@ -304,6 +422,11 @@ def report(out: dict[str, Any], args: argparse.Namespace, url: str) -> None:
     print(rate_table(out, "tasks"))
     for what, ms in out.get("added_latency_ms", {}).items():
         print(f"added latency, {what}: {ms:+.2f} ms")
+    print()
+    print("writes per task in the measured runs, from the streams' state: each stored write is")
+    print("an fsync with sync_interval: always, and so is each ack (a delete tombstone):")
+    print()
+    print(writes_table(out))
 
 
 def main() -> int:

@@ -101,10 +101,30 @@ class Executor:
         in one write (its history still says PENDING, RUNNING, SUCCEEDED). Any write of
         this attempt creates the record, so if another wrote first (a cancel, a newer
         attempt) ours fails and the attempt is fenced.
+
+        A first delivery of a task with an idempotency key claims the key while its record
+        is read: one round trip before the handler, not two. The decisions are taken in
+        the same order as ever (the record first); a claim taken for a delivery that then
+        runs nothing (its task has ended: almost never on a first delivery) is given back.
         """
-        at = now_ms()
         try:
-            stored = await self.store.get(d.task_id)
+            ran = await self._begin(d, early)
+        except Exception:
+            await self.release(d)  # a claim taken for a run that does not start
+            raise
+        if not ran:
+            await self.release(d)  # likewise (a no-op when none is held)
+        return ran
+
+    async def _begin(self, d: Delivery, early: bool) -> bool:
+        at = now_ms()
+        #: the claim taken beside the read: None when there was none, else its outcome
+        ahead: bool | BaseException | None = None
+        try:
+            if d.sub.idempotency_key and d.msg.metadata.num_delivered == 1:
+                stored, ahead = await self._read_claiming(d)
+            else:
+                stored = await self.store.get(d.task_id)
         except CorruptRecord as exc:
             return await self.replace_undecodable(d, exc)
         for _ in range(8):
@@ -142,8 +162,15 @@ class Executor:
                     await self._put_back(d, self.settings.task_ack_wait / 3)
                     return False
                 rec = msgspec.structs.replace(rec, seq=seq)  # a republished message: ours
-            if not d.claim_rev and not await self._claim(d):
-                return False
+            if not d.claim_rev:
+                got = await self._claim(d) if ahead is None else ahead
+                ahead = None  # a later turn (the record changed) claims afresh
+                if isinstance(got, BaseException):
+                    raise got  # as the claim would have raised here
+                if not got:
+                    self.stats.claim_busy += 1
+                    await self._put_back(d, self.settings.task_ack_wait / 3)
+                    return False
             at = now_ms()
             steps: list[TaskState] = []
             attempts = list(rec.attempts)
@@ -289,9 +316,10 @@ class Executor:
 
     async def _claim(self, d: Delivery) -> bool:
         """Tasks with an idempotency key are claimed in ``reach_idem`` (create with TTL,
-        renewed while running). Without a key, JetStream's ack timer is the lease: a
-        message comes back only after its holder sent no ``in_progress`` for ack_wait,
-        and the attempt number fences the holder if it wakes up."""
+        renewed while running); False when another holds the claim. Without a key,
+        JetStream's ack timer is the lease: a message comes back only after its holder sent
+        no ``in_progress`` for ack_wait, and the attempt number fences the holder if it
+        wakes up."""
         if not d.sub.idempotency_key:
             return True
         value = f"{self.agent_id} {d.msg.metadata.num_delivered}".encode()
@@ -300,10 +328,20 @@ class Executor:
                 self.claim_key(d), value, self.settings.task_ack_wait
             )
         except Conflict:
-            self.stats.claim_busy += 1
-            await self._put_back(d, self.settings.task_ack_wait / 3)
             return False
         return True
+
+    async def _read_claiming(self, d: Delivery) -> tuple[Stored | None, bool | BaseException]:
+        """The record (raised: what reading it raised) and, at the same time, the claim
+        (its outcome, or what it raised: the caller raises that where it would have
+        claimed). Both have ended when this returns, so the claim is known to be held
+        (``d.claim_rev``) or not before anything is decided."""
+        read, claimed = await asyncio.gather(
+            self.store.get(d.task_id), self._claim(d), return_exceptions=True
+        )
+        if isinstance(read, BaseException):
+            raise read
+        return read, claimed
 
     async def renew(self, d: Delivery) -> bool:
         """Extend our claim (the ack timer is reset by the lease loop); False when we lost

@@ -46,6 +46,8 @@ class Puller:
         self._sub: Subscription | None = None
         self._opened_at = 0.0
         self._overdue = _PROBE_TIMEOUT
+        #: loop time its last probe found nothing; 0: a message came since
+        self._empty_at = 0.0
 
     async def open(self) -> None:
         self._sub = await self.nc.subscribe(self.inbox, cb=self._on_msg)
@@ -78,6 +80,7 @@ class Puller:
     async def _on_msg(self, msg: Msg) -> None:
         if msg.reply and msg.reply.startswith("$JS.ACK."):
             self.buffer.append(msg)
+            self._empty_at = 0.0
             self.outstanding = max(0, self.outstanding - 1)
             if self.outstanding == 0:
                 self._end()
@@ -119,7 +122,16 @@ class Puller:
             await asyncio.wait_for(asyncio.shield(ended), _PROBE_TIMEOUT)
         except TimeoutError:
             self._end()
-        return got + self.take(n - len(got))
+        found = self.take(n - len(got))
+        self._empty_at = 0.0 if found else asyncio.get_running_loop().time()
+        return got + found
+
+    def found_empty(self, within: float) -> bool:
+        """Whether a probe found nothing less than ``within`` seconds ago (and none found
+        anything since)."""
+        if not self._empty_at:
+            return False
+        return asyncio.get_running_loop().time() - self._empty_at < within
 
     async def linger(self, expires: float, batch: int = 1) -> None:
         """Open a request for up to ``batch`` messages, delivered as they come, for up to

@@ -2,8 +2,9 @@
 
 Their methods raise only ``ReachError``s (``faults.task_errors``). A waiting ref that
 hears of its task's end on its client's own subject (``own``) re-reads the record only in
-case that notice was lost, at most every 30 s; any other ref follows the record's KV watch,
-and polls every 5 s at most only while it cannot.
+case that notice was lost, at most every 30 s (a look sooner than ``FULL_LOOK`` reads the
+record alone: a task queued behind many others costs one read per look, not three); any
+other ref follows the record's KV watch, and polls every 5 s at most only while it cannot.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .states import advance
 from .store import Conflict, Stored, TaskStore, decode_record
 
 __all__ = [
+    "FULL_LOOK",
     "NOTICED_POLL_CAP",
     "UNNOTICED_POLL_CAP",
     "Batch",
@@ -57,6 +59,9 @@ NOTICED_POLL_CAP = 30.0
 #: ... and for one that is not, while it cannot follow the record's KV watch
 UNNOTICED_POLL_CAP = 5.0
 _FIRST_POLL = 0.2
+#: seconds apart at least for a waiter's look at its own task to find out whether the task
+#: still exists (its message, for a PENDING one); a quicker look reads the record alone
+FULL_LOOK = 5.0
 
 
 def _jitter() -> float:
@@ -229,10 +234,14 @@ class TaskRef:
         noticed = self._own
         delays = poll_delays(noticed=noticed)
         look = not noticed  # ours: the notice usually comes before a look
+        delay = 0.0
         while True:
             if look:
                 try:
-                    rec: TaskRecord | None = await self.status()
+                    # ours, looked at soon: only a lost notice matters, and the record
+                    # alone tells (one read; finding a PENDING task's message is two more)
+                    quick = noticed and delay < FULL_LOOK
+                    rec: TaskRecord | None = await (self._record() if quick else self.status())
                 except ConnectionFailed:
                     rec = None  # the server restarts: wait on, within the timeout
                 if rec is not None and rec.final:
@@ -245,9 +254,17 @@ class TaskRef:
                 elif rec is not None and not noticed:  # ours after all (client.task)
                     noticed, delays = True, poll_delays(noticed=True)
             look = True
-            done, _ = await asyncio.wait({fut}, timeout=next(delays))
+            delay = next(delays)
+            done, _ = await asyncio.wait({fut}, timeout=delay)
             if done:
                 return fut.result()
+
+    async def _record(self) -> TaskRecord | None:
+        """The record alone; None while there is none (the task is PENDING, or gone: only
+        ``status`` tells which)."""
+        with task_errors(f"task {self.task_id}"):
+            st = await self._tasks.store.get(self.task_id)
+        return st.record if st else None
 
     async def _watch_final(self) -> TaskRecord:
         async for rec in self.watch():

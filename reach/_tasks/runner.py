@@ -3,11 +3,19 @@ every running task's lease (claim and ack timer) alive until its result is recor
 
 Priority is ours: one durable consumer per capability and priority, probed high before
 normal before low (with aging, ``states.PriorityOrder``), asking for no more messages than
-there are free slots. An idle runner leaves a lingering pull request on every consumer:
+there are free slots; a level found empty is probed again only after ``_EMPTY_FOR`` while
+lower levels keep the runner busy (a probe is a round trip the free slots wait on, and a
+steady backlog of normal tasks would otherwise pay one for the empty high level before
+every refill). An idle runner leaves a lingering pull request on every consumer:
 one message each, and the rest of its free slots to the level that had work last, so a
 steady stream needs no request per task. Only when it has fewer free slots than consumers
 does it hold more than it can run (one message per consumer at most); held messages are
 kept alive like running ones and start in priority order.
+
+A slot is a handler: it is taken when a task starts and given back when its handler has
+returned. How the attempt ended is then recorded and the message acked beside the next task
+(an fsynced write, the longest step of a short task), at most ``concurrency`` of them at
+once; the delivery stays in ``running`` meanwhile, its lease kept, until it is acked.
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ _NOT_HERE_MAX = 30.0  # seconds at most before a task for another instance is lo
 #: in one write (PENDING, RUNNING, SUCCEEDED in its history)
 _RECORD_RUNNING_AFTER = 0.05
 _HAND_BACK = 5.0  # seconds a drain waits for handed-back tasks' records and naks
+#: seconds a level found empty is not probed again while the runner starts tasks of lower
+#: levels (a probe is a round trip the slots wait on); an idle runner lingers on it instead
+_EMPTY_FOR = 0.05
 _submit_decoder = msgspec.json.Decoder(TaskSubmit)
 
 
@@ -85,6 +96,7 @@ class TaskRunner:
         self._order = PriorityOrder()
         self._pullers: dict[tuple[str, Priority], Puller] = {}
         self._rotate = 0
+        self._settling = 0  # deliveries whose handler has returned, being recorded and acked
         self._busy = Priority.HIGH  # the level that had work last
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -193,7 +205,7 @@ class TaskRunner:
 
     async def _dispatch(self) -> None:
         while self.fetching:
-            free = self.concurrency - len(self.running)
+            free = self._free()
             self._wake.clear()
             if free <= 0:
                 await self._wake.wait()
@@ -206,6 +218,13 @@ class TaskRunner:
             # a request the server lost (a restart) never ends by itself: look again then
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 2 * _LINGER)
+
+    def _free(self) -> int:
+        """Slots free now: every delivery held takes one, but one whose handler has
+        returned (its end being recorded and acked) gives its slot to the next task, at
+        most ``concurrency`` of them: so handlers never outnumber the slots, and the
+        deliveries held never the slots twice over."""
+        return self.concurrency - len(self.running) + min(self._settling, self.concurrency)
 
     async def _linger(self, free: int) -> None:
         """Wait on the server for new tasks without asking for more than ``free``: one
@@ -231,7 +250,7 @@ class TaskRunner:
                 puller = self._pullers[(cap, level)]
                 msgs = puller.take(free - started)
                 if not msgs:
-                    if not puller.idle:
+                    if not puller.idle or puller.found_empty(_EMPTY_FOR):
                         all_probed = False
                         continue
                     msgs = await puller.probe(free - started)
@@ -423,6 +442,7 @@ class TaskRunner:
         ex = self._exec
         assert ex is not None
         assert self._owner is not None
+        settling = False
         try:
             if not await ex.begin(d, early=True):
                 return
@@ -454,9 +474,15 @@ class TaskRunner:
                 inner.cancel()
                 done, _ = await asyncio.wait({inner}, timeout=_GRACE)
                 self._abandon(d, inner)
+            if inner.done():  # its slot goes to the next task while the end is recorded
+                settling = True
+                self._settling += 1
+                self._wake.set()
             await self._ended(ex, d, self._settle(ex, d, inner, bool(done)))
             return
         finally:
+            if settling:
+                self._settling -= 1
             if d.abandoned:  # cancelled (the agent stops) while it waited: the claim lapses
                 self._unstick(d)
             self.running.pop(d.task_id, None)
