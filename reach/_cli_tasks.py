@@ -362,7 +362,8 @@ async def _dlq_replay(args: argparse.Namespace, settings: ReachSettings) -> int:
 
 async def _dlq_purge(args: argparse.Namespace, settings: ReachSettings) -> int:
     """Count first; remove only with ``--yes N``, N the count shown (so what goes is what
-    was seen: a count that changed meanwhile removes nothing)."""
+    was seen: a count that changed meanwhile removes nothing, and a letter stored after
+    the purge's own count stays, as the purge stops below it)."""
     what = f"of {args.capability}" if args.capability else "(tasks, callbacks and topics)"
     age = f" older than {args.older_than}" if args.older_than is not None else ""
     async with Client(settings=settings, name=_NAME) as client:

@@ -413,16 +413,28 @@ async def dead_letters_to_purge(
 
 
 async def purge_dead_letters(
-    store: TaskStore, capability: str | None = None, older_than: float | None = None
+    store: TaskStore,
+    capability: str | None = None,
+    older_than: float | None = None,
+    *,
+    expect: int | None = None,
 ) -> int:
-    """Remove the dead letters ``dead_letters_to_purge`` names, at once (one purge of the
-    DLQ stream, up to the newest of them: letters are stored in time order, so none newer
-    than the cutoff goes); how many the server removed."""
+    """Remove the dead letters ``dead_letters_to_purge`` names, at once: one purge of the
+    DLQ stream on their subject below the newest of them + 1, so a letter stored after the
+    scan (newer, so a higher sequence) stays; how many the server removed. ``expect``: the
+    count the caller was shown; when the scan finds another number, nothing is removed
+    (``ConfigurationError`` saying both). The one scan is both the check and the bound:
+    what goes is what was counted (or less, when some were replayed meanwhile)."""
     seqs = await dead_letters_to_purge(store, capability, older_than)
+    if expect is not None and len(seqs) != expect:
+        raise ConfigurationError(
+            f"{len(seqs)} dead letters match now, not the {expect} expected: nothing"
+            " purged; count again"
+        )
     if not seqs:
         return 0
     assert store.api is not None, "a purge goes through the store's JetStream API inbox"
-    upto = seqs[-1] + 1 if older_than is not None else 0  # up to, not including
+    upto = seqs[-1] + 1  # up to, not including: letters are stored in time order
     purged = await store.api.purge(store.dlq_stream, store.subjects.dlq(capability or ">"), upto)
     log.info("purged %d dead letters (%s)", purged, capability or "all")
     return purged

@@ -264,3 +264,56 @@ async def test_a_dead_letter_of_many_attempts_keeps_the_newest_attempts(settings
         [dl] = await client.dead_letters()
         assert 0 < len(dl.attempts) < 16
         assert dl.attempts == rec.attempts[-len(dl.attempts) :]
+
+
+async def test_a_purge_removes_what_was_counted_never_a_letter_stored_after(settings, monkeypatch):
+    """``purge_dead_letters(expect=n)``, and so ``reach dlq purge --yes n``, removes the
+    letters it counted and none stored after the count: a letter that arrives between the
+    count and the purge (here: right after the purge's own scan) stays, with and without
+    ``older_than``. A count that differs from ``expect`` removes nothing."""
+    from reach._tasks import admin
+
+    async with Client(settings=settings) as client:
+        store = await client._tasks.ready(client.nc)
+        js = client.nc.jetstream()
+        letter = store.subjects.dlq("bill.pay")
+
+        async def store_letter() -> int:
+            return (await js.publish(letter, b"{}", headers={"Reach-Dlq-Kind": "task"})).seq
+
+        for _ in range(3):
+            await store_letter()
+        shown = await client.count_dead_letters("bill.pay")
+        assert shown == 3
+        real_scan = admin.scan
+        late: list[int] = []
+        scans = 0
+
+        async def then_one_more(*args, **kwargs):
+            nonlocal scans
+            scans += 1
+            seen = await real_scan(*args, **kwargs)
+            late.append(await store_letter())  # a task gave up right after the scan
+            return seen
+
+        async def purge(*args, **kwargs) -> int:
+            """A purge during which a letter is stored after each of its scans."""
+            nonlocal scans
+            scans = 0
+            monkeypatch.setattr(admin, "scan", then_one_more)
+            try:
+                return await client.purge_dead_letters("bill.pay", *args, **kwargs)
+            finally:
+                monkeypatch.setattr(admin, "scan", real_scan)
+
+        async def left() -> list[int]:
+            return sorted(dl.seq for dl in await client.dead_letters("bill.pay"))
+
+        assert await purge(expect=shown) == 3
+        assert scans == 1, "the purge counted twice: a letter between the counts goes unseen"
+        assert await left() == late
+        assert await purge(0.0, expect=1) == 1  # with older_than: the same bound
+        assert await left() == late[1:]
+        with pytest.raises(ConfigurationError, match="1 dead letters match now, not the 2"):
+            await purge(expect=2)
+        assert await left() == late[1:]
