@@ -73,6 +73,7 @@ def agent_source(agent: Observed) -> Callable[[Emitter], None]:
         out.counter("reach_agent_schedule_firings", (name, "made"), t.fired)
         out.counter("reach_agent_schedule_firings", (name, "skipped"), t.firings_skipped)
         out.counter("reach_agent_schedule_firings", (name, "missed"), t.firings_missed)
+        out.counter("reach_agent_schedule_firings", (name, "dropped"), t.firings_dropped)
         out.counter("reach_agent_schedule_firings_late", (name,), t.fired_late)
         out.gauge("reach_agent_handlers_stuck", (name, "request"), s.stuck)
         out.gauge("reach_agent_handlers_stuck", (name, "task"), t.stuck)

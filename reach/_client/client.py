@@ -828,7 +828,8 @@ class Client:
         (``schedule`` names it), one per period, also for periods missed while the server
         was away. ``name`` is the schedule's identity: scheduling it again replaces it.
         ``overlap="skip"`` starts no period while the previous one is not final (it is
-        recorded CANCELLED, error ``skipped``). Returns the schedule with its next firing."""
+        recorded CANCELLED, error ``skipped``). A payload ``submit`` refuses is refused
+        here too (``PayloadTooLarge``). Returns the schedule with its next firing."""
         spec = periodic.spec_of(
             name,
             capability,
@@ -844,6 +845,7 @@ class Client:
             version=version,
             caller=self.name,
         )
+        self._tasks.check_size(self.nc, spec.payload)  # each period's task must fit, too
         with task_errors(f"schedule {name}"):
             return await periodic.define(await self._tasks.ready(self.nc), spec)
 

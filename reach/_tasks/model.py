@@ -125,6 +125,9 @@ class TaskStats:
     fired_late: int = 0
     firings_skipped: int = 0
     firings_missed: int = 0
+    #: firings dropped unhandled: a definition no firing can use, or a task JetStream
+    #: refuses for good (logged each time; not tried again)
+    firings_dropped: int = 0
 
 
 @dataclass(slots=True)

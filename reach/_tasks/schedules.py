@@ -48,7 +48,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from .._codec import encode_payload, now_ms
-from .._nats import TRANSIENT
+from .._nats import TOO_LARGE, TRANSIENT
 from .._subjects import validate_capability
 from ..errors import ConfigurationError, CorruptRecord
 from ..wire import ErrorBody, Priority
@@ -87,7 +87,12 @@ CATCH_UP = 100
 LATE_MS = 5000
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
 _STATE_TRIES = 8
-#: what a firing's handling may meet that another try can get past
+#: what a firing's handling may meet that no other try gets past: JetStream refused a
+#: write for good (400, e.g. a task over the stream's ``max_msg_size``; the CAS refusals
+#: are ``Conflict`` by then), or it is over the server's ``max_payload``
+_REFUSED: tuple[type[BaseException], ...] = (nats.js.errors.BadRequestError, TOO_LARGE)
+#: what a firing's handling may meet that another try can get past (checked after
+#: ``_REFUSED``, whose classes are among these)
 _TRIED_AGAIN: tuple[type[BaseException], ...] = (*TRANSIENT, Conflict, nats.js.errors.APIError)
 _decode = msgspec.json.Decoder(ScheduleSpec).decode
 _encode = msgspec.json.Encoder().encode
@@ -383,15 +388,23 @@ def is_firing(msg: Msg) -> bool:
 
 async def fire(ex: Executor, msg: Msg) -> None:
     """Turn one firing into the tasks of the periods it covers, then ack it. Put back
-    (to be tried again) when JetStream cannot answer; dropped (logged) when the stored
-    definition is one no firing can use (trying again would not change it)."""
+    (to be tried again) when JetStream cannot answer; dropped (logged, counted) when the
+    stored definition is one no firing can use, or JetStream refuses its task for good:
+    trying again would not change it, only repeat the refusal every second. The periods
+    it did not make stay uncovered, so the next firing tries them again."""
     try:
         await _fire(ex, msg)
+    except _REFUSED as exc:
+        ex.stats.firings_dropped += 1
+        log.error(
+            "schedule firing %s: dropped: JetStream refused it for good: %r", msg.subject, exc
+        )
     except _TRIED_AGAIN as exc:
         log.warning("schedule firing %s: not handled (%r); tried again", msg.subject, exc)
         await ex.hand_back(msg, 1.0)
         return
     except ConfigurationError as exc:
+        ex.stats.firings_dropped += 1
         log.error("schedule firing %s: dropped: %s", msg.subject, exc)
     await msg.ack()
 
@@ -406,6 +419,7 @@ async def _fire(ex: Executor, msg: Msg) -> None:
     try:
         spec = _decode(got.data)
     except msgspec.DecodeError:
+        stats.firings_dropped += 1
         log.error("schedule %r: its definition does not decode; firing dropped", name)
         return
     if spec.paused:

@@ -327,7 +327,7 @@ class Tasks:
     ) -> TaskRef:
         """Submit one task; tried again until ``until`` (monotonic; default: now plus
         ``task_patience``) while JetStream does not answer."""
-        self.check_size(nc, sub)
+        self.check_size(nc, sub.payload)
         store = await self.ready(nc)
         if sub.due_ms:
             with task_errors("task streams"):
@@ -385,20 +385,21 @@ class Tasks:
             )
 
     @staticmethod
-    def check_size(nc: NatsConnection, sub: TaskSubmit) -> None:
-        """Refuse a payload whose record could not be written (the task would never run)."""
+    def check_size(nc: NatsConnection, payload: bytes) -> None:
+        """Refuse a task payload whose record could not be written (the task would never
+        run): a submit's, and a periodic schedule's when it is defined."""
         max_payload = nc.max_payload
         if max_payload <= 0:
             return  # not told yet: the server refuses what is too big
-        encoded = (len(sub.payload) + 2) // 3 * 4
+        encoded = (len(payload) + 2) // 3 * 4
         if encoded + RECORD_OVERHEAD > max_payload // 2:
             limit = payload_limit(max_payload)
             raise PayloadTooLarge(
-                f"payload of {len(sub.payload)} bytes is too large for a task: at most"
+                f"payload of {len(payload)} bytes is too large for a task: at most"
                 f" {limit} bytes (its record holds it base64-encoded in"
                 f" half of the server's max_payload of {max_payload} bytes); pass a"
                 " reference to the data (an object store key, a URL) instead",
-                size=len(sub.payload),
+                size=len(payload),
                 limit=limit,
             )
 

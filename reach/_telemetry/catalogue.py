@@ -126,7 +126,9 @@ CATALOGUE: Final[dict[str, Spec]] = {
     "reach_agent_schedule_firings": Spec(
         "counter",
         "Periods of periodic schedules this agent handled, by outcome: made (a task),"
-        " skipped (overlap skip, or paused), missed (beyond the catch-up cap).",
+        " skipped (overlap skip, or paused), missed (beyond the catch-up cap); dropped"
+        " counts firings dropped unhandled (a definition no firing can use, or a task"
+        " JetStream refuses for good).",
         ("agent", "outcome"),
     ),
     "reach_agent_schedule_firings_late": Spec(

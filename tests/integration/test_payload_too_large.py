@@ -59,3 +59,8 @@ async def test_a_task_payload_too_large_for_its_record_raises_payload_too_large(
     assert info.value.code == "payload_too_large"
     batch = await reach_client.submit_batch("size.op", [b"x" * (limit + 3)])
     assert isinstance(batch.items[0], PayloadTooLarge)
+    # a periodic schedule's tasks are tasks: refused when it is defined, not at each firing
+    with pytest.raises(PayloadTooLarge) as info:
+        await reach_client.schedule("big", "size.op", b"x" * (limit + 3), every=60)
+    assert (info.value.size, info.value.limit) == (limit + 3, limit)
+    assert await reach_client.schedules() == []

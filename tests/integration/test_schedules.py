@@ -231,7 +231,8 @@ async def test_schedule_telemetry(reach_settings: ReachSettings) -> None:
 
 
 class _Firing:
-    """A firing of schedule ``name`` stored at ``at`` (what ``_fire`` reads of one)."""
+    """A firing of schedule ``name`` stored at ``at`` (what ``fire`` reads of one, and
+    how it settles it: acked, or naked to be tried again)."""
 
     def __init__(self, name: str, at_ms: int, subject: str = "") -> None:
         from types import SimpleNamespace
@@ -239,11 +240,17 @@ class _Firing:
         self.subject = subject or f"firing.{name}"
         self.headers = {"Reach-Schedule": name}
         stamp = datetime.datetime.fromtimestamp(at_ms / 1000, datetime.UTC)
-        self.metadata = SimpleNamespace(timestamp=stamp)
+        self.metadata = SimpleNamespace(
+            timestamp=stamp, num_delivered=1, sequence=SimpleNamespace(stream=1)
+        )
         self.acked = 0
+        self.naked = 0
 
     async def ack(self) -> None:
         self.acked += 1
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.naked += 1
 
 
 async def test_unschedule_while_a_firing_is_handled(reach_settings: ReachSettings) -> None:
@@ -333,3 +340,36 @@ async def test_a_firing_put_back_and_one_of_a_broken_definition(
         await sch.fire(ex, requeued)  # type: ignore[arg-type]
         assert requeued.acked == 1
         assert ex.stats.fired == 0
+
+
+async def test_a_firing_whose_task_is_refused_for_good_is_dropped_not_retried(
+    reach_settings: ReachSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A firing whose task JetStream refuses for good (400, here: the task message is over
+    the stream's max_msg_size, lowered after the schedule was stored) is dropped: acked,
+    logged once, counted (``outcome="dropped"``), never put back to be refused again
+    every second forever."""
+    from reach._tasks import schedules as sch
+    from reach._tasks.execute import Executor
+    from reach._tasks.model import TaskStats
+
+    async with Client(settings=reach_settings) as client:
+        info = await client.schedule("refused", "refused.cap", "x" * 4000, every=3600)
+        assert info.next_ms is not None
+        store = await client._tasks.ready(client.nc)
+        js = client.nc.jetstream()
+        config = (await js.stream_info(store.stream)).config
+        config.max_msg_size = 2048
+        await js.update_stream(config)
+        ex = Executor("refused-agent", client.nc, store, TaskStats())
+        firing = _Firing("refused", info.next_ms)
+        with caplog.at_level("WARNING", logger="reach.tasks"):
+            await sch.fire(ex, firing)  # type: ignore[arg-type]
+        assert (firing.acked, firing.naked) == (1, 0), "a refusal for good was put back"
+        assert (ex.stats.fired, ex.stats.firings_dropped, ex.stats.handed_back) == (0, 1, 0)
+        said = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert len(said) == 1, said
+        assert said[0].levelname == "ERROR"
+        config.max_msg_size = -1
+        await js.update_stream(config)
+        assert await client.unschedule("refused")
