@@ -94,7 +94,7 @@ async def read_counters(
 async def _tasks(client: Client, task_scan: int) -> tuple[TaskCensus | None, list[str]]:
     if task_scan <= 0:
         return None, []
-    store = TaskStore(client.nc.jetstream(), client.subjects, client.settings)
+    store = TaskStore(client.nc.jetstream(), client.subjects, client.settings, nc=client.nc)
     try:
         return await census(store, task_scan), []
     except TRANSIENT as exc:

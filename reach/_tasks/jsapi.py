@@ -11,14 +11,17 @@ callers need not care; a publish the server refused raises ``Unauthorized``.
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
+import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
 from .._inbox import Inbox
 from .._nats import NatsConnection
 
-__all__ = ["JsApi"]
+__all__ = ["JsApi", "direct_batch"]
 
 
 class _ApiError(msgspec.Struct):
@@ -101,3 +104,44 @@ class JsApi:
         if not msg.data and msg.headers and msg.headers.get("Status") in ("404", "408"):
             return None
         return msg
+
+
+async def direct_batch(
+    nc: NatsConnection,
+    stream: str,
+    subject: str,
+    *,
+    seq: int = 0,
+    batch: int = 1,
+    timeout: float = 5.0,
+) -> tuple[list[Msg], int]:
+    """Up to ``batch`` messages of ``stream`` on ``subject`` (wildcards allowed) from
+    sequence ``seq`` on, oldest first, in one batched direct get; and how many more match
+    after them (the server's ``Nats-Num-Pending``, counted from its subject index). So a
+    count crosses the wire as one message, however many match, and needs no consumer (a
+    work-queue stream takes none that does not ack). nats-py's ``get_msg`` asks for one
+    message and drops the count; the replies come on an inbox of their own, ended by
+    the server's ``204 EOB`` (``404``: none matches)."""
+    request: dict[str, object] = {"next_by_subj": subject, "batch": batch}
+    if seq:
+        request["seq"] = seq
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    got: list[Msg] = []
+    try:
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", msgspec.json.encode(request), inbox)
+        while True:
+            msg = await sub.next_msg(timeout)
+            headers = msg.headers or {}
+            status = headers.get("Status", "")
+            if not status:
+                got.append(msg)
+            elif status == "204":  # the end of the batch
+                return got, int(headers.get("Nats-Num-Pending", 0))
+            elif status == "404":
+                return got, 0
+            else:
+                nats.js.errors.APIError.from_msg(msg)  # raises it, typed
+    finally:
+        with contextlib.suppress(nats.errors.Error):  # closed: the subscription is gone
+            await sub.unsubscribe()

@@ -84,7 +84,7 @@ class TaskRecovery:
         self.subjects = subjects
         self.owner = owner
         self.stats = stats if stats is not None else RecoveryStats()
-        self.store = TaskStore(nc.jetstream(), subjects, settings)
+        self.store = TaskStore(nc.jetstream(), subjects, settings, nc=nc)
         self.stopping = asyncio.Event()
         self.sweeper = Sweeper(
             self.store,

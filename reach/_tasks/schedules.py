@@ -292,47 +292,44 @@ async def get_schedule(store: TaskStore, name: str) -> ScheduleInfo | None:
     return _info(got, spec, (await _covered(store, name)).last, now_ms())
 
 
-async def _definitions(store: TaskStore, limit: int) -> list[tuple[str, bool]]:
-    """(name, paused) of every definition, at most ``limit``: direct gets walking the
-    stream (a work-queue stream takes no consumer without acks, so no scan)."""
-    out: list[tuple[str, bool]] = []
-    seq = 0
-    while len(out) < limit:
-        try:
-            raw = await store.js.get_msg(
-                store.stream, seq=seq + 1, subject=store.subjects.schedules(), next=True
-            )
-        except nats.js.errors.NotFoundError:
+async def _definitions(store: TaskStore, limit: int) -> dict[str, bool]:
+    """name -> paused, of every definition (at most ``limit`` names), read in pages of
+    batched direct gets (a work-queue stream takes no consumer without acks, so no
+    headers-only scan). A name with two messages (writers raced a rollup) is counted
+    once, as its newest says."""
+    out: dict[str, bool] = {}
+    async for got in store.each_on(store.subjects.schedules()):
+        name = got.headers.get(SCHEDULE_NAME, "")
+        if not _NAME.fullmatch(name):
+            continue
+        if name not in out and len(out) >= limit:
             break
-        seq = int(raw.seq or seq + 1)
-        headers = raw.headers or {}
-        name = headers.get(SCHEDULE_NAME, "")
-        if _NAME.fullmatch(name) and all(n != name for n, _ in out):
-            out.append((name, "Nats-Schedule" not in headers))
+        out[name] = "Nats-Schedule" not in got.headers
     return out
 
 
 async def list_schedules(store: TaskStore, limit: int = 1000) -> list[ScheduleInfo]:
     """Every schedule, by name (at most ``limit``)."""
     out: list[ScheduleInfo] = []
-    for name, _ in await _definitions(store, limit):
+    for name in sorted(await _definitions(store, limit)):
         info = await get_schedule(store, name)
         if info is not None:
             out.append(info)
-    return sorted(out, key=lambda i: i.name)
+    return out
 
 
 async def count_schedules(store: TaskStore, limit: int = 10_000) -> dict[str, int]:
-    """Schedules by state (``active``, ``paused``), from their definitions' headers."""
+    """Schedules by state (``active``, ``paused``), from their definitions' headers (a
+    page of definitions to a request)."""
     found = await _definitions(store, limit)
-    paused = sum(1 for _, p in found if p)
+    paused = sum(found.values())
     return {"active": len(found) - paused, "paused": paused}
 
 
 async def count_scheduled(store: TaskStore) -> int:
-    """Delayed tasks (and retries later) the server holds now: one schedule message each."""
-    info = await store.js.stream_info(store.stream, subjects_filter=store.subjects.task_at_all())
-    return sum((info.state.subjects or {}).values())
+    """Delayed tasks (and retries later) the server holds now: one schedule message each,
+    counted by the server (one message read, however many wait)."""
+    return await store.count(store.subjects.task_at_all())
 
 
 async def remove(store: TaskStore, name: str) -> bool:

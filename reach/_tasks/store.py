@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import hashlib
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
@@ -31,12 +32,13 @@ from nats.js.api import (
 from .. import _kv
 from .._codec import now_ms
 from .._kv import KV_OP, MARKER_REASON, Conflict, JsErrorCode, bind_bucket, check_replicas
+from .._nats import NatsConnection
 from .._subjects import Subjects
 from ..errors import ConfigurationError, CorruptRecord
 from ..settings import ReachSettings
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
-from .jsapi import JsApi
+from .jsapi import JsApi, direct_batch
 from .states import advance
 
 __all__ = [
@@ -209,10 +211,15 @@ class TaskStore:
         subjects: Subjects,
         settings: ReachSettings,
         api: JsApi | None = None,
+        *,
+        nc: NatsConnection | None = None,
     ) -> None:
         self.js = js
         #: the fast path for record reads and writes (nats-py's js calls otherwise)
         self.api = api
+        #: the connection, for what nats-py's JetStream API cannot ask (``count``); the
+        #: API's when not given
+        self.nc = nc if nc is not None else api.nc if api is not None else None
         self.subjects = subjects
         self.settings = settings
         upper = subjects.prefix.replace(".", "_").upper()
@@ -490,6 +497,31 @@ class TaskStore:
         """A JetStream publish on the fast path; the stream sequence."""
         with _kv.conflicts(subject):
             return await self._send(subject, data, headers)
+
+    async def count(self, subject: str) -> int:
+        """How many messages the task stream holds on ``subject`` (wildcards allowed),
+        as the server counts them: one message crosses the wire, whatever the number."""
+        got, more = await direct_batch(self._conn(), self.stream, subject)
+        return len(got) + more
+
+    async def each_on(self, subject: str, page: int = 256) -> AsyncIterator[Got]:
+        """Every message of the task stream on ``subject``, oldest first, ``page`` to a
+        request (batched direct gets: a work-queue stream takes no scanning consumer)."""
+        seq = 0
+        while True:
+            got, more = await direct_batch(
+                self._conn(), self.stream, subject, seq=seq + 1, batch=page
+            )
+            for msg in got:
+                headers = dict(msg.headers or {})
+                seq = int(headers.get("Nats-Sequence", seq + 1))
+                yield Got(msg.data, headers, seq, headers.get("Nats-Subject", ""))
+            if not got or not more:
+                return
+
+    def _conn(self) -> NatsConnection:
+        assert self.nc is not None, "a TaskStore made without a connection (nc=) cannot count"
+        return self.nc
 
     async def last_on(self, subject: str) -> Got | None:
         """The newest message of the task stream on ``subject`` (wildcards allowed)."""

@@ -373,3 +373,61 @@ async def test_a_firing_whose_task_is_refused_for_good_is_dropped_not_retried(
         config.max_msg_size = -1
         await js.update_stream(config)
         assert await client.unschedule("refused")
+
+
+async def test_counting_schedules_and_delayed_tasks_costs_a_few_requests(
+    reach_settings: ReachSettings,
+) -> None:
+    """What each sweep exports (``reach_tasks{state="SCHEDULED"}``, ``reach_schedules``)
+    and ``reach status`` shows is counted by the server: not from a subject map with one
+    entry per waiting task (STREAM.INFO's, which the server cuts at 100,000 subjects, so
+    the count was short beyond), nor with one direct get per schedule definition. Measured
+    on a connection of its own: a few requests and a few KB, however many there are; the
+    counts are exact (a paused definition counted once, as paused)."""
+    import nats
+
+    from reach._tasks.counts import census
+    from reach._tasks.schedules import count_scheduled, count_schedules
+    from reach._tasks.store import TaskStore
+    from reach._tasks.submit import publish_task
+
+    waiting, active, paused = 2000, 40, 20
+    async with Client(settings=reach_settings) as client:
+        store = await client._tasks.ready(client.nc)
+        await store.ensure_schedules()
+        due = int(datetime.datetime.now(datetime.UTC).timestamp() * 1000) + 3_600_000
+        spec = {
+            "priority": "normal",
+            "timeout": None,
+            "max_attempts": None,
+            "idempotency_key": None,
+            "callback": None,
+            "required_tags": (),
+            "version": None,
+            "due_ms": due,
+        }
+        subs = [client._tasks.spec("count.later", {"n": n}, **spec) for n in range(waiting)]
+        for i in range(0, waiting, 200):
+            await asyncio.gather(*(publish_task(store, s) for s in subs[i : i + 200]))
+        for n in range(active + paused):
+            await client.schedule(f"s{n}", "count.cap", None, every=3600)
+        for n in range(paused):
+            await client.pause_schedule(f"s{n}")
+        nc = await nats.connect(reach_settings.nats_url)
+        try:
+            counting = TaskStore(nc.jetstream(), client.subjects, reach_settings, nc=nc)
+            before = dict(nc.stats)
+            assert await count_scheduled(counting) == waiting
+            got = nc.stats["in_bytes"] - before["in_bytes"]
+            assert got < 8_000, f"{got} bytes read to count {waiting} delayed tasks"
+            before = dict(nc.stats)
+            assert await count_schedules(counting) == {"active": active, "paused": paused}
+            asked = nc.stats["out_msgs"] - before["out_msgs"]
+            assert asked <= 3, f"{asked} requests to count {active + paused} schedules"
+            taken = await census(counting)
+            assert taken is not None
+            assert (taken.scheduled, taken.schedules) == (waiting, active + paused)
+        finally:
+            await nc.close()
+        for n in range(active + paused):
+            assert await client.unschedule(f"s{n}")
