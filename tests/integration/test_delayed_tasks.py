@@ -6,6 +6,7 @@ delivery."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 from typing import Any
@@ -39,8 +40,9 @@ def starts_agent(settings: ReachSettings, cap: str, starts: list[tuple[str, int]
 
 async def test_delayed_task_runs_at_its_due_time(reach_settings: ReachSettings) -> None:
     """PROTOCOL 8.8 promise 8 (not before its due time): a task delayed by 2 s is
-    SCHEDULED (due shown) at once, runs no earlier than 2 s after the submit and within
-    1 s after its due time; its record says when it was due."""
+    SCHEDULED (due shown) at once, runs no earlier than 2 s after the submit (and runs:
+    the 30 s wait for its result only guards against a hang); its record says when it
+    was due."""
     starts: list[tuple[str, int]] = []
     async with (
         starts_agent(reach_settings, "delay.op", starts),
@@ -53,11 +55,11 @@ async def test_delayed_task_runs_at_its_due_time(reach_settings: ReachSettings) 
         assert before + 2000 <= rec.due_ms <= _ms() + 2000
         listed = await client.list_tasks(state="scheduled")
         assert [r.task_id for r in listed] == [ref.task_id]
-        assert await ref.result(timeout=10) == {"n": 1}
+        assert await ref.result(timeout=30) == {"n": 1}
         ((task_id, started),) = starts
         assert task_id == ref.task_id
         assert started >= before + 2000, "ran before its delay was over"
-        assert started <= rec.due_ms + 1000, f"ran {started - rec.due_ms} ms after its due time"
+        assert started >= rec.due_ms, "ran before its due time"
         done = await ref.status()
         assert done.due_ms == rec.due_ms
         assert [s.state for s in done.history] == [S.PENDING, S.RUNNING, S.SUCCEEDED]
@@ -121,21 +123,21 @@ async def test_retry_later_reruns_after_the_delay(reach_settings: ReachSettings)
     async with agent, Client(settings=reach_settings) as client:
         ref = await client.submit("later.op", None)
         waiting = None
-        async for rec in ref.watch():
-            if rec.state is S.RETRYING:
-                waiting = rec
-            if rec.final:
-                break
+        async with asyncio.timeout(30):  # a hang guard only
+            async for rec in ref.watch():
+                if rec.state is S.RETRYING:
+                    waiting = rec
+                if rec.final:
+                    break
         assert waiting is not None
         assert waiting.error is not None
         assert waiting.error.code == "retry_later"
         assert waiting.error.message == "rate limited"
-        assert await ref.result(timeout=10) == "done"
+        assert await ref.result(timeout=30) == "done"
         (a1, t1), (a2, t2) = runs
         assert (a1, a2) == (1, 2)
         assert waiting.due_ms - t1 >= 1000
-        assert t2 >= waiting.due_ms
-        assert t2 - waiting.due_ms <= 1000
+        assert t2 >= waiting.due_ms, "ran again before the retry's due time"
         stats = agent.task_stats
         assert (stats.redelivered, stats.handed_back) == (0, 0), "a retry later spent a delivery"
         rec = await ref.status()

@@ -50,7 +50,7 @@ async def own_server() -> AsyncIterator[NatsServer]:
 
 async def test_every_second_across_a_server_restart(own_server: NatsServer) -> None:
     """PROTOCOL 8.8 promise 9 (one task per period, a missed period made up): an every=1s
-    schedule over 10 s gives 10 (+-1) periods, each run once, across a server restart in
+    schedule over 10 s gives its 10 periods, each run once, across a server restart in
     the middle: the periods the server missed while it was away are
     made up from the next firing, and no period runs twice."""
     settings = ReachSettings(nats_url=own_server.url, subject_prefix=unique_prefix())
@@ -73,7 +73,6 @@ async def test_every_second_across_a_server_restart(own_server: NatsServer) -> N
         ids = [t for t, _ in runs.of("tick")]
         assert len(ids) == len(set(ids)), f"a period ran twice: {Counter(ids).most_common(3)}"
         dues = sorted(due for _, due in runs.of("tick") if due <= end)
-        assert 9 <= len(dues) <= 11, dues
         assert dues == list(range(first, end + 1, 1000)), "a period was missed"
         assert all(t == f"tick_{due // 1000}" for t, due in runs.of("tick"))
         rec = await client.task_record(ids[0])
