@@ -30,8 +30,13 @@ async def reach_cli(settings, *args, timeout=60):
         stderr=asyncio.subprocess.PIPE,
         env=env,
     )
-    async with asyncio.timeout(timeout):
-        out, err = await proc.communicate()
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        proc.kill()  # a hung command fails its test without outliving it
+        await proc.wait()
+        raise
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -190,3 +195,24 @@ async def test_a_task_record_that_does_not_decode_is_shown_as_corrupt_record(set
         code, out, err = await reach_cli(settings, "tasks", "--json")
         assert code == 0, err
         assert [r["task_id"] for r in json.loads(out)] == [other.task_id]
+
+
+async def test_submit_wait_gives_up_after_wait_timeout_and_the_task_goes_on(settings):
+    """docs/cli.md: `--wait` waits at most `--wait-timeout` seconds (60 by default), then
+    says so (timeout, exit 1) while the task itself goes on. Nobody serves the task, so
+    only the option can end the wait: the process must end within 30 s (the hang guard,
+    half the default), and not before the second it was given."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    code, out, err = await reach_cli(
+        settings, "submit", "cli.unserved", "{}", "--wait", "--wait-timeout", "1", timeout=30
+    )
+    took = loop.time() - began
+    assert code == 1, (out, err)
+    assert "timeout" in err
+    assert "did not finish within 1.0s (it goes on)" in err
+    assert took >= 1.0
+    task_id = err.split("# task ", 1)[1].split()[0]
+    async with Client(settings=settings) as client:
+        assert (await client.task_record(task_id)).state is TaskState.PENDING
+        await (await client.task(task_id)).cancel()

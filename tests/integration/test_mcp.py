@@ -23,10 +23,10 @@ from mcp import Client as McpClient
 from mcp import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
-from reach import Agent, ReachSettings
+from reach import Agent, Client, ReachSettings, Registry
 from reach.testing import eventually
 
-from ..demo_fleet import CAPABILITIES, TASKS, demo_fleet
+from ..demo_fleet import CAPABILITIES, TASKS, demo_fleet, listed
 from .registry_wire import fast_settings
 from .test_fleet_view import reach_cli
 
@@ -257,3 +257,50 @@ async def test_reach_mcp_over_http_without_tokens_stays_on_loopback(
     code, _, err = await reach_cli(settings, "mcp", "--http", "--host", "0.0.0.0")
     assert code == 2
     assert "no REACH_GATEWAY_TOKENS set and host '0.0.0.0' is not loopback" in err
+
+
+async def test_a_task_tool_waits_at_most_task_wait_then_answers_with_the_task_id(
+    settings: ReachSettings,
+) -> None:
+    """docs/mcp.md: a task tool called with ``wait`` waits at most ``--task-wait`` seconds
+    (300 by default), then answers with the task id while the task goes on. The task here
+    runs until the test lets it end, so only the option ends the wait: the call must
+    answer within 30 s (the hang guard), and not before the second it was given."""
+    hold = asyncio.Event()
+    agent = Agent("holder", settings=settings)
+
+    @agent.task("hold.task")
+    async def held(payload: dict) -> dict:
+        await hold.wait()
+        return {"done": True}
+
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "reach.cli", "mcp", "--task-wait", "1"],
+        env=reach_env(settings),
+    )
+    async with Registry(settings=settings), agent, Client(settings=settings) as client:
+        await listed(client, agent)
+        async with McpClient(params, mode="legacy") as mcp:
+
+            async def offered() -> bool:
+                tools = await mcp.list_tools(cache_mode="bypass")
+                return "hold.task" in {t.name for t in tools.tools}
+
+            await eventually(offered, timeout=30)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            async with asyncio.timeout(30):
+                ran = await mcp.call_tool("hold.task", {"payload": {}})
+            took = loop.time() - began
+            assert not ran.is_error, ran
+            assert ran.structured_content is not None
+            task_id = ran.structured_content["task_id"]
+            assert ran.structured_content["uri"] == f"reach://tasks/{task_id}"
+            assert ran.structured_content["state"] in ("PENDING", "RUNNING")
+            first = ran.content[0]
+            assert isinstance(first, types.TextContent)
+            assert "after 1s; it goes on" in first.text
+            assert took >= 1.0
+            hold.set()
+            assert await (await client.task(task_id)).result(timeout=30) == {"done": True}
