@@ -360,3 +360,47 @@ async def test_a_requeued_message_does_not_take_over_a_running_attempt(
         assert [a.outcome for a in rec.attempts] == ["running"]
         assert other.stats.handed_back == 1
         await ref.cancel()
+
+
+async def test_a_waiting_task_is_never_scheduled_in_its_record(
+    reach_settings: ReachSettings,
+) -> None:
+    """PROTOCOL 8.3: SCHEDULED is never written in a record (agents of earlier versions
+    would not decode it). While a delayed task waits, with an agent of its capability up,
+    the ``<prefix>_tasks`` bucket has no key for it: the schedule message is its state. A
+    cancel before its due time writes its first record, holding only CANCELLED. A task
+    waiting for a retry later is RETRYING in its record, and no revision of the key ever
+    says SCHEDULED."""
+    import msgspec
+    import nats.js.errors
+
+    from reach.wire.tasks import TaskRecord
+
+    agent = Agent("kv-watcher", settings=reach_settings)
+
+    @agent.task("delay.kv")
+    async def op(payload: Any) -> Any:
+        raise reach.RetryLater(after=3600)
+
+    async with agent, Client(settings=reach_settings) as client:
+        store = await client._tasks.ready(client.nc)
+        kv = await client.nc.jetstream().key_value(store.bucket)
+        delayed = await client.submit("delay.kv", {"n": 1}, delay=3600)
+        assert (await delayed.status()).state is S.SCHEDULED
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get(delayed.task_id)
+        assert (await delayed.cancel()).state is S.CANCELLED
+        cancelled = msgspec.json.decode((await kv.get(delayed.task_id)).value, type=TaskRecord)
+        assert [h.state for h in cancelled.history] == [S.CANCELLED]
+
+        later = await client.submit("delay.kv", {"n": 2})
+
+        async def waiting() -> bool:
+            return (await later.status()).state is S.RETRYING
+
+        await eventually(waiting, timeout=30)
+        revisions = await kv.history(later.task_id)
+        states = [msgspec.json.decode(e.value, type=TaskRecord).state for e in revisions]
+        assert states[-1] is S.RETRYING
+        assert S.SCHEDULED not in states, states
+        await later.cancel()

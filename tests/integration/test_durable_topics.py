@@ -489,3 +489,34 @@ async def test_next_without_a_timeout_waits_for_a_message(settings):
             await client.publish("feed.a", {"n": 1}, durable=True)
             async with asyncio.timeout(20):
                 assert (await waiting).json() == {"n": 1}
+
+
+async def test_a_message_past_max_deliver_is_dead_lettered_by_the_next_instance(settings):
+    """sdk/PROTOCOL.md (durable topics, step 1): the server never gives up on a message
+    (the consumer's ``max_deliver`` is -1), the agents count: a message delivered
+    ``topic_max_deliver`` times to instances that never settled it (here taken and
+    put back by hand, as instances that died holding it) is delivered again, and the next
+    instance dead-letters it (reason ``max_deliveries``) without running its handler."""
+    from reach._topics.store import consumer_name, stream_name
+
+    seen: list[int] = []
+    async with Client(settings=settings) as client:
+        async with sensor_alarm(settings, seen):
+            pass  # its consumer is made: it keeps what is published from now on
+        await publish_all(client, [9], topic="sensor.gone")
+        js = client.nc.jetstream()
+        stream, name = stream_name(client.subjects), consumer_name("alarm", "sensor.>")
+        assert (await js.consumer_info(stream, name)).config.max_deliver == -1
+        held = await js.pull_subscribe_bind(durable=name, stream=stream)
+        for n in range(1, settings.topic_max_deliver + 1):
+            (msg,) = await held.fetch(1, timeout=10)
+            assert (msg.metadata.num_delivered, msg.data) == (n, b'{"n":9}')
+            await msg.nak()  # not settled: delivered again
+        await held.unsubscribe()
+        async with sensor_alarm(settings, seen) as again:
+            cells = again.topic_cells()["sensor.>"]
+            await eventually(lambda: cells.dead_lettered == 1, timeout=20)
+        assert seen == [], "a message past topic_max_deliver was run"
+        [letter] = await client.dead_letters(topic="sensor.>")
+        assert (letter.kind, letter.topic) == ("topic", "sensor.gone")
+        assert letter.reason == "max_deliveries"

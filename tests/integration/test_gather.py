@@ -275,3 +275,39 @@ def test_reach_call_takes_all_or_one_agent_not_both(capsys):
     assert exc.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
     assert json.loads(build_parser().parse_args(["call", "--all", CAP]).payload) is None
+
+
+async def test_unknown_and_down_instances_are_named_not_asked(nats_server):
+    """gather.py, docs/calling.md: UNKNOWN and DOWN instances are not asked, and the
+    result names them under ``skipped`` with their status, so that a missing answer is
+    never silent. One instance froze (its connection is up; it neither heartbeats nor
+    answers: UNKNOWN while the registry's probe waits), one is gone (DOWN, kept by a long
+    ``down_grace``); neither is asked, both are named, the live one answers."""
+    settings = fast_settings(nats_server.url, probe_timeout=60.0, down_grace=60.0)
+    frozen = await nats.connect(settings.nats_url)
+    try:
+        asked: list[str] = []
+
+        async def record(msg) -> None:
+            asked.append(msg.subject)
+
+        await frozen.subscribe(f"{settings.subject_prefix}.agent.frozen-1.>", cb=record)
+        await frozen.flush()
+        async with (
+            Registry(settings=settings),
+            Client(settings=settings) as client,
+            inspector(settings, "live-1"),
+        ):
+            reply = await register(frozen, settings, info("frozen-1", capability=CAP))
+            assert not reply.headers or ERROR not in reply.headers, reply.headers
+            await dead_instance(settings, "dead-1")
+            await wait_status(client, "live-1", Status.UP)
+            await wait_status(client, "frozen-1", Status.UNKNOWN)
+            await wait_status(client, "dead-1", Status.DOWN)
+            result = await client.gather(CAP, {"machine": 5}, timeout=5.0)
+        assert list(result) == ["live-1"]
+        assert list(result.replies) == ["live-1"]
+        assert result.skipped == {"dead-1": "is DOWN", "frozen-1": "is UNKNOWN"}
+        assert [s for s in asked if not s.endswith(".$ping")] == [], "a frozen one was asked"
+    finally:
+        await frozen.close()

@@ -430,3 +430,54 @@ async def test_counting_schedules_and_delayed_tasks_costs_a_few_requests(
             await nc.close()
         for n in range(active + paused):
             assert await client.unschedule(f"s{n}")
+
+
+async def test_two_agents_serving_a_schedule_make_one_task_per_period(
+    reach_settings: ReachSettings,
+) -> None:
+    """docs/schedules.md "Exactly once per period": with two agents serving the schedule
+    at once, each period is one task, run once. First forced: once three periods are
+    due, two agents handle the same firing at the same time (both read what was covered
+    before either writes, and both publish each period's task): each of the three
+    periods has one task message (its id is the message id). Then live: two agents take an every=1s
+    schedule's firings for four periods; each period runs once, none is missed."""
+    from reach._tasks import schedules as sch
+    from reach._tasks.execute import Executor
+    from reach._tasks.model import TaskStats
+
+    async with Client(settings=reach_settings) as client:
+        info = await client.schedule("pair", "pair.idle", None, every=1)  # nobody serves it
+        assert info.next_ms is not None
+        store = await client._tasks.ready(client.nc)
+        fired = store.subjects.schedule_fire("pair", "pair.idle", "normal")
+
+        async def three_due() -> bool:  # the server fired them: their tasks go out at once
+            return await store.count(fired) >= 3
+
+        await eventually(three_due, timeout=30)
+        a = Executor("agent-a", client.nc, store, TaskStats())
+        b = Executor("agent-b", client.nc, store, TaskStats())
+        firing = _Firing("pair", info.next_ms + 2000)
+        await asyncio.gather(sch._fire(a, firing), sch._fire(b, firing))  # type: ignore[arg-type]
+        assert await client.unschedule("pair")
+        for due in range(info.next_ms, info.next_ms + 2001, 1000):
+            task_id = sch.firing_id("pair", due)
+            assert await store.count(store.subjects.task_lookup(task_id)) == 1, task_id
+        assert a.stats.fired + b.stats.fired >= 3
+
+    runs = Runs()
+    async with (
+        runs.agent(reach_settings, "pair.cap"),
+        runs.agent(reach_settings, "pair.cap"),
+        Client(settings=reach_settings) as client,
+    ):
+        info = await client.schedule("live", "pair.cap", None, every=1)
+        first = info.next_ms
+        assert first is not None
+        end = first + 3000
+        await eventually(lambda: any(due >= end for _, due in runs.of("live")), timeout=30)
+        assert await client.unschedule("live")
+        ids = [t for t, _ in runs.of("live")]
+        assert len(ids) == len(set(ids)), f"a period ran twice: {Counter(ids).most_common(3)}"
+        dues = sorted(due for _, due in runs.of("live") if due <= end)
+        assert dues == list(range(first, end + 1, 1000)), "a period was missed"
