@@ -14,11 +14,12 @@ from __future__ import annotations
 import msgspec
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from .._inbox import Inbox
 from .._nats import NatsConnection
 
-__all__ = ["JsApi"]
+__all__ = ["JsApi", "js_publish"]
 
 
 class _ApiError(msgspec.Struct):
@@ -101,3 +102,19 @@ class JsApi:
         if not msg.data and msg.headers and msg.headers.get("Status") in ("404", "408"):
             return None
         return msg
+
+
+async def js_publish(
+    js: JetStreamContext,
+    api: JsApi | None,
+    subject: str,
+    data: bytes,
+    headers: dict[str, str] | None,
+) -> int:
+    """A JetStream publish through ``api`` (the request inbox) when there is one, else
+    through nats-py's ``js.publish``; the stream sequence. The one publish of the task and
+    topic stores."""
+    if api is not None:
+        return await api.publish(subject, data, headers)
+    ack = await js.publish(subject, data, headers=headers)
+    return int(ack.seq)

@@ -22,15 +22,16 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from .._nats import TRANSIENT, NatsConnection
+from .jsapi import JsApi
 
-__all__ = ["Puller"]
+__all__ = ["Puller", "close_pulling", "keep_alive", "settle"]
 
 log = logging.getLogger("reach.tasks")
 
@@ -229,3 +230,33 @@ class Puller:
         while self.buffer and len(got) < n:
             got.append(self.buffer.popleft())
         return got
+
+
+async def settle(op: Awaitable[None], what: str) -> bool:
+    """An ack, nak, term or in_progress of a pulled message; False when it could not be
+    sent (the message comes back after its ack timer, or was settled already)."""
+    try:
+        await op
+    except TRANSIENT as exc:
+        log.debug("%s: %s", what, exc)
+        return False
+    return True
+
+
+async def keep_alive(msgs: Iterable[Msg]) -> None:
+    """Reset the ack timer of every message held (all at once: one slow call must not let
+    another lapse)."""
+    await asyncio.gather(*(settle(m.in_progress(), "in_progress") for m in msgs))
+
+
+async def close_pulling(pullers: Iterable[Puller], api: JsApi | None, what: str) -> None:
+    """After the runner's background coroutines are cancelled: stop listening on every
+    puller, then close the runner's request inbox (a connection gone already is no
+    fault)."""
+    for puller in pullers:
+        await puller.close()
+    if api is not None:
+        try:
+            await api.close()
+        except TRANSIENT as exc:
+            log.debug("%s: %s", what, exc)

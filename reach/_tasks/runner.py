@@ -48,7 +48,8 @@ from .faults import patiently
 from .handler_run import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
 from .model import ContextFactory, Delivery, TaskDecl, TaskStats
-from .pull import Puller
+from .opening import open_store
+from .pull import Puller, close_pulling, keep_alive
 from .schedules import fire, is_firing
 from .states import PriorityOrder, can_write, retry_delay
 from .store import Stored, TaskStore
@@ -133,12 +134,16 @@ class TaskRunner:
         all for JetStream to answer, unless ``stopped()``), and start pulling."""
         if not self.decls:
             return
-        self._api = JsApi(nc)
-        await self._api.open()
-        store = TaskStore(nc.jetstream(), self.subjects, self.settings, self._api)
         until = time.monotonic() + self.settings.task_patience
         what = f"agent {self.agent_id}"
-        await patiently(nc, f"{what}: task streams", store.ensure, until=until, stopped=stopped)
+        store = await open_store(
+            nc,
+            f"{what}: task streams",
+            lambda api: TaskStore(nc.jetstream(), self.subjects, self.settings, api),
+            until=until,
+            stopped=stopped,
+        )
+        self._api = store.api
         self._exec = Executor(self.agent_id, nc, store, self.stats)
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
         self._wake = asyncio.Event()
@@ -192,15 +197,13 @@ class TaskRunner:
         pullers = list(self._pullers.values())
         self._pullers.clear()
         api, self._api = self._api, None
-        try:
-            if sub is not None:
+        what = f"agent {self.agent_id}: task subscriptions"
+        if sub is not None:
+            try:
                 await sub.unsubscribe()
-            for puller in pullers:
-                await puller.close()
-            if api is not None:
-                await api.close()
-        except TRANSIENT as exc:
-            log.debug("agent %s: task subscriptions: %s", self.agent_id, exc)
+            except TRANSIENT as exc:
+                log.debug("%s: %s", what, exc)
+        await close_pulling(pullers, api, what)
 
     # -- pulling -----------------------------------------------------------------------
 
@@ -357,7 +360,7 @@ class TaskRunner:
             held = [m for p in list(self._pullers.values()) for m in list(p.buffer)]
             live = list(self.running.values())
             mine = [d.msg for d in live if not d.abandoned]  # its message is settled
-            await asyncio.gather(*(_in_progress(m) for m in [*held, *mine]))
+            await keep_alive([*held, *mine])
             await asyncio.gather(*(self._check(ex, d) for d in live))
 
     async def _check(self, ex: Executor, d: Delivery) -> None:
@@ -548,10 +551,3 @@ class TaskRunner:
                 d.outcome = "fenced"  # its write was refused: a newer attempt owns the task
             key = (d.sub.capability, d.outcome)
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
-
-
-async def _in_progress(msg: Msg) -> None:
-    try:
-        await msg.in_progress()
-    except TRANSIENT as exc:
-        log.debug("in_progress: %s", exc)

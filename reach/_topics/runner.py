@@ -1,7 +1,7 @@
 """An agent's durable topic subscriptions: each agent *name* is a consumer group.
 
 One durable pull consumer per agent name and pattern, shared by the name's instances
-(``store.consumer_name``): each message goes to one instance of each name. An instance
+(``store.topic_consumer_name``): each message goes to one instance of each name. An instance
 has ``topic_concurrency`` workers per subscription (one for an ``ordered`` one) and pulls,
 with the task runner's ``Puller``, as many messages as it has free workers plus as many
 again held ready (so the next pull request is under way while they work: measured, ~1.4x
@@ -53,7 +53,8 @@ from .._tasks.dlq import DLQ_CONSUMER, DLQ_GROUP, DLQ_SEQ, dead_letter
 from .._tasks.faults import patiently
 from .._tasks.jsapi import JsApi
 from .._tasks.model import TaskHandler
-from .._tasks.pull import Puller
+from .._tasks.opening import open_store
+from .._tasks.pull import Puller, close_pulling, keep_alive, settle
 from .._tasks.states import retry_delay
 from ..errors import ConfigurationError, RemoteError
 from ..settings import ReachSettings
@@ -181,12 +182,16 @@ class TopicRunner:
         JetStream to answer, unless ``stopped()``), and start pulling."""
         if not self.decls:
             return
-        self._api = JsApi(nc)
-        await self._api.open()
-        store = TopicStore(nc.jetstream(), self.subjects, self.settings, self._api)
         until = time.monotonic() + self.settings.task_patience
         what = f"agent {self.agent_id}"
-        await patiently(nc, f"{what}: topic stream", store.ensure, until=until, stopped=stopped)
+        store = await open_store(
+            nc,
+            f"{what}: topic stream",
+            lambda api: TopicStore(nc.jetstream(), self.subjects, self.settings, api),
+            until=until,
+            stopped=stopped,
+        )
+        self._api = store.api
         self._store, self._owner, self._nc = store, owner, nc
         self._subs = []
         for decl in self.decls.values():
@@ -293,19 +298,13 @@ class TopicRunner:
         """After the owner's background coroutines are cancelled: drop the subscriptions."""
         self.fetching = False
         api, self._api = self._api, None
-        try:
-            for s in self._subs:
-                if s.puller is not None:
-                    await s.puller.close()
-            if api is not None:
-                await api.close()
-        except TRANSIENT as exc:
-            log.debug("agent %s: topic subscriptions: %s", self.agent_id, exc)
+        pullers = [s.puller for s in self._subs if s.puller is not None]
+        await close_pulling(pullers, api, f"agent {self.agent_id}: topic subscriptions")
 
     async def _hand_back(self, s: _Sub, msg: Msg) -> None:
         """Redeliver at once, to any instance of the name (the delivery is spent)."""
         if s.held.pop(id(msg), None) is not None:
-            await _settle(msg.nak(), "nak")
+            await settle(msg.nak(), "nak")
         _let_go(s, msg)
 
     # -- pulling and working -----------------------------------------------------------
@@ -333,7 +332,7 @@ class TopicRunner:
             except asyncio.CancelledError:
                 # the agent stops without a drain: back to another instance now, not
                 # after the ack timer (already settled: nats-py refuses, quietly)
-                await _settle(msg.nak(), "nak")
+                await settle(msg.nak(), "nak")
                 raise
             finally:
                 s.busy -= 1
@@ -409,7 +408,7 @@ class TopicRunner:
         """ack, or nak with backoff, or on the last delivery a dead letter."""
         cells, limit = s.cells, self.settings.topic_max_deliver
         if error is None:
-            if await _settle(msg.ack(), "ack"):
+            if await settle(msg.ack(), "ack"):
                 cells.acked += 1
             return
         cells.failed += 1
@@ -417,7 +416,7 @@ class TopicRunner:
         if n < limit:
             s_ = self.settings
             delay = retry_delay(n, s_.topic_retry_base, s_.topic_retry_cap)
-            await _settle(msg.nak(delay=delay), "nak")
+            await settle(msg.nak(delay=delay), "nak")
             return
         attempt = TaskAttempt(
             n=n,
@@ -497,7 +496,7 @@ class TopicRunner:
             reason,
             error,
         )
-        await _settle(msg.term(), "term")
+        await settle(msg.term(), "term")
 
     # -- leases and lag ----------------------------------------------------------------
 
@@ -507,7 +506,7 @@ class TopicRunner:
         while True:
             await asyncio.sleep(self.settings.topic_ack_wait / 3)
             held = [m for s in self._subs for m in list(s.held.values())]
-            await asyncio.gather(*(_settle(m.in_progress(), "in_progress") for m in held))
+            await keep_alive(held)
 
     async def _sample_lag(self) -> None:
         while True:
@@ -529,14 +528,3 @@ def _let_go(s: _Sub, msg: Msg) -> None:
     s.held.pop(id(msg), None)
     if not s.held:
         s.idle.set()
-
-
-async def _settle(op: Awaitable[None], what: str) -> bool:
-    """An ack, nak, term or in_progress; False when it could not be sent (the message
-    comes back after its ack timer, or was settled already)."""
-    try:
-        await op
-    except TRANSIENT as exc:
-        log.debug("%s: %s", what, exc)
-        return False
-    return True
