@@ -1,6 +1,7 @@
 """The topic commands of ``reach``: ``publish`` (``--durable``: stored, or an error),
 ``listen`` (``--since``: the stored history first, then live) and ``topics init`` (the
-topics stream made at deploy time). They use the ``Client`` API; errors end the command
+topics stream made at deploy time). They use the ``Client`` API (``topics init``: the
+topics side, ``_topics.DurableTopics``, on a client's connection); errors end the command
 through ``cli.main`` (``error: <code>: <message>``, exit 1)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import msgspec
 
 from ._cli_common import PAYLOAD_HELP, duration_of, read_payload
 from ._client import Client
-from ._topics import Since
+from ._topics import DurableTopics, Since
 from .settings import ReachSettings
 
 __all__ = ["add_topic_commands", "parse_since"]
@@ -81,7 +82,11 @@ async def _topics(args: argparse.Namespace, settings: ReachSettings) -> int:
     """``topics init``: make the topics stream (and the DLQ stream) now, at deploy time,
     as a user allowed to: agents and clients then find them."""
     async with Client(settings=settings, name=_NAME) as client:
-        store = await client._durable.ready(client.nc)
+        topics = DurableTopics(settings, client.subjects)
+        try:
+            store = await topics.ready(client.nc)
+        finally:
+            await topics.close()
     if args.json:
         out = {"streams": [store.stream, store.dlq_stream], "replicas": settings.stream_replicas}
         print(json.dumps(out, indent=2))

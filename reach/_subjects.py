@@ -182,3 +182,8 @@ class Subjects:
     def bucket(self, name: str) -> str:
         """KV bucket for this prefix: ``reach_agents`` by default, one per tenant prefix."""
         return f"{self.prefix.replace('.', '_')}_{name}"
+
+    def stream(self, name: str) -> str:
+        """JetStream stream for this prefix: ``REACH_TASKS`` by default (``TASKS``, the
+        task work queue; ``TASK_EVENTS``, ``DLQ``, ``TOPICS``), one per tenant prefix."""
+        return f"{self.prefix.replace('.', '_').upper()}_{name}"

@@ -117,6 +117,9 @@ class ReachSettings(BaseSettings):
     topic_retry_base: float = Field(default=1.0, ge=0)
     topic_retry_cap: float = Field(default=60.0, ge=0)
     #: seconds a durable topic handler may run; then it is cancelled and counts as failed
+    #: (its message is nak'd, or dead-lettered on its last delivery). One that ignores its
+    #: cancellation for 1 s more is abandoned: its message is settled so all the same, and
+    #: it keeps its worker until it returns (counted as stuck, the agent DEGRADED)
     topic_timeout: float = Field(default=60.0, gt=0)
     #: durable topic messages one instance handles at once, per subscription; 0:
     #: max_concurrency (an ``ordered`` subscription handles one at a time)

@@ -141,7 +141,7 @@ class Agent:
             context=TaskContext,
         )
         self._tasks.on_exit = self._handler_exit
-        self._tasks.on_stuck = lambda n: self._workers.tasks_stuck(n)
+        self._tasks.on_stuck = lambda n: self._workers.stuck_elsewhere("task", n)
         self._durable_topics = TopicRunner(
             name,
             self.agent_id,
@@ -150,6 +150,7 @@ class Agent:
             self.settings.topic_concurrency or self.max_concurrency,
         )
         self._durable_topics.on_exit = self._handler_exit
+        self._durable_topics.on_stuck = lambda n: self._workers.stuck_elsewhere("topic", n)
         self._exit: BaseException | None = None  # a handler's SystemExit, for serve_forever
         self._serving = False
         self._nc: NatsConnection | None = None

@@ -77,7 +77,11 @@ def agent_source(agent: Observed) -> Callable[[Emitter], None]:
         out.counter("reach_agent_schedule_firings_late", (name,), t.fired_late)
         out.gauge("reach_agent_handlers_stuck", (name, "request"), s.stuck)
         out.gauge("reach_agent_handlers_stuck", (name, "task"), t.stuck)
-        for pattern, c in agent.topic_cells().items():
+        topics = agent.topic_cells()
+        out.gauge(
+            "reach_agent_handlers_stuck", (name, "topic"), sum(c.stuck for c in topics.values())
+        )
+        for pattern, c in topics.items():
             key = (name, pattern)
             out.counter("reach_agent_topic_deliveries", key, c.delivered)
             out.counter("reach_agent_topic_acked", key, c.acked)

@@ -93,7 +93,8 @@ class Workers:
         self._deadlines: dict[asyncio.Task[Any], Job] = {}
         self._armed = asyncio.Event()
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
-        self._stuck_tasks = 0  # the task runner's abandoned handlers, still running
+        #: the task and durable topic runners' abandoned handlers still running, by kind
+        self._stuck_elsewhere: dict[str, int] = {}
         #: the streaming replies being sent
         self.outflows = Outflows(streams, stats)
 
@@ -163,18 +164,19 @@ class Workers:
                 f"queue overload: {len(self.queue)} of {self.max_queue} waiting;"
                 f" UP again at {self.recover_at}"
             ),
-            Reason.STUCK: _stuck_words(self.stats.stuck, self._stuck_tasks),
+            Reason.STUCK: _stuck_words(self.stats.stuck, self._stuck_elsewhere),
         }
 
-    def tasks_stuck(self, n: int) -> None:
-        """The task runner has ``n`` handlers that ignored their cancellation and run on.
-        Each holds its task slot (a task slot is never replaced), so any of them costs the
-        agent capacity, as request handlers past the cap do: DEGRADED while either holds."""
-        self._stuck_tasks = n
+    def stuck_elsewhere(self, kind: str, n: int) -> None:
+        """The task runner (``kind`` "task") or the durable topic runner ("topic") has
+        ``n`` handlers that ignored their cancellation and run on. Each holds its slot (a
+        task slot or a topic worker, never replaced), so any of them costs the agent
+        capacity, as request handlers past the cap do: DEGRADED while any holds."""
+        self._stuck_elsewhere[kind] = n
         self._judge_stuck()
 
     def _judge_stuck(self) -> None:
-        if self._unreplaced or self._stuck_tasks:
+        if self._unreplaced or any(self._stuck_elsewhere.values()):
             self._life.degrade(Reason.STUCK)
         else:
             self._life.recover(Reason.STUCK)
@@ -548,11 +550,16 @@ class Workers:
         await self._timed_out(job)
 
 
-def _stuck_words(requests: int, tasks: int) -> str:
+_HOLDS = {"task": "each holds its task slot", "topic": "each holds its topic worker"}
+
+
+def _stuck_words(requests: int, elsewhere: dict[str, int]) -> str:
     """The STUCK reason with its numbers, for people."""
-    parts = [f"{requests} request handler(s)"] if requests or not tasks else []
-    if tasks:
-        parts.append(f"{tasks} task handler(s) (each holds its task slot)")
+    others = [(kind, n) for kind, n in elsewhere.items() if n]
+    parts = [f"{requests} request handler(s)"] if requests or not others else []
+    parts += [
+        f"{n} {kind} handler(s) ({_HOLDS.get(kind, 'each holds its slot')})" for kind, n in others
+    ]
     return "handlers stuck past their deadline: " + ", ".join(parts)
 
 

@@ -17,11 +17,12 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from .._inbox import Inbox
 from .._nats import NatsConnection
 
-__all__ = ["JsApi", "direct_batch"]
+__all__ = ["JsApi", "direct_batch", "js_publish"]
 
 
 class _ApiError(msgspec.Struct):
@@ -145,3 +146,19 @@ async def direct_batch(
     finally:
         with contextlib.suppress(nats.errors.Error):  # closed: the subscription is gone
             await sub.unsubscribe()
+
+
+async def js_publish(
+    js: JetStreamContext,
+    api: JsApi | None,
+    subject: str,
+    data: bytes,
+    headers: dict[str, str] | None,
+) -> int:
+    """A JetStream publish through ``api`` (the request inbox) when there is one, else
+    through nats-py's ``js.publish``; the stream sequence. The one publish of the task and
+    topic stores."""
+    if api is not None:
+        return await api.publish(subject, data, headers)
+    ack = await js.publish(subject, data, headers=headers)
+    return int(ack.seq)

@@ -5,7 +5,6 @@ nor the agent: ``reach._handlers`` fulfils them."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,6 +13,7 @@ from nats.aio.msg import Msg
 
 from ..wire import CapabilityInfo, Priority
 from ..wire.tasks import TaskAttempt, TaskSubmit
+from .bounded import BoundedRun
 from .store import Stored
 
 __all__ = ["ContextFactory", "Delivery", "HandlerContext", "TaskDecl", "TaskHandler", "TaskStats"]
@@ -140,15 +140,24 @@ class Delivery:
     attempt: TaskAttempt | None = None  # our attempt as begun
     stored: Stored | None = None  # the record as of our last read or write
     claim_rev: int = 0
-    runner: asyncio.Task[Any] | None = None
+    #: its handler's run, once started
+    run: BoundedRun[tuple[bool, Any]] | None = None
     stop_reason: str = ""  # why the handler was cancelled: cancelled, fenced, drained
     outcome: str = ""  # how the attempt ended (for metrics and its span)
     traced: bool = False  # in a span: its context goes on with the callback
     unconfirmed: bool = False  # its RUNNING write went unanswered: the record may hold it
-    #: its handler ignored its cancellation: the attempt is recorded as ended, but the
-    #: claim is kept (renewed, not released) until the handler has returned
-    abandoned: bool = False
 
     @property
     def task_id(self) -> str:
         return self.sub.task_id
+
+    @property
+    def handling(self) -> bool:
+        """Its handler runs now (not yet returned)."""
+        return self.run is not None and not self.run.task.done()
+
+    @property
+    def abandoned(self) -> bool:
+        """Its handler ignored its cancellation: the attempt is recorded as ended, but the
+        claim is kept (renewed, not released) until the handler has returned."""
+        return self.run is not None and self.run.abandoned

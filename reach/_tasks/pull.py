@@ -5,26 +5,40 @@ lingering, and a cancelled fetch leaves its pull request on the server. Here eac
 keeps at most one pull request open: a ``probe`` (``no_wait``: what is there now, up to n)
 or a ``linger`` (one message, waiting up to ``expires``). Messages land in a buffer that
 the runner takes from in priority order.
+
+A consumer can go while the agent runs (an operator deletes it; a durable topic's
+inactive threshold removes it after a long pause): the server then ends the open request
+with ``409 Consumer Deleted`` and answers every later one at once with ``503`` (no
+responders), as it does while JetStream is away. Asking again at once would spin (17,291
+requests in 2 s, measured) and stay deaf, so the puller then says so once, opens no
+request for a while (jittered backoff, doubling up to ``_BACKOFF_MAX``), and makes the
+consumer again (the runner's ``remake``) before its next request. Any other status that
+ends a request early is backed off the same way, without the remake.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from .._nats import TRANSIENT, NatsConnection
+from .jsapi import JsApi
 
-__all__ = ["Puller"]
+__all__ = ["Puller", "close_pulling", "keep_alive", "settle"]
 
 log = logging.getLogger("reach.tasks")
 
 _PROBE_TIMEOUT = 2.0  # a probe the server never answered (a reconnect) is given up
+#: seconds without a request after a request ended in trouble: the first pause (jittered in
+#: [d/2, d]), doubled after each further trouble up to the last
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.1, 10.0
 _encode = msgspec.json.Encoder().encode
 
 
@@ -32,7 +46,13 @@ class Puller:
     """One consumer's pull requests and the messages they brought."""
 
     def __init__(
-        self, nc: NatsConnection, stream: str, consumer: str, inbox: str, wake: Callable[[], None]
+        self,
+        nc: NatsConnection,
+        stream: str,
+        consumer: str,
+        inbox: str,
+        wake: Callable[[], None],
+        remake: Callable[[], Awaitable[object]],
     ) -> None:
         self.nc = nc
         self.consumer = consumer
@@ -41,7 +61,13 @@ class Puller:
         self.buffer: deque[Msg] = deque()
         self.outstanding = 0  # messages the open request may still bring; 0: none open
         self.statuses = 0  # status replies seen (404/408/409): requests that ended short
+        #: the consumer is gone: made again (``remake``) before the next request
+        self.gone = False
         self._wake = wake
+        self._remake = remake
+        self._pause = 0.0  # the backoff after the last trouble; 0: none since it answered
+        self._until = 0.0  # loop time before which no request is opened
+        self._timer: asyncio.TimerHandle | None = None  # wakes the runner at ``_until``
         self._ended: asyncio.Future[None] | None = None
         self._sub: Subscription | None = None
         self._opened_at = 0.0
@@ -57,6 +83,9 @@ class Puller:
         task put back at a drain is not delivered to us again."""
         sub, self._sub = self._sub, None
         self._end()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if sub is not None:
             try:
                 await sub.unsubscribe()
@@ -70,30 +99,83 @@ class Puller:
 
     @property
     def idle(self) -> bool:
-        """No request is open (or the open one is long overdue: the server lost it)."""
-        if self.outstanding and self._opened_at:
-            loop = asyncio.get_running_loop()
-            if loop.time() - self._opened_at > self._overdue:
-                self._end()
+        """No request is open (or the open one is long overdue: the server lost it), and
+        none is being backed off from."""
+        loop = asyncio.get_running_loop()
+        if self._until:
+            if loop.time() < self._until:
+                return False
+            self._until = 0.0
+        if self.outstanding and self._opened_at and loop.time() - self._opened_at > self._overdue:
+            self._end()
         return self.outstanding == 0
 
     async def _on_msg(self, msg: Msg) -> None:
         if msg.reply and msg.reply.startswith("$JS.ACK."):
             self.buffer.append(msg)
             self._empty_at = 0.0
+            self._pause = 0.0
             self.outstanding = max(0, self.outstanding - 1)
             if self.outstanding == 0:
                 self._end()
             self._wake()
             return
-        status = (msg.headers or {}).get("Status", "")
+        headers = msg.headers or {}
+        status = headers.get("Status", "")
         if status == "100":
             return  # an idle heartbeat
         self.statuses += 1
-        if status not in ("404", "408"):
-            log.debug("pull %s: status %s %s", self.consumer, status, msg.headers)
+        if status in ("404", "408"):
+            self._pause = 0.0  # nothing there, or nothing came: the consumer answers
+        else:
+            self._trouble(status, headers.get("Description", ""))
         self._end()
         self._wake()
+
+    def _trouble(self, status: str, description: str) -> None:
+        """A request ended early for another reason than "no messages": back off; if the
+        consumer is gone (deleted, or JetStream not answering), it is made again first."""
+        if status == "503" or (status == "409" and "consumer deleted" in description.lower()):
+            self.missing(f"{status} {description.strip() or 'no responders'}")
+        else:
+            log.debug("pull %s: status %s %s", self.consumer, status, description)
+        self._back_off()
+
+    def missing(self, why: str) -> None:
+        """The consumer is gone (``why``: how that was seen): it is made again before the
+        next request. Said once, until it is back."""
+        if not self.gone:
+            self.gone = True
+            log.warning(
+                "pull %s: the consumer is gone (%s); making it again, backing off while that fails",
+                self.consumer,
+                why,
+            )
+
+    def _back_off(self) -> None:
+        """Open no request for a while; wake the runner when it may open one again."""
+        self._pause = min(2 * self._pause, _BACKOFF_MAX) if self._pause else _BACKOFF_FIRST
+        delay = random.uniform(self._pause / 2, self._pause)
+        loop = asyncio.get_running_loop()
+        self._until = loop.time() + delay
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_later(delay, self._wake)
+
+    async def _ready(self) -> bool:
+        """The consumer is there, made again if it was gone; False when that failed (the
+        next try waits longer)."""
+        if not self.gone:
+            return True
+        try:
+            await self._remake()
+        except TRANSIENT as exc:
+            log.debug("pull %s: making the consumer again: %s", self.consumer, exc)
+            self._back_off()
+            return False
+        self.gone = False
+        log.info("pull %s: the consumer is made again; pulling again", self.consumer)
+        return True
 
     def _end(self) -> None:
         self.outstanding = 0
@@ -112,7 +194,7 @@ class Puller:
     async def probe(self, n: int) -> list[Msg]:
         """Whatever the consumer has now, at most ``n`` messages (plus any already held)."""
         got = self.take(n)
-        if len(got) >= n or not self.idle:
+        if len(got) >= n or not self.idle or not await self._ready():
             return got
         ended = self._open(n - len(got), _PROBE_TIMEOUT)
         await self.nc.publish(
@@ -137,7 +219,7 @@ class Puller:
         """Open a request for up to ``batch`` messages, delivered as they come, for up to
         ``expires`` seconds; returns at once (each message, and the end of the request,
         wakes the runner)."""
-        if not self.idle:
+        if not self.idle or not await self._ready():
             return
         self._open(batch, expires + _PROBE_TIMEOUT)
         body = {"batch": batch, "expires": int(expires * 1e9)}
@@ -148,3 +230,33 @@ class Puller:
         while self.buffer and len(got) < n:
             got.append(self.buffer.popleft())
         return got
+
+
+async def settle(op: Awaitable[None], what: str) -> bool:
+    """An ack, nak, term or in_progress of a pulled message; False when it could not be
+    sent (the message comes back after its ack timer, or was settled already)."""
+    try:
+        await op
+    except TRANSIENT as exc:
+        log.debug("%s: %s", what, exc)
+        return False
+    return True
+
+
+async def keep_alive(msgs: Iterable[Msg]) -> None:
+    """Reset the ack timer of every message held (all at once: one slow call must not let
+    another lapse)."""
+    await asyncio.gather(*(settle(m.in_progress(), "in_progress") for m in msgs))
+
+
+async def close_pulling(pullers: Iterable[Puller], api: JsApi | None, what: str) -> None:
+    """After the runner's background coroutines are cancelled: stop listening on every
+    puller, then close the runner's request inbox (a connection gone already is no
+    fault)."""
+    for puller in pullers:
+        await puller.close()
+    if api is not None:
+        try:
+            await api.close()
+        except TRANSIENT as exc:
+            log.debug("%s: %s", what, exc)

@@ -41,13 +41,15 @@ from ..errors import BadRequest, CorruptRecord, RetryLater
 from ..settings import ReachSettings
 from ..wire import Priority
 from ..wire.tasks import TaskSubmit
+from .bounded import GRACE, BoundedRun
 from .delayed import retry_later
 from .execute import Executor
 from .faults import patiently
 from .handler_run import call_handler, redelivered, task_context, task_span
 from .jsapi import JsApi
 from .model import ContextFactory, Delivery, TaskDecl, TaskStats
-from .pull import Puller
+from .opening import open_store
+from .pull import Puller, close_pulling, keep_alive
 from .schedules import fire, is_firing
 from .states import PriorityOrder, can_write, retry_delay
 from .store import Stored, TaskStore
@@ -57,7 +59,6 @@ __all__ = ["TaskRunner"]
 log = logging.getLogger("reach.tasks")
 
 _LINGER = 5.0  # seconds an idle pull request waits on the server
-_GRACE = 1.0  # seconds a cancelled handler gets to end before it is abandoned
 _NOT_HERE_MAX = 30.0  # seconds at most before a task for another instance is looked at again
 #: a task still running after this long gets its RUNNING record; a quicker one is recorded
 #: in one write (PENDING, RUNNING, SUCCEEDED in its history)
@@ -133,12 +134,16 @@ class TaskRunner:
         all for JetStream to answer, unless ``stopped()``), and start pulling."""
         if not self.decls:
             return
-        self._api = JsApi(nc)
-        await self._api.open()
-        store = TaskStore(nc.jetstream(), self.subjects, self.settings, self._api)
         until = time.monotonic() + self.settings.task_patience
         what = f"agent {self.agent_id}"
-        await patiently(nc, f"{what}: task streams", store.ensure, until=until, stopped=stopped)
+        store = await open_store(
+            nc,
+            f"{what}: task streams",
+            lambda api: TaskStore(nc.jetstream(), self.subjects, self.settings, api),
+            until=until,
+            stopped=stopped,
+        )
+        self._api = store.api
         self._exec = Executor(self.agent_id, nc, store, self.stats)
         self._owner, self._client, self.tags = owner, client, frozenset(tags)
         self._wake = asyncio.Event()
@@ -146,14 +151,15 @@ class TaskRunner:
         self._idle.set()
         for cap in self.decls:
             for level in (Priority.HIGH, Priority.NORMAL, Priority.LOW):
+                ensure = functools.partial(store.ensure_consumer, cap, level)
                 name = await patiently(
                     nc,
                     f"{what}: consumer of {cap} at {level}",
-                    functools.partial(store.ensure_consumer, cap, level),
+                    ensure,
                     until=until,
                     stopped=stopped,
                 )
-                puller = Puller(nc, store.stream, name, nc.new_inbox(), self._wake.set)
+                puller = Puller(nc, store.stream, name, nc.new_inbox(), self._wake.set, ensure)
                 await puller.open()
                 self._pullers[(cap, level)] = puller
         self._cancel_sub = await nc.subscribe(self.subjects.task_cancel(), cb=self._on_cancel)
@@ -181,7 +187,7 @@ class TaskRunner:
             self._stop(d, "drained")
         # each delivery hands its task back (RETRYING, claim released, nak) before we close
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), _GRACE + _HAND_BACK)
+            await asyncio.wait_for(self._idle.wait(), GRACE + _HAND_BACK)
         return False
 
     async def close(self) -> None:
@@ -191,15 +197,13 @@ class TaskRunner:
         pullers = list(self._pullers.values())
         self._pullers.clear()
         api, self._api = self._api, None
-        try:
-            if sub is not None:
+        what = f"agent {self.agent_id}: task subscriptions"
+        if sub is not None:
+            try:
                 await sub.unsubscribe()
-            for puller in pullers:
-                await puller.close()
-            if api is not None:
-                await api.close()
-        except TRANSIENT as exc:
-            log.debug("agent %s: task subscriptions: %s", self.agent_id, exc)
+            except TRANSIENT as exc:
+                log.debug("%s: %s", what, exc)
+        await close_pulling(pullers, api, what)
 
     # -- pulling -----------------------------------------------------------------------
 
@@ -356,7 +360,7 @@ class TaskRunner:
             held = [m for p in list(self._pullers.values()) for m in list(p.buffer)]
             live = list(self.running.values())
             mine = [d.msg for d in live if not d.abandoned]  # its message is settled
-            await asyncio.gather(*(_in_progress(m) for m in [*held, *mine]))
+            await keep_alive([*held, *mine])
             await asyncio.gather(*(self._check(ex, d) for d in live))
 
     async def _check(self, ex: Executor, d: Delivery) -> None:
@@ -369,7 +373,7 @@ class TaskRunner:
                 )
                 d.claim_rev = 0
             return
-        if d.runner is None or d.runner.done():
+        if not d.handling:
             return  # settling: only its ack timer matters now
         try:
             if not await ex.renew(d):
@@ -400,7 +404,7 @@ class TaskRunner:
         after all (adopted, so the end writes over it), written now if there is none, or
         whatever came first (which the caller checks for a fence or a cancel)."""
         st = await ex.store.get(d.task_id)
-        if d.runner is None or d.runner.done():
+        if not d.handling:
             return None  # it ended meanwhile: its own end writes the record
         if st is None:
             await ex.confirm(d, count=False)  # unanswered again: d.unconfirmed stays
@@ -417,11 +421,11 @@ class TaskRunner:
             self._stop(d, "cancelled")
 
     def _stop(self, d: Delivery, reason: str) -> None:
-        if d.runner is not None and not d.runner.done():
+        if d.run is not None and d.handling:
             if reason == "fenced" and not d.stop_reason:
                 self.stats.fenced += 1  # a stale worker, stopped before it could write
             d.stop_reason = d.stop_reason or reason
-            d.runner.cancel()
+            d.run.task.cancel()
 
     # -- running -----------------------------------------------------------------------
 
@@ -455,65 +459,49 @@ class TaskRunner:
                 return
             ctx = task_context(self.context, self.agent_id, self._client, ex, d, timeout)
             call = call_handler(decl, payload, ctx, self.on_exit)
-            inner = self._owner.spawn(call, f"task {d.task_id} handler")
-            d.runner = inner
+            what = f"agent {self.agent_id}: task {d.task_id} ({d.sub.capability}, attempt {d.n})"
+            d.run = run = BoundedRun(
+                self._owner, call, f"task {d.task_id} handler", what, self.stats, self._stuck
+            )
             self.stats.started += 1
             quick = min(_RECORD_RUNNING_AFTER, timeout)
-            done, _ = await asyncio.wait({inner}, timeout=quick)
+            done = await run.finished(quick)
             if not done and not await ex.confirm(d):
                 # another write came first (a cancel, a newer attempt): stop it
                 d.stop_reason = "fenced"
-                inner.cancel()
-                await asyncio.wait({inner}, timeout=_GRACE)
-                self._abandon(d, inner)
+                await run.stop(d.stop_reason, self._keeps(d))
                 await self._ended(ex, d, ex.fenced(d))
                 return
-            done, _ = await asyncio.wait({inner}, timeout=max(0.0, timeout - quick))
+            done = await run.finished(timeout - quick)
             if not done:
                 d.stop_reason = d.stop_reason or "timeout"
-                inner.cancel()
-                done, _ = await asyncio.wait({inner}, timeout=_GRACE)
-                self._abandon(d, inner)
-            if inner.done():  # its slot goes to the next task while the end is recorded
+                done = await run.stop(d.stop_reason, self._keeps(d))
+            if run.task.done():  # its slot goes to the next task while the end is recorded
                 settling = True
                 self._settling += 1
                 self._wake.set()
-            await self._ended(ex, d, self._settle(ex, d, inner, bool(done)))
+            await self._ended(ex, d, self._settle(ex, d, run.task, done))
             return
         finally:
             if settling:
                 self._settling -= 1
-            if d.abandoned:  # cancelled (the agent stops) while it waited: the claim lapses
-                self._unstick(d)
+            if d.run is not None:  # cancelled (the agent stops) while it waited: the
+                d.run.unstick()  # claim lapses
             self.running.pop(d.task_id, None)
             self.stats.running = len(self.running)
             if not self.running:
                 self._idle.set()
             self._wake.set()
 
-    def _abandon(self, d: Delivery, inner: asyncio.Task[Any]) -> None:
-        """A handler still running after its cancellation and the grace: its attempt is
-        recorded as ended (the caller settles it), but the handler is never left to run
-        beside another: it keeps its slot (it stays in ``running``) and its claim
-        (``abandoned``: renewed by the lease loop, not released) until it has returned. So a
-        stuck handler caps the runner as it caps the request workers, and a retry of its
-        task waits for it. Counted, logged and reported (the agent is DEGRADED)."""
-        if inner.done():
-            return
-        d.abandoned = True
-        self.stats.abandoned += 1
-        self.stats.stuck += 1
-        log.error(
-            "agent %s: task %s (%s, attempt %d) ignores its cancellation (%s); its %s taken"
-            " until it returns (%d task handler(s) stuck)",
-            self.agent_id,
-            d.task_id,
-            d.sub.capability,
-            d.n,
-            d.stop_reason,
-            "slot and claim stay" if d.claim_rev else "slot stays",
-            self.stats.stuck,
-        )
+    @staticmethod
+    def _keeps(d: Delivery) -> str:
+        """What a handler that ignored its cancellation holds until it has returned (its
+        attempt is recorded as ended meanwhile): its slot (it stays in ``running``), so a
+        stuck handler caps the runner as it caps the request workers; and its claim, if it
+        has one (renewed by the lease loop, not released), so a retry of its task waits."""
+        return "slot and claim stay" if d.claim_rev else "slot stays"
+
+    def _stuck(self) -> None:
         self.on_stuck(self.stats.stuck)
 
     async def _ended(self, ex: Executor, d: Delivery, record: Coroutine[Any, Any, None]) -> None:
@@ -530,24 +518,9 @@ class TaskRunner:
         """Wait for an abandoned handler to return, then free its claim (the caller frees
         its slot). A stop of the agent cancels this wait: the claim then lapses after
         ack_wait, as any claim of a stopped agent does."""
-        if not d.abandoned or d.runner is None:
-            return
-        since = time.monotonic()
-        await asyncio.wait({d.runner})
-        self._unstick(d)
-        log.warning(
-            "agent %s: task %s: the handler that ignored its cancellation returned %.1fs"
-            " later; what it returned is dropped",
-            self.agent_id,
-            d.task_id,
-            time.monotonic() - since,
-        )
-        await ex.release(d)
-
-    def _unstick(self, d: Delivery) -> None:
-        d.abandoned = False
-        self.stats.stuck -= 1
-        self.on_stuck(self.stats.stuck)
+        if d.abandoned and d.run is not None:
+            await d.run.outlive()
+            await ex.release(d)
 
     async def _settle(
         self, ex: Executor, d: Delivery, inner: asyncio.Task[Any], done: bool
@@ -578,10 +551,3 @@ class TaskRunner:
                 d.outcome = "fenced"  # its write was refused: a newer attempt owns the task
             key = (d.sub.capability, d.outcome)
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
-
-
-async def _in_progress(msg: Msg) -> None:
-    try:
-        await msg.in_progress()
-    except TRANSIENT as exc:
-        log.debug("in_progress: %s", exc)

@@ -38,7 +38,7 @@ from ..errors import ConfigurationError, CorruptRecord
 from ..settings import ReachSettings
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
-from .jsapi import JsApi, direct_batch
+from .jsapi import JsApi, direct_batch, js_publish
 from .states import advance
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "add_dlq_stream",
     "add_stream",
     "consumer_name",
-    "dlq_stream_name",
     "idem_key",
 ]
 
@@ -222,11 +221,10 @@ class TaskStore:
         self.nc = nc if nc is not None else api.nc if api is not None else None
         self.subjects = subjects
         self.settings = settings
-        upper = subjects.prefix.replace(".", "_").upper()
-        self.stream = f"{upper}_TASKS"
-        self.dlq_stream = dlq_stream_name(subjects)
+        self.stream = subjects.stream("TASKS")
+        self.dlq_stream = subjects.stream("DLQ")
         #: max-deliveries advisories of the task stream, kept until a registry handles them
-        self.events_stream = f"{upper}_TASK_EVENTS"
+        self.events_stream = subjects.stream("TASK_EVENTS")
         self.bucket = subjects.bucket("tasks")
         self.idem_bucket = subjects.bucket("idem")
         self._kv_stream = f"KV_{self.bucket}"
@@ -488,10 +486,7 @@ class TaskStore:
         return True
 
     async def _send(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
-        if self.api is not None:
-            return await self.api.publish(subject, data, headers)
-        ack = await self.js.publish(subject, data, headers=headers)
-        return int(ack.seq)
+        return await js_publish(self.js, self.api, subject, data, headers)
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
         """A JetStream publish on the fast path; the stream sequence."""
@@ -547,14 +542,10 @@ class TaskStore:
         return Got(raw.data or b"", headers, int(raw.seq or 0), raw.subject or "")
 
 
-def dlq_stream_name(subjects: Subjects) -> str:
-    return f"{subjects.prefix.replace('.', '_').upper()}_DLQ"
-
-
 async def add_dlq_stream(js: JetStreamContext, subjects: Subjects, settings: ReachSettings) -> str:
     """The dead-letter stream (of tasks, their callbacks, and durable topics), made when
     missing; its name."""
-    name = dlq_stream_name(subjects)
+    name = subjects.stream("DLQ")
     await add_stream(
         js,
         StreamConfig(

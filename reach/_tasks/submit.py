@@ -33,7 +33,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Tracer
 
 from .._codec import encode_payload, now_ms
-from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
+from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects, validate_capability, validate_topic
 from .._telemetry import ATTR
 from ..errors import (
@@ -48,7 +48,7 @@ from ..wire import AgentRecord, CapabilityInfo, Header, Priority, Status
 from ..wire.tasks import TaskRecord, TaskState, TaskSubmit
 from .delayed import at_schedule
 from .faults import patiently, task_errors
-from .jsapi import JsApi
+from .opening import PerConnection, open_store
 from .refs import Batch, TaskRef, cancel_record, read_record, remove_messages
 from .states import check_timeout
 from .store import Conflict, TaskStore, idem_key
@@ -156,11 +156,8 @@ class Tasks:
         self.subjects = subjects
         self.caller = caller
         self.notify = ""
-        self._nc: NatsConnection | None = None
-        self._store: TaskStore | None = None
+        self._stores = PerConnection(self._open)
         self._sub: Subscription | None = None
-        self._lock = asyncio.Lock()
-        self._closed = False
         self._nuid = NUID()
         self.waiters: dict[str, set[asyncio.Future[TaskRecord]]] = {}
         #: spans for submits (None: off); and who hears of our tasks' final records
@@ -170,65 +167,62 @@ class Tasks:
     async def ready(self, nc: NatsConnection) -> TaskStore:
         """The store on ``nc`` (streams and buckets created when missing), and our notify
         subscription; once per connection."""
-        if self._store is not None and self._nc is nc:
-            return self._store
-        async with self._lock:
-            if self._store is None or self._nc is not nc:
-                mark = refusals(nc)
-                api: JsApi | None = None
-                with task_errors("task streams"):
-                    try:
-                        api = JsApi(nc)
-                        await api.open()
-                        store = TaskStore(nc.jetstream(), self.subjects, self.settings, api)
-                        await patiently(
-                            nc,
-                            "durable tasks",
-                            store.ensure,
-                            until=time.monotonic() + self.settings.task_patience,
-                            stopped=lambda: self._closed,
-                        )
-                        notify = self.subjects.task_done(self._nuid.next().decode())
-                        self._sub = await nc.subscribe(notify, cb=self._on_final)
-                    except Exception as exc:  # a timeout may be a refusal: say which
-                        if api is not None:
-                            await api.close()  # its inbox and listener: not left behind
-                        check_refused(nc, "durable tasks", exc, since=mark)
-                        raise
-                self._nc, self._store, self.notify = nc, store, notify
-                self._closed = False
-        return self._store
+        return await self._stores.get(nc)
+
+    async def _open(self, nc: NatsConnection) -> TaskStore:
+        with task_errors("task streams"):
+            store = await open_store(
+                nc,
+                "durable tasks",
+                lambda api: TaskStore(nc.jetstream(), self.subjects, self.settings, api),
+                until=time.monotonic() + self.settings.task_patience,
+                stopped=lambda: self._stores.closed,
+            )
+            notify = self.subjects.task_done(self._nuid.next().decode())
+            try:
+                self._sub = await nc.subscribe(notify, cb=self._on_final)
+            except Exception:
+                if store.api is not None:
+                    await store.api.close()  # its inbox and listener: not left behind
+                raise
+        self.notify = notify
+        return store
+
+    @property
+    def _nc(self) -> NatsConnection | None:
+        return self._stores.nc
+
+    @property
+    def _closed(self) -> bool:
+        return self._stores.closed
 
     @property
     def store(self) -> TaskStore:
         """The store of the open connection; ``NotStarted`` once the client closed."""
-        if self._store is None:
+        store = self._stores.store
+        if store is None:
             if self._closed:
                 raise NotStarted(
                     "client closed: this task handle belongs to a client that was closed;"
                     " get a new one with client.task(task_id) on an open client"
                 )
             raise NotStarted("the client has not used tasks yet")
-        return self._store
+        return store
 
     async def close(self) -> None:
-        self._closed = True
         sub, self._sub = self._sub, None
-        api = self._store.api if self._store is not None else None
-        self._store = self._nc = None
+        await self._stores.close()
         for futs in self.waiters.values():
             for fut in futs:
                 if not fut.done():
                     fut.set_exception(NotStarted("client closed"))
                     fut.exception()  # seen: a waiter that left already must not warn
         self.waiters.clear()
-        try:
-            if sub is not None:
+        if sub is not None:
+            try:
                 await sub.unsubscribe()
-            if api is not None:
-                await api.close()
-        except TRANSIENT as exc:
-            log.debug("tasks: unsubscribe: %s", exc)
+            except TRANSIENT as exc:
+                log.debug("tasks: unsubscribe: %s", exc)
 
     async def _on_final(self, msg: Msg) -> None:
         try:

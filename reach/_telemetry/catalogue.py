@@ -144,8 +144,9 @@ CATALOGUE: Final[dict[str, Spec]] = {
     ),
     "reach_agent_handlers_stuck": Spec(
         "gauge",
-        "Handlers that ignored their cancellation and still run, by kind (request, task);"
-        " a task handler holds its slot and claim until it returns.",
+        "Handlers that ignored their cancellation and still run, by kind (request, task,"
+        " topic); a task handler holds its slot and claim, a durable topic handler its"
+        " worker, until it returns.",
         ("agent", "kind"),
     ),
     "reach_agent_topic_deliveries": Spec(

@@ -3,14 +3,14 @@
 ``store`` names and makes the stream and the consumers; ``publisher`` is the client side
 (publishes the server acknowledges, ``since`` history, replaying a dead letter);
 ``runner`` the agent side (pull, handle, ack, backoff, dead letters, lag). It reuses the
-task machinery below it (``_tasks.pull``, ``jsapi``, ``dlq``, ``faults``,
-``states.retry_delay``) rather than a second copy, and, like ``_tasks``, knows neither the
-client nor the agent.
+task machinery below it (``_tasks.pull``, ``bounded``, ``opening``, ``jsapi``, ``dlq``,
+``faults``, ``states.retry_delay``) rather than a second copy, and, like ``_tasks``, knows
+neither the client nor the agent.
 """
 
 from .publisher import REPLAY_OF, DurableTopics, Since
 from .runner import TopicCells, TopicDecl, TopicRunner
-from .store import TopicStore, consumer_name, stream_name
+from .store import TopicStore, stream_name, topic_consumer_name
 
 __all__ = [
     "REPLAY_OF",
@@ -20,6 +20,6 @@ __all__ = [
     "TopicDecl",
     "TopicRunner",
     "TopicStore",
-    "consumer_name",
     "stream_name",
+    "topic_consumer_name",
 ]

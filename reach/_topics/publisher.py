@@ -9,7 +9,6 @@ side leaves as a ``NotStored`` saying what went wrong and what to do, from one p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime
 import time
@@ -21,12 +20,12 @@ import nats.js.errors
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from .._nats import CONNECTION_LOST, TRANSIENT, NatsConnection, check_refused, refusals
+from .._nats import CONNECTION_LOST, TRANSIENT, NatsConnection
 from .._subjects import Subjects
 from .._tasks.admin import DeadLetter
 from .._tasks.dlq import DLQ_CONSUMER, DLQ_SEQ, TASK_ID
 from .._tasks.faults import patiently
-from .._tasks.jsapi import JsApi
+from .._tasks.opening import PerConnection, open_store
 from ..errors import ConnectionFailed, NotStored, ReachError
 from ..settings import ReachSettings
 from .store import TopicStore, covers, stream_name
@@ -47,32 +46,22 @@ class DurableTopics:
         self.settings = settings
         self.subjects = subjects
         self.stream = stream_name(subjects)
-        self._nc: NatsConnection | None = None
-        self._store: TopicStore | None = None
-        self._api: JsApi | None = None
-        self._lock = asyncio.Lock()
-        self._closed = False
+        self._what = f"durable topics (stream {self.stream})"
+        self._stores = PerConnection(self._open)
 
     async def ready(self, nc: NatsConnection) -> TopicStore:
         """The store on ``nc``, the stream made when missing; once per connection."""
-        if self._store is not None and self._nc is nc:
-            return self._store
-        async with self._lock:
-            if self._store is None or self._nc is not nc:
-                await self._drop_api()
-                mark = refusals(nc)
-                api = JsApi(nc, timeout=self.settings.timeout_ms / 1000)
-                try:
-                    await api.open()
-                    store = TopicStore(nc.jetstream(), self.subjects, self.settings, api)
-                    await self._ensure(nc, store)
-                except Exception as exc:
-                    await api.close()
-                    check_refused(nc, "durable topics", exc, since=mark)
-                    raise
-                self._nc, self._store, self._api = nc, store, api
-                self._closed = False
-        return self._store
+        return await self._stores.get(nc)
+
+    async def _open(self, nc: NatsConnection) -> TopicStore:
+        return await open_store(
+            nc,
+            self._what,
+            lambda api: TopicStore(nc.jetstream(), self.subjects, self.settings, api),
+            until=time.monotonic() + self.settings.task_patience,
+            stopped=lambda: self._stores.closed,
+            timeout=self.settings.timeout_ms / 1000,
+        )
 
     async def publish(
         self, nc: NatsConnection, topic: str, data: bytes, headers: dict[str, str] | None
@@ -93,10 +82,10 @@ class DurableTopics:
         """The streams made when missing, waiting up to ``task_patience`` for JetStream."""
         await patiently(
             nc,
-            f"durable topics (stream {self.stream})",
+            self._what,
             store.ensure,
             until=time.monotonic() + self.settings.task_patience,
-            stopped=lambda: self._closed,
+            stopped=lambda: self._stores.closed,
         )
 
     @contextmanager
@@ -222,17 +211,8 @@ class DurableTopics:
             await store.js.delete_msg(store.dlq_stream, dl.seq)
         return seq
 
-    async def _drop_api(self) -> None:
-        api, self._api = self._api, None
-        if api is not None:
-            with contextlib.suppress(*TRANSIENT):  # its connection is gone: so is its inbox
-                await api.close()
-
     async def close(self) -> None:
-        self._closed = True
-        self._store = None
-        self._nc = None
-        await self._drop_api()
+        await self._stores.close()
 
 
 def start_time(since: datetime.datetime | datetime.timedelta) -> datetime.datetime:

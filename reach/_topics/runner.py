@@ -1,7 +1,7 @@
 """An agent's durable topic subscriptions: each agent *name* is a consumer group.
 
 One durable pull consumer per agent name and pattern, shared by the name's instances
-(``store.consumer_name``): each message goes to one instance of each name. An instance
+(``store.topic_consumer_name``): each message goes to one instance of each name. An instance
 has ``topic_concurrency`` workers per subscription (one for an ``ordered`` one) and pulls,
 with the task runner's ``Puller``, as many messages as it has free workers plus as many
 again held ready (so the next pull request is under way while they work: measured, ~1.4x
@@ -13,7 +13,11 @@ the handler returns:
 - raised (or ran over ``topic_timeout``): nak with the task retry backoff
   (``states.retry_delay`` over ``topic_retry_base``/``topic_retry_cap``), or on its
   ``topic_max_deliver``-th delivery a dead letter (kind ``topic``, the handler's error
-  code as its reason), then term;
+  code as its reason), then term. The handler runs as a task of its own
+  (``_tasks.bounded``, as a task handler does): one that ignores its cancellation at
+  ``topic_timeout`` is abandoned a second later, its message settled all the same (not
+  held in progress for ever, which would stop an ordered name), and it keeps its worker
+  until it returns, counted as stuck (the agent is DEGRADED meanwhile);
 - a payload that does not decode: a dead letter at once (reason ``bad_request``);
 - a delivery past ``topic_max_deliver`` (its earlier instances died or stalled holding it):
   a dead letter (reason ``max_deliveries``) without running it.
@@ -37,17 +41,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from .._background import Background
 from .._codec import now_ms
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
+from .._tasks.bounded import BoundedRun
 from .._tasks.dlq import DLQ_CONSUMER, DLQ_GROUP, DLQ_SEQ, dead_letter
 from .._tasks.faults import patiently
 from .._tasks.jsapi import JsApi
 from .._tasks.model import TaskHandler
-from .._tasks.pull import Puller
+from .._tasks.opening import open_store
+from .._tasks.pull import Puller, close_pulling, keep_alive, settle
 from .._tasks.states import retry_delay
 from ..errors import ConfigurationError, RemoteError
 from ..settings import ReachSettings
@@ -59,7 +66,6 @@ __all__ = ["TopicCells", "TopicDecl", "TopicRunner"]
 log = logging.getLogger("reach.topics")
 
 _LINGER = 5.0  # seconds an idle pull request waits on the server
-_GRACE = 1.0  # seconds a cancelled handler gets before it is left to itself
 
 
 @dataclass(slots=True)
@@ -81,6 +87,11 @@ class TopicCells:
     failed: int = 0  # the handler raised or ran over its timeout
     dead_lettered: int = 0
     running: int = 0  # handlers running now
+    #: handlers that ignored their cancellation at ``topic_timeout`` (their message was
+    #: settled as timed out all the same), in all, and still running now (each holds its
+    #: worker until it returns)
+    abandoned: int = 0
+    stuck: int = 0
     lag: int | None = None  # messages not yet delivered to the name, at the last sample
     ack_pending: int | None = None  # delivered to the name, not yet settled
 
@@ -91,6 +102,8 @@ class _Sub:
 
     decl: TopicDecl
     consumer: str
+    #: makes the consumer (again: the puller calls it when the consumer has gone)
+    ensure: Callable[[], Awaitable[object]]
     limit: int
     #: messages held beyond the busy workers, so the next pull request is under way
     #: while they work (none for an ordered subscription: the server sends one anyway)
@@ -147,6 +160,9 @@ class TopicRunner:
         self.fetching = False
         #: a handler raised SystemExit: True when the agent stops in order for it
         self.on_exit: Callable[[BaseException], bool] = lambda exc: False
+        #: told how many handlers that ignored their cancellation still run (each holds its
+        #: worker), whenever that number changes
+        self.on_stuck: Callable[[int], None] = lambda n: None
         self._subs: list[_Sub] = []
         self._store: TopicStore | None = None
         self._api: JsApi | None = None
@@ -166,12 +182,16 @@ class TopicRunner:
         JetStream to answer, unless ``stopped()``), and start pulling."""
         if not self.decls:
             return
-        self._api = JsApi(nc)
-        await self._api.open()
-        store = TopicStore(nc.jetstream(), self.subjects, self.settings, self._api)
         until = time.monotonic() + self.settings.task_patience
         what = f"agent {self.agent_id}"
-        await patiently(nc, f"{what}: topic stream", store.ensure, until=until, stopped=stopped)
+        store = await open_store(
+            nc,
+            f"{what}: topic stream",
+            lambda api: TopicStore(nc.jetstream(), self.subjects, self.settings, api),
+            until=until,
+            stopped=stopped,
+        )
+        self._api = store.api
         self._store, self._owner, self._nc = store, owner, nc
         self._subs = []
         for decl in self.decls.values():
@@ -181,12 +201,13 @@ class TopicRunner:
                     f" {decl.pattern!r} (its subjects: {', '.join(store.stored)}); add"
                     f" {self.subjects.topic(decl.pattern)} to it, or subscribe plainly"
                 )
+            ensure = functools.partial(
+                store.ensure_consumer, self.group, decl.pattern, ordered=decl.ordered
+            )
             name = await patiently(
                 nc,
                 f"{what}: consumer of topic {decl.pattern}",
-                functools.partial(
-                    store.ensure_consumer, self.group, decl.pattern, ordered=decl.ordered
-                ),
+                ensure,
                 until=until,
                 stopped=stopped,
             )
@@ -199,7 +220,7 @@ class TopicRunner:
                 store.stream,
             )
             limit = 1 if decl.ordered else self.concurrency
-            self._subs.append(_Sub(decl, name, limit, 0 if decl.ordered else limit))
+            self._subs.append(_Sub(decl, name, ensure, limit, 0 if decl.ordered else limit))
         await self._open()
         for s in self._subs:
             for _ in range(s.limit):
@@ -215,7 +236,7 @@ class TopicRunner:
         assert store is not None
         self.fetching = True
         for s in self._subs:
-            s.puller = Puller(nc, store.stream, s.consumer, nc.new_inbox(), s.arrived)
+            s.puller = Puller(nc, store.stream, s.consumer, nc.new_inbox(), s.arrived, s.ensure)
             await s.puller.open()
             if not s.held:
                 s.idle.set()
@@ -277,21 +298,14 @@ class TopicRunner:
         """After the owner's background coroutines are cancelled: drop the subscriptions."""
         self.fetching = False
         api, self._api = self._api, None
-        try:
-            for s in self._subs:
-                if s.puller is not None:
-                    await s.puller.close()
-            if api is not None:
-                await api.close()
-        except TRANSIENT as exc:
-            log.debug("agent %s: topic subscriptions: %s", self.agent_id, exc)
+        pullers = [s.puller for s in self._subs if s.puller is not None]
+        await close_pulling(pullers, api, f"agent {self.agent_id}: topic subscriptions")
 
     async def _hand_back(self, s: _Sub, msg: Msg) -> None:
         """Redeliver at once, to any instance of the name (the delivery is spent)."""
         if s.held.pop(id(msg), None) is not None:
-            await _settle(msg.nak(), "nak")
-        if not s.held:
-            s.idle.set()
+            await settle(msg.nak(), "nak")
+        _let_go(s, msg)
 
     # -- pulling and working -----------------------------------------------------------
 
@@ -318,14 +332,12 @@ class TopicRunner:
             except asyncio.CancelledError:
                 # the agent stops without a drain: back to another instance now, not
                 # after the ack timer (already settled: nats-py refuses, quietly)
-                await _settle(msg.nak(), "nak")
+                await settle(msg.nak(), "nak")
                 raise
             finally:
                 s.busy -= 1
                 s.cells.running -= 1
-                s.held.pop(id(msg), None)
-                if not s.held:
-                    s.idle.set()
+                _let_go(s, msg)
                 s.freed()
 
     def _topic_of(self, subject: str, consumer: str) -> str:
@@ -352,10 +364,51 @@ class TopicRunner:
             log.warning("agent %s: undecodable message on topic %s: %s", self.agent_id, topic, exc)
             await self._dead(s, msg, topic, "bad_request", f"payload: {exc}", None)
             return
+        owner = self._owner
+        assert owner is not None
         started = now_ms()
-        error = await self._call(s, payload, topic)
+        what = f"agent {self.agent_id}: handler for topic {topic} (message {md.sequence.stream})"
+        run = BoundedRun(
+            owner,
+            self._call(s, payload, topic),
+            f"topic {s.consumer}: handler",
+            what,
+            cells,
+            self._stuck,
+        )
+        try:
+            error = await self._bounded(run, topic)
+            await self._settle_run(s, msg, topic, n, started, error)
+            _let_go(s, msg)  # settled: no more in_progress for it
+            await run.outlive()  # a handler that will not stop keeps its worker
+        finally:
+            run.unstick()  # the agent stops: it is the owner's to end now
+
+    async def _bounded(
+        self, run: BoundedRun[tuple[str, str] | None], topic: str
+    ) -> tuple[str, str] | None:
+        """Wait for the handler up to ``topic_timeout``, else stop it; its outcome."""
+        timeout = self.settings.topic_timeout
+        if await run.finished(timeout):
+            if run.task.cancelled():  # by the owner, not by us
+                return "failed", "the handler was cancelled"
+            return run.task.result()
+        log.warning(
+            "agent %s: handler for topic %s ran over topic_timeout (%ss)",
+            self.agent_id,
+            topic,
+            timeout,
+        )
+        await run.stop("timeout", "worker stays")
+        return "timeout", f"the handler ran over topic_timeout ({timeout}s)"
+
+    async def _settle_run(
+        self, s: _Sub, msg: Msg, topic: str, n: int, started: int, error: tuple[str, str] | None
+    ) -> None:
+        """ack, or nak with backoff, or on the last delivery a dead letter."""
+        cells, limit = s.cells, self.settings.topic_max_deliver
         if error is None:
-            if await _settle(msg.ack(), "ack"):
+            if await settle(msg.ack(), "ack"):
                 cells.acked += 1
             return
         cells.failed += 1
@@ -363,7 +416,7 @@ class TopicRunner:
         if n < limit:
             s_ = self.settings
             delay = retry_delay(n, s_.topic_retry_base, s_.topic_retry_cap)
-            await _settle(msg.nak(delay=delay), "nak")
+            await settle(msg.nak(delay=delay), "nak")
             return
         attempt = TaskAttempt(
             n=n,
@@ -375,25 +428,19 @@ class TopicRunner:
         )
         await self._dead(s, msg, topic, code, message, attempt)
 
+    def _stuck(self) -> None:
+        self.on_stuck(sum(s.cells.stuck for s in self._subs))
+
     async def _call(self, s: _Sub, payload: Any, topic: str) -> tuple[str, str] | None:
         """Run the handler; None when it returned, else (code, message). Its failure is
         the message's outcome, never a crash of ours."""
         spec = s.decl.spec
         try:
-            async with asyncio.timeout(self.settings.topic_timeout):
-                if spec.wants_context:
-                    await spec.fn(payload, topic)
-                else:
-                    await spec.fn(payload)
+            if spec.wants_context:
+                await spec.fn(payload, topic)
+            else:
+                await spec.fn(payload)
             return None
-        except TimeoutError:
-            log.warning(
-                "agent %s: handler for topic %s ran over topic_timeout (%ss)",
-                self.agent_id,
-                topic,
-                self.settings.topic_timeout,
-            )
-            return "timeout", f"the handler ran over topic_timeout ({self.settings.topic_timeout}s)"
         except RemoteError as exc:
             return exc.code, exc.message
         except Exception as exc:
@@ -449,7 +496,7 @@ class TopicRunner:
             reason,
             error,
         )
-        await _settle(msg.term(), "term")
+        await settle(msg.term(), "term")
 
     # -- leases and lag ----------------------------------------------------------------
 
@@ -459,7 +506,7 @@ class TopicRunner:
         while True:
             await asyncio.sleep(self.settings.topic_ack_wait / 3)
             held = [m for s in self._subs for m in list(s.held.values())]
-            await asyncio.gather(*(_settle(m.in_progress(), "in_progress") for m in held))
+            await keep_alive(held)
 
     async def _sample_lag(self) -> None:
         while True:
@@ -468,17 +515,16 @@ class TopicRunner:
                 for s in self._subs:
                     try:
                         s.cells.lag, s.cells.ack_pending = await store.lag(s.consumer)
+                    except nats.js.errors.NotFoundError:
+                        if s.puller is not None:  # made again before its next pull request
+                            s.puller.missing("its info: not found")
                     except TRANSIENT as exc:
                         log.debug("topic %s: lag: %s", s.consumer, exc)
             await asyncio.sleep(self.settings.topic_lag_interval)
 
 
-async def _settle(op: Awaitable[None], what: str) -> bool:
-    """An ack, nak, term or in_progress; False when it could not be sent (the message
-    comes back after its ack timer, or was settled already)."""
-    try:
-        await op
-    except TRANSIENT as exc:
-        log.debug("%s: %s", what, exc)
-        return False
-    return True
+def _let_go(s: _Sub, msg: Msg) -> None:
+    """``msg`` is no longer held (settled, or handed back)."""
+    s.held.pop(id(msg), None)
+    if not s.held:
+        s.idle.set()

@@ -46,18 +46,18 @@ from nats.js.api import (
 from .._kv import JsErrorCode
 from .._nats import TRANSIENT
 from .._subjects import Subjects
-from .._tasks.jsapi import JsApi
-from .._tasks.store import add_dlq_stream, add_stream, dlq_stream_name
+from .._tasks.jsapi import JsApi, js_publish
+from .._tasks.store import add_dlq_stream, add_stream
 from ..errors import NotStored
 from ..settings import ReachSettings
 
-__all__ = ["TopicStore", "consumer_name", "covers", "stream_name"]
+__all__ = ["TopicStore", "covers", "stream_name", "topic_consumer_name"]
 
 _READABLE = str.maketrans({".": "_", "*": "any", ">": "all"})
 
 
 def stream_name(subjects: Subjects) -> str:
-    return f"{subjects.prefix.replace('.', '_').upper()}_TOPICS"
+    return subjects.stream("TOPICS")
 
 
 def covers(wide: str, narrow: str) -> bool:
@@ -72,7 +72,7 @@ def covers(wide: str, narrow: str) -> bool:
     return len(w) == len(n)
 
 
-def consumer_name(group: str, pattern: str) -> str:
+def topic_consumer_name(group: str, pattern: str) -> str:
     """The durable consumer shared by every instance of agent ``group`` subscribed to
     ``pattern``: readable, and one-to-one by a hash of both."""
     digest = hashlib.blake2b(f"{group}\n{pattern}".encode(), digest_size=6).hexdigest()
@@ -95,7 +95,7 @@ class TopicStore:
         #: the fast path for publishes (nats-py's js.publish otherwise)
         self.api = api
         self.stream = stream_name(subjects)
-        self.dlq_stream = dlq_stream_name(subjects)
+        self.dlq_stream = subjects.stream("DLQ")
         self.ready = False
         #: the stream's subjects as it is (made here, or by hand), once ``ensure`` ran
         self.stored: list[str] = []
@@ -168,7 +168,7 @@ class TopicStore:
         """Create (or update) the consumer of agent ``group`` on ``pattern``; its name.
         ``ordered``: one message in flight for the whole consumer (``max_ack_pending``
         1), so each subject's messages are handled one after the other, in order."""
-        name = consumer_name(group, pattern)
+        name = topic_consumer_name(group, pattern)
         s = self.settings
         config = ConsumerConfig(
             name=name,
@@ -193,7 +193,4 @@ class TopicStore:
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
         """A JetStream publish, on the fast path when there is one; the stream sequence."""
-        if self.api is not None:
-            return await self.api.publish(subject, data, headers)
-        ack = await self.js.publish(subject, data, headers=headers)
-        return int(ack.seq)
+        return await js_publish(self.js, self.api, subject, data, headers)

@@ -5,6 +5,7 @@ write that fails loses nothing (the ack waits for the record; the handler stays 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -75,13 +76,15 @@ async def test_a_task_longer_than_many_ack_waits_runs_once_beside_an_idle_agent(
     # not shorter: a stall of a second on a loaded machine must not look like a lost lease
     settings = reach_settings.model_copy(update={"task_ack_wait": 2.5})
     kept: dict[str, int] = {}
-    real = runner._in_progress
+    real = runner.keep_alive
 
-    async def counted(msg: Msg) -> None:
-        kept[msg.subject] = kept.get(msg.subject, 0) + 1
-        await real(msg)
+    async def counted(msgs: Iterable[Msg]) -> None:
+        msgs = list(msgs)
+        for msg in msgs:
+            kept[msg.subject] = kept.get(msg.subject, 0) + 1
+        await real(msgs)
 
-    monkeypatch.setattr(runner, "_in_progress", counted)
+    monkeypatch.setattr(runner, "keep_alive", counted)
     runs: list[str] = []
     release = asyncio.Event()
 

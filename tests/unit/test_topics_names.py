@@ -9,12 +9,12 @@ import pytest
 from reach import Agent, ConfigurationError, NotStored, ReachError
 from reach._cli_topics import parse_since
 from reach._subjects import Subjects
-from reach._topics.store import consumer_name, covers
+from reach._topics.store import covers, topic_consumer_name
 
 
 def test_consumer_names_are_valid_readable_and_one_to_one():
     names = {
-        consumer_name(group, pattern)
+        topic_consumer_name(group, pattern)
         for group in ("alarm", "alarm-eu", "Alarm_2")
         for pattern in ("sensor.>", "sensor.*", "sensor_>", "sensor.all", "a.b.c", "a_b.c")
     }
@@ -22,8 +22,8 @@ def test_consumer_names_are_valid_readable_and_one_to_one():
     for name in names:
         assert re.fullmatch(r"[A-Za-z0-9_-]+", name), name  # one subject token, no . * >
         assert len(name) <= 128
-    assert consumer_name("alarm", "sensor.>").startswith("alarm-sensor_all-")
-    long = consumer_name("a" * 128, "x." * 60 + ">")
+    assert topic_consumer_name("alarm", "sensor.>").startswith("alarm-sensor_all-")
+    long = topic_consumer_name("a" * 128, "x." * 60 + ">")
     assert len(long) <= 64 + 1 + 48 + 1 + 12
 
 
