@@ -48,7 +48,6 @@ from .wire import AgentEvent, AgentRecord, Control, ControlReply, Priority, Stat
 __all__ = ["main"]
 
 
-
 def _server_port(text: str) -> int:
     """A port for nats-server: 0 means any free port, as for the gateway, and nats-server
     itself spells that -1 (its 0 would mean its default, 4222)."""
@@ -56,6 +55,7 @@ def _server_port(text: str) -> int:
     if not -1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port (1-65535, or 0 for any)")
     return -1 if port == 0 else port
+
 
 def _settings(args: argparse.Namespace) -> ReachSettings:
     """The command's settings, built once here at the edge: ``--url`` over ``REACH_*`` over
