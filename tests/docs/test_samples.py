@@ -562,6 +562,28 @@ def test_readme_is_short_and_its_links_exist() -> None:
     assert not missing, f"README links to files that do not exist: {missing}"
 
 
+#: what a user doc must not say: our issue numbers (``issue 20``, a bare ``#20``; an
+#: upstream ``owner/repo#8274`` is a reference a reader can follow) and review history
+HISTORY = re.compile(
+    r"\bissues?\s+#?\d+"
+    r"|(?<![\w/.&-])#\d+\b"
+    r"|\b(?:after|before) the (?:\w+ )?(?:review|changes above)\b"
+    r"|\breview(?:'s|s') fixes\b|\breview history\b|\bas first planned\b|\bwhat changed:",
+    re.IGNORECASE,
+)
+
+
+def test_user_docs_name_no_issues_or_review_history() -> None:
+    """The docs say what the code does now, not how it got there."""
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {m[0]!r}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        for m in HISTORY.finditer(line)
+    ]
+    assert not found, "\n".join(found)
+
+
 def compose_variables(node: object) -> set[str]:
     """Variables docker-compose.yml interpolates without a default (``${X}``, ``${X:?..}``)."""
     found: set[str] = set()
