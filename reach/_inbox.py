@@ -414,7 +414,7 @@ class Inbox:
                 # back below if the first frame is an answer (no await between: no frame
                 # can come meanwhile); any other way, the stream is over for this token
                 self.streams.pop(token, None)
-        latency_ms = (time.perf_counter() - started) * 1000
+        latency_ms = round((time.perf_counter() - started) * 1000, 3)  # not 340.42958999
         hdrs = msg.headers
         if hdrs and not msg.data and hdrs.get("Status") == "503":
             raise _no_responders(capability, agent_id, rid)

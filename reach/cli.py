@@ -48,6 +48,15 @@ from .wire import AgentEvent, AgentRecord, Control, ControlReply, Priority, Stat
 __all__ = ["main"]
 
 
+def _server_port(text: str) -> int:
+    """A port for nats-server: 0 means any free port, as for the gateway, and nats-server
+    itself spells that -1 (its 0 would mean its default, 4222)."""
+    port = int(text)
+    if not -1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (1-65535, or 0 for any)")
+    return -1 if port == 0 else port
+
+
 def _settings(args: argparse.Namespace) -> ReachSettings:
     """The command's settings, built once here at the edge: ``--url`` over ``REACH_*`` over
     the settings file (``--config``, else ``REACH_CONFIG``)."""
@@ -325,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run local nats-server(s) and a registry until Ctrl-C")
     p.add_argument("--config", default=None, help="default ./nats-server.conf, else the shipped")
     p.add_argument("--data-dir", default=os.environ.get("REACH_DATA_DIR", ".reach-data"))
-    p.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
-    p.add_argument("--monitor-port", type=int, default=None)
+    p.add_argument("--port", type=_server_port, default=4222, help="0 or -1 picks a free port")
+    p.add_argument("--monitor-port", type=_server_port, default=None)
     p.add_argument("--no-registry", action="store_true", help="do not start a registry")
     p.add_argument("--cluster", type=int, default=0, metavar="N", help="N nodes, one cluster")
     p.set_defaults(run=up, is_async=False)

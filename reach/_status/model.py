@@ -269,7 +269,7 @@ def summarize(before: Sample | None, after: Sample, remembered: Iterable[str] = 
     rows.sort(key=lambda r: (not r.no_live, r.name))
     return Summary(
         wall_ms=after.wall_ms,
-        interval=after.at - before.at if before is not None else None,
+        interval=round(after.at - before.at, 3) if before is not None else None,
         fleet=FleetStatus(
             agents=len(after.records),
             instances=table.fleet,

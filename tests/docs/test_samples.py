@@ -6,7 +6,7 @@ The script gets ``REACH_NATS_URL`` and a ``REACH_SUBJECT_PREFIX`` of its page, s
 unchanged; its working directory is empty. The blocks of one page run in order, and share
 what the page started. An HTML comment on the line before a block says how to run it:
 
-    (none)                                  run it; it must exit 0
+    (none)                                  run it; it must exit 0 (a shell block: see below)
     <!-- run: background ready=text.shout --> start it and keep it running until the page
                                             ends (an agent); wait until an UP instance of
                                             text.shout is in the routing table, or, with
@@ -14,17 +14,30 @@ what the page started. An HTML comment on the line before a block says how to ru
                                             At the end it gets SIGTERM and must exit 0.
     <!-- run: gateway -->                   run it with `reach gateway` running (started
                                             once per page)
+    <!-- run: gateway token=NAME -->        the page's gateway takes one admin token
+                                            (REACH_GATEWAY_TOKENS), which every block of the
+                                            page finds in $NAME
     <!-- run: pytest -->                    save it as a test file and run pytest on it
     <!-- norun: reason -->                  only compile it (the reason says why)
 
-A loopback address with a port in a Python block (``127.0.0.1:8080``) names a free port of
+A loopback address with a port (``127.0.0.1:8080``, ``localhost:8080``) names a free port of
 the page: the same port everywhere on the page (also where a block gives it to a server as
 ``port=8080``), so a sample's gateway or HTTP service is where its client looks.
 ``127.0.0.1:4222`` stays (it is the default NATS URL).
 
-Shell blocks (bash, console) are checked, not run: every ``reach ...`` line, and every
-``reach ...`` after a pipe or ``&&``, must parse with the ``reach`` command's own parser
-(usage lines with ``[...]`` or ``|`` only name an existing command), and every
+A shell block (bash, sh, shell) runs only when marked ``<!-- run -->`` or
+``<!-- run: gateway -->``: its lines as a bash script in the page's environment and
+directory, in its turn among the page's blocks, after ``set -euo pipefail`` and with
+``curl`` given ``--fail-with-body``, so an HTTP error fails it (the sample itself says
+``curl -s``, as a user types it). It must exit 0 within 60 s; whatever it leaves running is
+killed. Without bash or curl the page is skipped, naming how to install them (failed where
+``REACH_REQUIRE_TOOLS=1``, as in CI). A block with a curl command must run or say why not
+(``<!-- norun: reason -->``), so no HTTP sample goes stale unseen. A console block shows
+output: it is never run.
+
+Every shell block (bash, console), run or not, is checked: every ``reach ...`` line, and
+every ``reach ...`` after a pipe or ``&&``, must parse with the ``reach`` command's own
+parser (usage lines with ``[...]`` or ``|`` only name an existing command), and every
 ``python -m MODULE`` names a module that exists.
 """
 
@@ -34,8 +47,10 @@ import argparse
 import asyncio
 import contextlib
 import io
+import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -54,6 +69,8 @@ from reach import Client, ReachSettings, Registry
 from reach.cli import build_parser
 from reach.testing import NatsServer, unique_prefix
 
+from ..tools import need
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -62,7 +79,15 @@ MARKER = re.compile(r"^\s*<!--\s*(?P<kind>run|norun)\s*(?::\s*(?P<args>.*?))?\s*
 PORT = re.compile(r"\b(127\.0\.0\.1|localhost):(\d{2,5})\b")
 PYTHON = {"python", "py"}
 SHELL = {"bash", "sh", "shell", "console"}
+SHELL_RUN = {"bash", "sh", "shell"}  # a console block shows output too: not a script
 RUN_OPTIONS = {"background", "gateway", "pytest"}
+
+#: a shell block runs as a bash script: it stops at the first failing command, and curl
+#: fails on an HTTP error (showing the body) as a user would see from the sample's output;
+#: ``--fail-with-body`` needs curl 7.76, the samples' ``--json`` 7.82
+SHELL_PREAMBLE = """set -euo pipefail
+curl() { command curl --fail-with-body --show-error "$@"; }
+"""
 
 RUN_TIMEOUT = 60.0  # seconds one foreground block may take
 READY_TIMEOUT = 20.0
@@ -74,14 +99,16 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     code: str
-    kind: str = "run"  # run | norun
+    kind: str  # run | norun | check (a shell block without a marker: parsed, not run)
     options: set[str] = field(default_factory=set)
     ready: str = ""
+    token: str = ""  # token=NAME: the page's gateway takes a token, given to blocks as $NAME
     reason: str = ""
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f"{page}:{self.line}"
 
 
 def read_blocks(page: Path) -> list[Block]:
@@ -103,7 +130,8 @@ def read_blocks(page: Path) -> list[Block]:
             body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
             i += 1
         i += 1
-        block = Block(page, start + 1, lang, "\n".join(body) + "\n")
+        kind = "run" if lang in PYTHON else "check"
+        block = Block(page, start + 1, lang, "\n".join(body) + "\n", kind)
         before = start - 1
         while before >= 0 and not lines[before].strip():
             before -= 1
@@ -124,14 +152,27 @@ def parse_marker(block: Block, kind: str, args: str) -> None:
         name, _, value = word.partition("=")
         if name == "ready":
             block.ready = value
+        elif name == "token" and value.isidentifier():
+            block.token = value
         elif name in RUN_OPTIONS:
             block.options.add(name)
         else:
             raise AssertionError(f"{block.where}: unknown run option {word!r}")
+    if block.token and "gateway" not in block.options:
+        raise AssertionError(f"{block.where}: token= is the gateway's: say run: gateway")
+    if block.lang in SHELL and block.lang not in SHELL_RUN:
+        raise AssertionError(f"{block.where}: a {block.lang} block shows output: make it bash")
+    if block.lang in SHELL_RUN and block.options - {"gateway"}:
+        raise AssertionError(f"{block.where}: a shell block runs in the foreground, or norun")
 
 
-def python_pages() -> list[Path]:
-    return [p for p in PAGES if any(b.lang in PYTHON for b in read_blocks(p))]
+def runnable(block: Block) -> bool:
+    return block.kind == "run" and block.lang in PYTHON | SHELL_RUN
+
+
+def run_pages() -> list[Path]:
+    """Pages with a Python block, or a shell block marked to run."""
+    return [p for p in PAGES if any(b.lang in PYTHON or runnable(b) for b in read_blocks(p))]
 
 
 def shell_pages() -> list[Path]:
@@ -212,6 +253,24 @@ def test_shell_samples_name_real_commands(page: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+#: a line that runs curl: at the start (after a ``$`` prompt), or after a pipe, ``&&`` or ``;``
+CURL = re.compile(r"^\s*(?:\$\s+)?curl\s|(?:\||&&|;)\s*curl\s", re.MULTILINE)
+
+
+def test_every_curl_sample_runs_or_says_why_not() -> None:
+    """A curl sample goes stale without a word unless it runs: each is run or says why not."""
+    problems = [
+        f"{block.where}: a curl sample neither runs (<!-- run: ... --> on a bash block) nor "
+        "says why not (<!-- norun: reason -->)"
+        for page in PAGES
+        for block in read_blocks(page)
+        if CURL.search(block.code)
+        and block.kind != "norun"
+        and not (block.kind == "run" and block.lang in SHELL_RUN)
+    ]
+    assert not problems, "\n".join(problems)
+
+
 def test_every_python_sample_compiles() -> None:
     problems = []
     for page in PAGES:
@@ -258,16 +317,20 @@ class Page:
         self.settings = settings
         self.workdir = workdir
         self.ports: dict[str, int] = {}
-        for block in read_blocks(page):  # every port the page names, before any block runs
+        blocks = read_blocks(page)
+        for block in blocks:  # every port the page names, before any block runs
             for _, port in PORT.findall(block.code + block.ready):
                 if port != "4222" and port not in self.ports:
                     self.ports[port] = free_port()
+        #: the page's gateway token, if a block asks for one (token=NAME: in $NAME)
+        self.token = {b.token: secrets.token_hex(24) for b in blocks if b.token}
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
         self.env |= {
             "REACH_NATS_URL": settings.nats_url,
             "REACH_SUBJECT_PREFIX": settings.subject_prefix,
             "PYTHONUNBUFFERED": "1",
         }
+        self.env |= self.token
         self.running: list[tuple[str, asyncio.subprocess.Process, Path]] = []
         self.gateway = False
 
@@ -288,11 +351,20 @@ class Page:
             code,
         )
 
-    async def spawn(self, name: str, argv: list[str]) -> tuple[asyncio.subprocess.Process, Path]:
+    async def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, group: bool = False
+    ) -> tuple[asyncio.subprocess.Process, Path]:
+        """Start ``argv``; ``group``: in a process group of its own, so that a shell block's
+        commands (its curl) are killed with it."""
         log = self.workdir / f"{name}.log"
         with log.open("wb") as out:
             proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=self.workdir, env=self.env, stdout=out, stderr=out
+                *argv,
+                cwd=self.workdir,
+                env=env or self.env,
+                stdout=out,
+                stderr=out,
+                start_new_session=group,
             )
         return proc, log
 
@@ -301,11 +373,17 @@ class Page:
             await self.start_gateway()
         code = self.localise(block.code)
         name = f"block-{block.line}"
-        path = self.workdir / (
-            f"test_{name.replace('-', '_')}.py" if "pytest" in block.options else f"{name}.py"
-        )
-        path.write_text(code, encoding="utf-8")
-        if "pytest" in block.options:
+        if block.lang in SHELL_RUN:
+            path = self.workdir / f"{name}.sh"
+            path.write_text(SHELL_PREAMBLE + code, encoding="utf-8")
+        else:
+            path = self.workdir / (
+                f"test_{name.replace('-', '_')}.py" if "pytest" in block.options else f"{name}.py"
+            )
+            path.write_text(code, encoding="utf-8")
+        if block.lang in SHELL_RUN:
+            argv = ["bash", str(path)]
+        elif "pytest" in block.options:
             argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
             argv += ["-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=function"]
             argv.append(str(path))
@@ -319,13 +397,18 @@ class Page:
                 block.where, self.localise(block.ready), proc, log, client, before
             )
             return
-        proc, log = await self.spawn(name, argv)
+        group = block.lang in SHELL_RUN
+        proc, log = await self.spawn(name, argv, group=group)
         try:
             code_ = await asyncio.wait_for(proc.wait(), RUN_TIMEOUT)
         except TimeoutError:
             proc.kill()
             await proc.wait()
             pytest.fail(f"{block.where} ran over {RUN_TIMEOUT}s:\n{tail(log)}")
+        finally:
+            if group:  # what the shell block started and left (a curl still reading)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         if code_ != 0:
             pytest.fail(f"{block.where} exited {code_}:\n{tail(log)}\n{self.background_logs()}")
 
@@ -362,7 +445,12 @@ class Page:
         self.gateway = True
         port = self.localise("127.0.0.1:8080").rpartition(":")[2]
         argv = [sys.executable, "-m", "reach.cli", "gateway", "--port", port]
-        proc, log = await self.spawn("gateway", argv)
+        env = self.env
+        if self.token:  # one admin token, as docker-compose.yml's GATEWAY_TOKEN
+            env = env | {
+                "REACH_GATEWAY_TOKENS": json.dumps({t: ["admin"] for t in self.token.values()})
+            }
+        proc, log = await self.spawn("gateway", argv, env)
         self.running.append(("reach gateway", proc, log))
         await self.wait_ready(
             "reach gateway", f"http://127.0.0.1:{port}/healthz", proc, log, None, 0
@@ -409,11 +497,12 @@ def tail(log: Path, lines: int = 40) -> str:
         return "(no output)"
 
 
-@pytest.mark.parametrize("page", python_pages(), ids=page_id)
-async def test_python_samples_run(page: Path, nats_server: NatsServer, tmp_path: Path) -> None:
-    blocks = [b for b in read_blocks(page) if b.lang in PYTHON and b.kind == "run"]
+@pytest.mark.parametrize("page", run_pages(), ids=page_id)
+async def test_samples_run(page: Path, nats_server: NatsServer, tmp_path: Path) -> None:
+    blocks = [b for b in read_blocks(page) if runnable(b)]
     if not blocks:
-        pytest.skip("every Python block of this page is marked norun")
+        pytest.skip("every block of this page is marked norun")
+    need_shell_tools(blocks)
     settings = ReachSettings(nats_url=nats_server.url, subject_prefix=unique_prefix())
     run = Page(page, settings, tmp_path)
     problems: list[str] = []
@@ -426,6 +515,42 @@ async def test_python_samples_run(page: Path, nats_server: NatsServer, tmp_path:
     assert not problems, "\n".join(problems)
 
 
+def need_shell_tools(blocks: list[Block]) -> None:
+    """bash and curl, before a page starts (skipped without them, naming how to install)."""
+    shell = [b for b in blocks if b.lang in SHELL_RUN]
+    if shell:
+        need("bash", "apt-get install bash")
+    if any(CURL.search(b.code) for b in shell):
+        need("curl", "apt-get install curl")
+
+
+async def test_a_shell_sample_fails_on_an_http_error(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The runner's promise for shell blocks: ``curl -s`` as a sample types it fails the
+    block on an HTTP error (here 401: no token), on the page's port, with the page's token."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- run: gateway token=TOKEN -->\n```bash\n"
+        'curl -s -H "Authorization: Bearer $TOKEN" localhost:8080/v1/capabilities\n```\n\n'
+        "<!-- run: gateway -->\n```bash\ncurl -s localhost:8080/v1/capabilities\n```\n",
+        encoding="utf-8",
+    )
+    with_token, without = read_blocks(page)
+    need_shell_tools([with_token, without])
+    settings = ReachSettings(nats_url=nats_server.url, subject_prefix=unique_prefix())
+    (tmp_path / "run").mkdir()
+    run = Page(page, settings, tmp_path / "run")
+    try:
+        async with Registry(settings=settings), Client(settings=settings) as client:
+            await run.run_block(with_token, client)
+            with pytest.raises(pytest.fail.Exception, match=r"page.md:7 exited 22"):
+                await run.run_block(without, client)
+    finally:
+        assert not await run.stop()
+    assert '"error"' in (tmp_path / "run" / "block-7.log").read_text()  # the body is shown
+
+
 # -- what the pages link to and what the compose file needs ---------------------------------
 
 
@@ -435,6 +560,28 @@ def test_readme_is_short_and_its_links_exist() -> None:
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+#: what a user doc must not say: our issue numbers (``issue 20``, a bare ``#20``; an
+#: upstream ``owner/repo#8274`` is a reference a reader can follow) and review history
+HISTORY = re.compile(
+    r"\bissues?\s+#?\d+"
+    r"|(?<![\w/.&-])#\d+\b"
+    r"|\b(?:after|before) the (?:\w+ )?(?:review|changes above)\b"
+    r"|\breview(?:'s|s') fixes\b|\breview history\b|\bas first planned\b|\bwhat changed:",
+    re.IGNORECASE,
+)
+
+
+def test_user_docs_name_no_issues_or_review_history() -> None:
+    """The docs say what the code does now, not how it got there."""
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {m[0]!r}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        for m in HISTORY.finditer(line)
+    ]
+    assert not found, "\n".join(found)
 
 
 def compose_variables(node: object) -> set[str]:

@@ -48,6 +48,8 @@ async def test_typed_handler_round_trip(reach_settings, reach_client):
     assert reply.value == Translated(text="HI", lang="fr")
     assert reply.agent_id == "tr-1"
     assert reply.request_id
+    # rounded to the microsecond, as the gateway and the CLI show them
+    assert reply.latency_ms == round(reply.latency_ms, 3) > 0
 
 
 async def test_invalid_payload_is_bad_request_naming_field_and_handler_not_called(

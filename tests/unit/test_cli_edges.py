@@ -96,3 +96,12 @@ def test_the_status_summary_rounds_its_latency():
     acc = _Acc()
     acc.add(Counters(requests=3, errors=0, processing_ns=1_000_001_000), 1.0)
     assert acc.traffic().latency_ms == 333.334
+
+
+def test_reach_up_port_0_is_any_free_port_as_on_the_gateway(capsys):
+    args = build_parser().parse_args(["up", "--port", "0", "--monitor-port", "0"])
+    assert (args.port, args.monitor_port) == (-1, -1)  # nats-server's own 0 means 4222
+    assert build_parser().parse_args(["up", "--port", "-1"]).port == -1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--port", "70000"])
+    assert "70000 is not a port" in capsys.readouterr().err
