@@ -1,36 +1,62 @@
 """Registry at scale: N simulated agents heartbeating every 5 s against one registry process.
 
-Reports the registry process's CPU (share of one core) and memory (RSS), and the
-heartbeat-to-table lag: from the moment a simulated agent publishes a heartbeat to the
-moment a client's routing table (a reach.Client, following the KV watch) holds that
-heartbeat. Simulated agents, all in this process, register first (64 in flight), then
-heartbeat on a uniform schedule.
+Every party is a process of its own, so each one's CPU and memory are its own:
+
+- the registry (``reach registry``);
+- ``--sim-procs`` simulators (this script, ``--simulate``), each holding a slice of the
+  agents: they register (64 in flight in all), then heartbeat on a uniform schedule with
+  the real wire types, stamping each heartbeat's ``sent_ms``;
+- an idle client (this script, ``--idle-client``): a ``reach.Client`` that has picked a
+  route for one capability and then does nothing;
+- this process, which only orchestrates and observes: its ``reach.Client`` follows the
+  routing table, and a heartbeat's lag is its own clock minus the ``sent_ms`` the table
+  holds (one host, one clock).
+
+Per size it reports the registry's CPU (share of one core) and RSS, the writes into the
+agents bucket (its stream's last sequence over the window) per second and per heartbeat,
+the lag p50/p99, the time to register everyone, the time the registry takes to exit on
+SIGTERM (sent 1 s after the last heartbeat; killed, and reported so, after 10 s), and the
+idle client's CPU and RSS.
 
     python bench/registry_scale.py [--agents 1000 10000] [--seconds 15] [--warmup 5]
+                                   [--sim-procs 2] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
-import subprocess
+import re
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import nats
+from _fleet import clean_environ, defaults, pct
 
 import reach
 from reach.testing import NatsServer
 from reach.wire import AgentInfo, CapabilityInfo, Heartbeat, Registration
 
-INTERVAL = 5.0
+INTERVAL = 5.0  # the default heartbeat interval (lease TTL: the default 15 s)
 TICK = 0.01
+INFLIGHT = 64  # registrations in flight, over all simulators
+CAPABILITY = "sim.work"
+STOP_GRACE = 10.0  # a registry still running this long after SIGTERM is killed
+READY_TIMEOUT = 120.0
+GOAL = (
+    "goal (issue 25, 2 cores): 100,000 agents at 5 s heartbeats with lag p99 < 1 s;"
+    " registry CPU <= 10% of a core per 10,000 agents; all registered within 60 s;"
+    " exit within 5 s of SIGTERM; an idle client < 5% of a core at 100,000 agents"
+)
+
+Proc = asyncio.subprocess.Process
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -45,123 +71,275 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+def now_ms() -> float:
+    return time.time() * 1000
 
 
-def start_registry(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """The registry under test, in its own process so its CPU and memory are its own."""
-    registry: subprocess.Popen[bytes] = subprocess.Popen(
-        [sys.executable, "-m", "reach.cli", "registry"],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    assert registry.stderr is not None
-    while b"registry" not in registry.stderr.readline():
-        pass
-    # keep reading its log so a full pipe can never stall it
-    threading.Thread(target=registry.stderr.read, daemon=True).start()
-    return registry
+# -- the children's side: one JSON object a line on stdout, commands on stdin ----------
 
 
-async def run_once(url: str, n: int, seconds: float, warmup: float) -> dict[str, Any]:
-    prefix = f"scale{n}"
-    env = {
-        **os.environ,
-        "REACH_NATS_URL": url,
-        "REACH_SUBJECT_PREFIX": prefix,
-        "REACH_HEARTBEAT_INTERVAL": str(INTERVAL),
-        "REACH_LEASE_TTL": str(3 * INTERVAL),
-    }
-    registry = start_registry(env)
-    settings = reach.ReachSettings(
-        nats_url=url, subject_prefix=prefix, heartbeat_interval=INTERVAL, lease_ttl=3 * INTERVAL
-    )
+def say(message: dict[str, Any]) -> None:
+    print(json.dumps(message), flush=True)
+
+
+async def hear() -> dict[str, Any]:
+    """The parent's next command; its end (EOF) ends the child."""
+    line = await asyncio.to_thread(sys.stdin.readline)
+    if not line:
+        raise SystemExit("bench parent gone")
+    message: dict[str, Any] = json.loads(line)
+    return message
+
+
+async def simulate(url: str, prefix: str, first: int, count: int, inflight: int) -> None:
+    """Agents ``first``..``first + count - 1``: register when told, then heartbeat on the
+    parent's plan; reports how many heartbeats it sent within the measured window."""
     nc = await nats.connect(url)
-    ids = [f"sim-{i:05d}" for i in range(n)]
-    sent: dict[tuple[str, int], float] = {}
-    lags: list[float] = []
-    measuring = False
     try:
-        # register everyone, 64 at a time
-        sem = asyncio.Semaphore(64)
+        ids = [f"sim-{i:06d}" for i in range(first, first + count)]
+        say({"ready": True})
+        await hear()
+        sem = asyncio.Semaphore(inflight)
 
         async def register(agent_id: str) -> None:
             info = AgentInfo(
-                agent_id=agent_id, name="sim", capabilities=[CapabilityInfo(name="sim.work")]
+                agent_id=agent_id, name="sim", capabilities=[CapabilityInfo(name=CAPABILITY)]
             )
             async with sem:
                 await nc.request(
                     f"{prefix}.registry.register.{agent_id}",
                     msgspec.json.encode(Registration(info=info)),
-                    timeout=30,
+                    timeout=60,
                 )
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(register(i) for i in ids))
+        say({"registered": True})
+        plan = await hear()
+        start, lo, hi = plan["start_ms"], plan["measure_from_ms"], plan["until_ms"]
+        await asyncio.sleep(max(0.0, (start - now_ms()) / 1000))
+        rate = count / (INTERVAL * 1000)  # heartbeats due per ms
+        sent = counted = 0
+        while (now := now_ms()) < hi:
+            due = int((now - start) * rate)
+            while sent < due:  # the schedule, caught up if a tick came late
+                at = now_ms()
+                hb = Heartbeat(
+                    agent_id=ids[sent % count],
+                    seq=sent // count + 1,
+                    load=0.25,
+                    latency_ms=12.0,
+                    sent_ms=round(at),
+                )
+                await nc.publish(f"{prefix}.hb.{hb.agent_id}", msgspec.json.encode(hb))
+                sent += 1
+                counted += int(lo <= hb.sent_ms < hi)
+            await asyncio.sleep(TICK)
+        await nc.flush()
+        say({"heartbeats": counted})
+    finally:
+        await nc.close()
+
+
+async def idle_client(url: str, prefix: str) -> None:
+    """A client that has routed one capability once, then sits idle until told to end."""
+    async with reach.Client(settings=defaults(url, prefix)) as client:
+        with contextlib.suppress(reach.ReachError):  # no instance fits: the table still runs
+            await client.pick(CAPABILITY)
+        say({"ready": True})
+        await hear()
+
+
+# -- the parent's side -----------------------------------------------------------------
+
+
+class Child:
+    """A process of this script in a role, spoken to in JSON lines."""
+
+    def __init__(self, proc: Proc) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, *args: str) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=clean_environ(),
+        )
+        return cls(proc)
+
+    async def say(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def hear(self, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            code = await self.proc.wait()
+            raise RuntimeError(f"bench child {self.proc.pid} exited with {code}")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+
+async def stop(proc: Proc, grace: float = STOP_GRACE) -> float | None:
+    """SIGTERM to the process's PID, SIGKILL if it outlives ``grace``: the seconds it took
+    to exit, or None when it had to be killed."""
+    t0 = time.perf_counter()
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), grace)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return None
+    return time.perf_counter() - t0
+
+
+async def start_registry(url: str, prefix: str) -> tuple[Proc, str]:
+    """The registry under test, and its bucket's stream (named by the registry's own
+    start line). Its log is read to the end by the caller (``drain``): a full pipe would
+    stall it."""
+    env = {**clean_environ(), "REACH_NATS_URL": url, "REACH_SUBJECT_PREFIX": prefix}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach.cli",
+        "registry",
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    async with asyncio.timeout(READY_TIMEOUT):
+        while line := await proc.stderr.readline():
+            found = re.match(rb"# registry .* bucket ([A-Za-z0-9_-]+)", line)
+            if found:
+                return proc, f"KV_{found[1].decode()}"
+    await stop(proc)
+    raise RuntimeError(f"registry exited with {proc.returncode} before it was ready")
+
+
+async def drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
+
+
+async def observe(client: reach.Client, lags: list[float], lo: float, hi: float) -> None:
+    """Lag of every heartbeat sent within [lo, hi) ms, when the table first holds it (a
+    record written again with the same heartbeat is not a new sample)."""
+    seen: set[tuple[str, int]] = set()
+    async for change in client.changes():
+        if isinstance(change, str) or change.heartbeat is None:
+            continue
+        hb = change.heartbeat
+        if lo <= hb.sent_ms < hi and (hb.agent_id, hb.seq) not in seen:
+            seen.add((hb.agent_id, hb.seq))
+            lags.append(now_ms() - hb.sent_ms)
+
+
+async def sample(js: Any, stream: str, registry: int, idle: int) -> dict[str, float]:
+    info = await js.stream_info(stream)
+    return {
+        "wall": time.perf_counter(),
+        "seq": info.state.last_seq,
+        "registry_cpu": proc_cpu_seconds(registry),
+        "idle_cpu": proc_cpu_seconds(idle),
+    }
+
+
+async def run_once(
+    url: str, n: int, seconds: float, warmup: float, sim_procs: int
+) -> dict[str, Any]:
+    prefix = f"scale{n}"
+    procs: list[Proc] = []
+    draining: asyncio.Task[None] | None = None
+    nc = await nats.connect(url)
+    try:
+        registry, stream = await start_registry(url, prefix)
+        procs.append(registry)
+        assert registry.stderr is not None
+        draining = asyncio.create_task(drain(registry.stderr))
+
+        inflight = max(1, INFLIGHT // sim_procs)
+        cuts = [n * k // sim_procs for k in range(sim_procs + 1)]
+        sims = []
+        for first, end in itertools.pairwise(cuts):
+            role = ["--simulate", str(first), str(end - first), str(inflight)]
+            sim = await Child.start(*role, "--url", url, "--prefix", prefix)
+            procs.append(sim.proc)
+            sims.append(sim)
+        for sim in sims:
+            await sim.hear()
+        t0 = time.perf_counter()
+        for sim in sims:
+            await sim.say({"register": True})
+        for sim in sims:
+            await sim.hear()
         register_s = time.perf_counter() - t0
 
-        async with reach.Client(settings=settings) as client:
-            await client.agents()  # start the table
+        idle = await Child.start("--idle-client", "--url", url, "--prefix", prefix)
+        procs.append(idle.proc)
+        await idle.hear()
 
-            async def observe() -> None:
-                async for change in client.changes():
-                    if isinstance(change, str) or change.heartbeat is None:
-                        continue
-                    key = (change.info.agent_id, change.heartbeat.seq)
-                    at = sent.pop(key, None)
-                    if at is not None and measuring:
-                        lags.append(time.perf_counter() - at)
-
-            observer = asyncio.ensure_future(observe())
-            per_tick = n * TICK / INTERVAL
-            seq = 0
-            carry = 0.0
-            cursor = 0
-            start = time.perf_counter()
-            cpu0 = wall0 = 0.0
-            heartbeats = 0
-            next_tick = start
-            while True:
-                now = time.perf_counter()
-                if not measuring and now - start >= warmup:
-                    measuring = True
-                    cpu0, wall0 = proc_cpu_seconds(registry.pid), now
-                    heartbeats = 0
-                if now - start >= warmup + seconds:
-                    break
-                carry += per_tick
-                batch, carry = int(carry), carry - int(carry)
-                for _ in range(batch):
-                    agent_id = ids[cursor]
-                    cursor += 1
-                    if cursor == n:
-                        cursor, seq = 0, seq + 1
-                    hb = Heartbeat(agent_id=agent_id, seq=seq + 1, load=0.25, latency_ms=12.0)
-                    sent[(agent_id, seq + 1)] = time.perf_counter()
-                    await nc.publish(f"{prefix}.hb.{agent_id}", msgspec.json.encode(hb))
-                    heartbeats += 1
-                next_tick += TICK
-                await asyncio.sleep(max(0.0, next_tick - time.perf_counter()))
-            cpu = (proc_cpu_seconds(registry.pid) - cpu0) / (time.perf_counter() - wall0)
-            rss = proc_rss_mb(registry.pid)
-            await asyncio.sleep(1.0)  # let the last updates arrive before stopping
-            observer.cancel()
+        lags: list[float] = []
+        async with reach.Client(settings=defaults(url, prefix)) as client:
+            await client.agents()  # the table, loaded before the clock starts
+            start = now_ms() + 200
+            lo, hi = start + warmup * 1000, start + (warmup + seconds) * 1000
+            observer = asyncio.create_task(observe(client, lags, lo, hi))
+            try:
+                plan = {"start_ms": start, "measure_from_ms": lo, "until_ms": hi}
+                for sim in sims:
+                    await sim.say(plan)
+                js = nc.jetstream()
+                await asyncio.sleep((lo - now_ms()) / 1000)
+                before = await sample(js, stream, registry.pid, idle.proc.pid)
+                await asyncio.sleep((hi - now_ms()) / 1000)
+                after = await sample(js, stream, registry.pid, idle.proc.pid)
+                registry_rss, idle_rss = proc_rss_mb(registry.pid), proc_rss_mb(idle.proc.pid)
+                heartbeats = sum([(await sim.hear())["heartbeats"] for sim in sims])
+                await asyncio.sleep(1.0)  # the last heartbeats reach the table
+            finally:
+                observer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await observer
+        stop_s = await stop(registry)
     finally:
-        registry.terminate()
-        registry.wait(10)
+        for proc in procs:
+            await stop(proc)
+        if draining is not None:
+            draining.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await draining
         await nc.close()
+
+    window = after["wall"] - before["wall"]
+    hb_per_s = heartbeats / seconds
+    writes_per_s = (after["seq"] - before["seq"]) / window
     return {
         "agents": n,
+        "sim_procs": sim_procs,
         "register_s": round(register_s, 2),
-        "heartbeats_per_s": round(heartbeats / seconds),
-        "registry_cpu_core": round(cpu, 3),
-        "registry_rss_mb": round(rss, 1),
+        "heartbeats": heartbeats,
+        "heartbeats_per_s": round(hb_per_s),
+        "registry_cpu_core": round((after["registry_cpu"] - before["registry_cpu"]) / window, 3),
+        "registry_rss_mb": round(registry_rss, 1),
+        "kv_writes_per_s": round(writes_per_s),
+        "writes_per_heartbeat": round(writes_per_s / hb_per_s, 3) if hb_per_s else None,
         "lag_samples": len(lags),
-        "lag_p50_ms": round(pct(lags, 0.5) * 1000, 2),
-        "lag_p99_ms": round(pct(lags, 0.99) * 1000, 2),
+        "lag_p50_ms": round(pct(lags, 0.5), 2),
+        "lag_p99_ms": round(pct(lags, 0.99), 2),
+        "stop_s": None if stop_s is None else round(stop_s, 2),
+        "registry_killed": stop_s is None,
+        "idle_client_cpu_core": round((after["idle_cpu"] - before["idle_cpu"]) / window, 3),
+        "idle_client_rss_mb": round(idle_rss, 1),
     }
 
 
@@ -169,8 +347,28 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     with NatsServer() as server:
         for n in args.agents:
-            results.append(await run_once(server.url, n, args.seconds, args.warmup))
+            results.append(await run_once(server.url, n, args.seconds, args.warmup, args.sim_procs))
     return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'agents':>7} {'hb/s':>6} {'registry CPU':>12} {'RSS MB':>7} {'writes/s':>8} "
+        f"{'w/hb':>5} {'lag p50 ms':>10} {'lag p99 ms':>10} {'samples':>8} {'register s':>10} "
+        f"{'stop s':>8} {'idle CPU':>8} {'idle MB':>7}"
+    )
+    lines = [head]
+    for r in results:
+        stop_s = "killed" if r["registry_killed"] else f"{r['stop_s']:.2f}"
+        w_hb = "-" if r["writes_per_heartbeat"] is None else f"{r['writes_per_heartbeat']:.2f}"
+        lines.append(
+            f"{r['agents']:>7} {r['heartbeats_per_s']:>6} {r['registry_cpu_core']:>12.0%} "
+            f"{r['registry_rss_mb']:>7.1f} {r['kv_writes_per_s']:>8} {w_hb:>5} "
+            f"{r['lag_p50_ms']:>10.2f} {r['lag_p99_ms']:>10.2f} {r['lag_samples']:>8} "
+            f"{r['register_s']:>10.2f} {stop_s:>8} {r['idle_client_cpu_core']:>8.1%} "
+            f"{r['idle_client_rss_mb']:>7.1f}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -178,23 +376,26 @@ def main() -> int:
     parser.add_argument("--agents", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
     parser.add_argument("--json", action="store_true")
+    # the children's roles
+    parser.add_argument("--simulate", type=int, nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--idle-client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.simulate:
+        asyncio.run(simulate(args.url, args.prefix, *args.simulate))
+        return 0
+    if args.idle_client:
+        asyncio.run(idle_client(args.url, args.prefix))
+        return 0
     results = asyncio.run(main_async(args))
     if args.json:
         print(json.dumps(results, indent=2))
-        return 0
-    print(
-        f"{'agents':>7} {'hb/s':>6} {'registry CPU':>13} {'RSS MB':>7} "
-        f"{'lag p50 ms':>11} {'lag p99 ms':>11} {'samples':>8} {'register s':>10}"
-    )
-    for r in results:
-        print(
-            f"{r['agents']:>7} {r['heartbeats_per_s']:>6} {r['registry_cpu_core']:>12.0%} "
-            f"{r['registry_rss_mb']:>7.1f} {r['lag_p50_ms']:>11.2f} {r['lag_p99_ms']:>11.2f} "
-            f"{r['lag_samples']:>8} {r['register_s']:>10.2f}"
-        )
-    print("goal: 10,000 agents under one core, lag p99 under 1 s")
+    else:
+        print(table(results))
+        print(GOAL)
     return 0
 
 
