@@ -398,15 +398,43 @@ class _Document:
             return {"description": "not described by the agent (an older agent)"}
         top = dict(schema)
         defs: dict[str, Any] = top.pop("$defs", {})
-        names = {d: d for d in defs}
-        for d, body in defs.items():  # a shape already there under its name is shared
-            names[d] = self._free(d, _rewrite(body, names))
+        names = self._names(defs)
         for d, body in defs.items():
             self.schemas[names[d]] = _rewrite(body, names)
         body = _rewrite(top, names)
         key = self._free(name, body)
         self.schemas[key] = body
         return {"$ref": _SCHEMAS + key}
+
+    def _names(self, defs: dict[str, Any]) -> dict[str, str]:
+        """A name in ``components.schemas`` for each of one schema's ``defs``: its own, or
+        ``-2``, ``-3``... while that name holds another shape. A part is the same shape
+        only with every reference rewritten, so renaming one part can make another that
+        refers to it differ: repeat until no name moves (names only move forward, so this
+        ends). Two parts of ``defs`` share a name only when they are the same."""
+        base = {d: _UNSAFE.sub("_", d) for d in defs}
+        n = dict.fromkeys(defs, 1)
+        names = dict(base)
+        moved = True
+        while moved:
+            moved = False
+            claimed: dict[str, bytes] = {}
+            for d, body in defs.items():
+                mine = _canonical(_rewrite(body, names))
+                while (held := self._held(names[d], claimed)) not in (None, mine):
+                    n[d] += 1
+                    names[d] = f"{base[d]}-{n[d]}"
+                    moved = True
+                    mine = _canonical(_rewrite(body, names))
+                claimed[names[d]] = mine
+        return names
+
+    def _held(self, key: str, claimed: dict[str, bytes]) -> bytes | None:
+        """The canonical form of what ``key`` holds: a part of the schema being hoisted
+        (``claimed``) or one already written; None when it is free."""
+        if key in claimed:
+            return claimed[key]
+        return _canonical(self.schemas[key]) if key in self.schemas else None
 
     def _free(self, name: str, body: Any) -> str:
         """``name`` unless another schema holds it, then ``name-2``...; the same schema

@@ -136,3 +136,93 @@ def test_an_empty_fleet_is_still_a_valid_document() -> None:
     doc = asyncapi_document(catalogue([]), subjects=Subjects("reach"), servers=["nats://h:1"])
     assert validation_errors(doc) == []
     assert doc["operations"] == {}
+
+
+def resolved(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its local ``$ref``s followed until it is a schema of its own."""
+    while "$ref" in node:
+        path = node["$ref"].removeprefix("#/").split("/")
+        node = doc
+        for part in path:
+            node = node[part]
+    return node
+
+
+def nested(y: dict[str, Any]) -> dict[str, Any]:
+    """An object whose ``x`` is ``X``, whose ``y`` is ``Y``: named parts in its ``$defs``."""
+    return {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/X"}},
+        "$defs": {
+            "X": {"type": "object", "properties": {"y": {"$ref": "#/$defs/Y"}}},
+            "Y": y,
+        },
+    }
+
+
+def y_of(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    payload = doc["components"]["messages"][f"cap.{name}.1.0.request"]["payload"]
+    x = resolved(doc, resolved(doc, payload)["properties"]["x"])
+    return resolved(doc, x["properties"]["y"])
+
+
+def test_parts_named_alike_keep_their_own_parts_down_to_the_last_reference() -> None:
+    """``X`` looks the same in both, but its ``Y`` does not: each ``X`` must reach its own."""
+    records = [
+        record("a-1", cap("1.0", nested({"type": "string"}), "a.one")),
+        record("a-2", cap("1.0", nested({"type": "integer"}), "a.two")),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert validation_errors(doc) == []
+    assert unresolved_refs(doc) == []
+    assert y_of(doc, "a.one") == {"type": "string"}
+    assert y_of(doc, "a.two") == {"type": "integer"}
+    schemas = doc["components"]["schemas"]
+    assert schemas["X"]["properties"]["y"] == {"$ref": "#/components/schemas/Y"}
+    assert schemas["X-2"]["properties"]["y"] == {"$ref": "#/components/schemas/Y-2"}
+
+
+def test_parts_that_are_the_same_all_the_way_down_are_written_once() -> None:
+    records = [
+        record("a-1", cap("1.0", nested({"type": "string"}), "a.one")),
+        record("a-2", cap("1.0", nested({"type": "string"}), "a.two")),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert unresolved_refs(doc) == []
+    assert y_of(doc, "a.one") == y_of(doc, "a.two") == {"type": "string"}
+    assert {"X", "Y"} <= set(doc["components"]["schemas"])
+    assert not {"X-2", "Y-2"} & set(doc["components"]["schemas"])
+
+
+def test_parts_that_refer_to_each_other_in_a_cycle_stay_apart_when_one_differs() -> None:
+    """``A`` refers to ``B`` and ``B`` to ``A``; only ``B``'s ``v`` differs."""
+
+    def cycle(v: str) -> dict[str, Any]:
+        return {
+            "$ref": "#/$defs/A",
+            "$defs": {
+                "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}},
+                "B": {
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#/$defs/A"}, "v": {"type": v}},
+                },
+            },
+        }
+
+    records = [
+        record("a-1", cap("1.0", cycle("string"), "a.one")),
+        record("a-2", cap("1.0", cycle("integer"), "a.two")),
+        record("a-3", cap("1.0", cycle("string"), "a.three")),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert validation_errors(doc) == []
+    assert unresolved_refs(doc) == []
+    messages = doc["components"]["messages"]
+    for name, v in (("a.one", "string"), ("a.two", "integer"), ("a.three", "string")):
+        a = resolved(doc, resolved(doc, messages[f"cap.{name}.1.0.request"]["payload"]))
+        b = resolved(doc, a["properties"]["b"])
+        assert b["properties"]["v"] == {"type": v}
+        again = resolved(doc, resolved(doc, b["properties"]["a"])["properties"]["b"])
+        assert again["properties"]["v"] == {"type": v}
+    assert {"A", "B", "A-2", "B-2"} <= set(doc["components"]["schemas"])
+    assert "A-3" not in doc["components"]["schemas"]
