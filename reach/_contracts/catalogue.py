@@ -2,8 +2,9 @@
 
 Every live instance (any status but DOWN) says what it serves; the catalogue groups that by
 name: capabilities served by request, durable task capabilities, and topic patterns. The
-instances of one name that describe it differently (another version, other schemas) make
-the variants of that name, newest version first, so documents show them as versions.
+instances of one name that describe it differently (another version, other schemas, a
+stream or not) make the variants of that name, newest version first, so documents show
+them as versions.
 ``names`` (globs) and ``tags`` choose what is exposed: an instance counts only if it
 carries every tag asked for.
 """
@@ -38,6 +39,7 @@ class Variant:
     payload: dict[str, Any] | None  # None: not described (an older agent)
     result: dict[str, Any] | None  # None for topics
     agents: tuple[str, ...]  # agent ids, sorted
+    streams: bool = False  # capabilities only: answers with a stream of chunks
     durable: bool = False  # topics only
     ordered: bool = False
 
@@ -100,7 +102,7 @@ def catalogue(
         for into, infos in ((caps, r.info.capabilities), (tasks, r.info.tasks)):
             for c in infos:
                 if chosen(c.name):
-                    key = _canonical((c.version, c.payload_schema, c.result_schema))
+                    key = _canonical((c.version, c.streams, c.payload_schema, c.result_schema))
                     into.setdefault(c.name, {}).setdefault(key, []).append((c, agent_id))
         for t in r.info.topics:
             if chosen(t.pattern):
@@ -123,6 +125,7 @@ def _offer(kind: Kind, name: str, groups: dict[bytes, list[tuple[CapabilityInfo,
             payload=members[0][0].payload_schema,
             result=members[0][0].result_schema,
             agents=tuple(a for _, a in members),
+            streams=members[0][0].streams,
         )
         for members in groups.values()
     ]
