@@ -217,8 +217,10 @@ class _Document:
             self.topic(offer)
         prefix = self.subjects.prefix
         counts = (
-            f"{len(cat.capabilities)} capabilities, {len(cat.tasks)} task capabilities and"
-            f" {len(cat.topics)} topics served by {len(cat.agents)} instances"
+            f"{_count(cat.capabilities, 'capability', 'capabilities')},"
+            f" {_count(cat.tasks, 'task capability', 'task capabilities')} and"
+            f" {_count(cat.topics, 'topic', 'topics')} served by"
+            f" {_count(cat.agents, 'instance', 'instances')}"
         )
         doc: dict[str, Any] = {
             "asyncapi": ASYNCAPI_VERSION,
@@ -610,6 +612,10 @@ _STREAM_REPLIES = (
     " the stream's (channel `stream`), where the caller grants credit, keeps the stream"
     " alive and cancels it (sdk/PROTOCOL.md 3.3)."
 )
+
+
+def _count(items: Sequence[object], one: str, many: str) -> str:
+    return f"{len(items)} {one if len(items) == 1 else many}"
 
 
 def _describe(item: Offer | Variant) -> dict[str, str]:

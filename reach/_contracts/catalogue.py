@@ -70,7 +70,7 @@ class Catalogue:
     capabilities: tuple[Offer, ...] = ()
     tasks: tuple[Offer, ...] = ()
     topics: tuple[Offer, ...] = ()
-    agents: tuple[str, ...] = ()  # ids of the instances that count
+    agents: tuple[str, ...] = ()  # ids of the instances serving what it holds
 
     def offers(self) -> tuple[Offer, ...]:
         return self.capabilities + self.tasks + self.topics
@@ -108,12 +108,12 @@ def catalogue(
             if chosen(t.pattern):
                 key = _canonical((t.payload_schema, t.durable, t.ordered))
                 topics.setdefault(t.pattern, {}).setdefault(key, []).append((t, agent_id))
-    return Catalogue(
+    cat = Catalogue(
         capabilities=tuple(_offer("request", n, g) for n, g in sorted(caps.items())),
         tasks=tuple(_offer("task", n, g) for n, g in sorted(tasks.items())),
         topics=tuple(_topic(p, g) for p, g in sorted(topics.items())),
-        agents=tuple(r.info.agent_id for r in live),
     )
+    return replace(cat, agents=tuple(sorted({a for o in cat.offers() for a in o.agents})))
 
 
 def _offer(kind: Kind, name: str, groups: dict[bytes, list[tuple[CapabilityInfo, str]]]) -> Offer:

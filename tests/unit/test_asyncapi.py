@@ -63,6 +63,8 @@ def test_names_and_tags_choose_what_is_exposed() -> None:
     assert names(catalogue(records)) == ["img.resize", "text.summarize", "text.translate"]
     assert names(catalogue(records, names=["text.*"])) == ["text.summarize", "text.translate"]
     assert names(catalogue(records, tags=["gpu"])) == ["text.summarize"]
+    assert catalogue(records, names=["img.*"]).agents == ("a-1",)  # only who serves it
+    assert catalogue(records, names=["nomatch.*"]).agents == ()
     assert names(catalogue(records, names=["img.*", "*.summarize"], tags=["gpu"])) == [
         "text.summarize"
     ]
