@@ -6,18 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from ._client import Client
 from ._contracts.asyncapi import fleet_document
+from ._contracts.catalogue import catalogue
 from ._telemetry import configure_logging
 from ._tokens import Tokens, TokenSettings
 from .errors import ConfigurationError
 from .settings import ReachSettings
+from .wire import AgentRecord
 
 if TYPE_CHECKING:
     from ._contracts.mcp_server import FleetServer
@@ -38,9 +41,27 @@ async def _asyncapi(args: argparse.Namespace, settings: ReachSettings) -> int:
             tags=args.tag,
         )
     _write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", args.output)
-    if args.output not in (None, "-"):
+    if not doc["operations"]:
+        print(f"warning: {_nothing(args, records)}; the document is empty", file=sys.stderr)
+    elif args.output not in (None, "-"):
         print(f"# wrote {args.output}: {len(doc['operations'])} operations", file=sys.stderr)
     return 0
+
+
+def _nothing(args: argparse.Namespace, records: Sequence[AgentRecord]) -> str:
+    """Why a document is empty: the selection matches nothing, or nothing is served. Still
+    rc 0: the empty document is a true answer, and scripts may read it."""
+    served = len(catalogue(records).offers())
+    fleet = (
+        f"the fleet serves {served} capabilities, tasks and topics"
+        if served
+        else "the fleet serves nothing now"
+    )
+    chosen = [f"--capability {shlex.quote(g)}" for g in args.capability]
+    chosen += [f"--tag {shlex.quote(t)}" for t in args.tag]
+    if not chosen:
+        return fleet
+    return f"nothing matches {' '.join(chosen)} ({fleet}: `reach asyncapi` alone shows them)"
 
 
 def _write(text: str, output: str | None) -> None:

@@ -4,7 +4,9 @@ The document describes the fleet as one application. It *receives* each capabili
 requests, in the capability's queue group (and on each instance's direct subject), and
 answers on the request's reply subject: a request/reply operation with a ``reply``. It
 receives durable tasks from the task stream and tells the submitter on its notice subject
-when one ends, and it receives the topics its agents subscribe to. Headers are
+when one ends, and it receives the topics its agents subscribe to. A capability that
+streams answers with frames (opened, chunks, end or error) and hears its caller's credit
+and cancel on the stream's subject (sdk/PROTOCOL.md 3.3). Headers are
 ``sdk/PROTOCOL.md``'s. Each schema is hoisted into ``components.schemas`` with its
 ``$defs`` beside it and its references rewritten, so every ``$ref`` resolves in the
 document; a name taken by another shape gets a suffix.
@@ -27,6 +29,8 @@ from ..wire import (
     ErrorBody,
     Header,
     Priority,
+    StreamCancel,
+    StreamCredit,
     TaskRecord,
     TaskSubmit,
 )
@@ -91,6 +95,53 @@ _ERROR_HEADERS: dict[str, Any] = {
         Header.AGENT: _header("the answering agent's id"),
     },
 }
+_COUNT = "^(0|[1-9][0-9]*)$"
+_STREAM_REQUEST_HEADERS: dict[str, Any] = {
+    "type": "object",
+    "description": "A stream request (sdk/PROTOCOL.md 3.3): without Reach-Stream-Window a"
+    " capability that streams answers bad_request; the others as for any request.",
+    "required": [Header.STREAM_WINDOW],
+    "properties": {
+        **_REQUEST_HEADERS["properties"],
+        Header.STREAM_WINDOW: _header(
+            "the first window: how many chunks the agent may send before the caller grants"
+            " more; 1..1024",
+            pattern="^[1-9][0-9]*$",
+        ),
+        Header.STREAM_PATIENCE: _header(
+            "milliseconds of the caller's silence after which the agent stops the stream;"
+            " 500..600000, default 5000",
+            pattern="^[1-9][0-9]*$",
+        ),
+    },
+}
+_OPENED_HEADERS: dict[str, Any] = {
+    "type": "object",
+    "required": [Header.CHUNK],
+    "properties": {Header.CHUNK: _header("0: the stream is open, no chunk yet", const="0")},
+}
+_CHUNK_HEADERS: dict[str, Any] = {
+    "type": "object",
+    "required": [Header.CHUNK],
+    "properties": {Header.CHUNK: _header("the chunk's number, from 1", pattern="^[1-9][0-9]*$")},
+}
+_END_HEADERS: dict[str, Any] = {
+    "type": "object",
+    "required": [Header.END],
+    "properties": {Header.END: _header("how many chunks the stream sent", pattern=_COUNT)},
+}
+_STREAM_ERROR_HEADERS: dict[str, Any] = {
+    **_ERROR_HEADERS,
+    "properties": {
+        **_ERROR_HEADERS["properties"],
+        Header.END: _header(
+            "how many chunks came before the error; absent when the agent refused the"
+            " request before it opened the stream",
+            pattern=_COUNT,
+        ),
+    },
+}
+_EMPTY: dict[str, Any] = {"type": "string", "maxLength": 0, "description": "an empty body"}
 _TASK_HEADERS: dict[str, Any] = {
     "type": "object",
     "required": ["Nats-Msg-Id", "Reach-Task-Id"],
@@ -139,6 +190,10 @@ class _Document:
         self.operations: dict[str, Any] = {}
         self.schemas: dict[str, Any] = {}
         self.messages: dict[str, Any] = {}
+        self.traits: dict[str, Any] = {
+            "request": {"headers": _REQUEST_HEADERS},
+            "reply": {"headers": _REPLY_HEADERS},
+        }
 
     def build(
         self, cat: Catalogue, servers: Sequence[str], title: str, version: str
@@ -152,6 +207,8 @@ class _Document:
         }
         for offer in cat.capabilities:
             self.capability(offer)
+        if any(v.streams for offer in cat.capabilities for v in offer.variants):
+            self.stream_frames()
         if cat.tasks:
             self.task_notices()
         for offer in cat.tasks:
@@ -160,8 +217,10 @@ class _Document:
             self.topic(offer)
         prefix = self.subjects.prefix
         counts = (
-            f"{len(cat.capabilities)} capabilities, {len(cat.tasks)} task capabilities and"
-            f" {len(cat.topics)} topics served by {len(cat.agents)} instances"
+            f"{_count(cat.capabilities, 'capability', 'capabilities')},"
+            f" {_count(cat.tasks, 'task capability', 'task capabilities')} and"
+            f" {_count(cat.topics, 'topic', 'topics')} served by"
+            f" {_count(cat.agents, 'instance', 'instances')}"
         )
         doc: dict[str, Any] = {
             "asyncapi": ASYNCAPI_VERSION,
@@ -180,10 +239,7 @@ class _Document:
             "components": {
                 "schemas": self.schemas,
                 "messages": self.messages,
-                "messageTraits": {
-                    "request": {"headers": _REQUEST_HEADERS},
-                    "reply": {"headers": _REPLY_HEADERS},
-                },
+                "messageTraits": self.traits,
             },
         }
         if not doc["servers"]:
@@ -194,11 +250,16 @@ class _Document:
 
     def capability(self, offer: Offer) -> None:
         name = offer.name
+        streams = any(v.streams for v in offer.variants)
         key = self.key(self.channels, f"cap.{name}")
         requests: dict[str, Any] = {}
-        replies: dict[str, Any] = {"error": {"$ref": "#/components/messages/error"}}
+        error = "stream.error" if streams else "error"
+        replies: dict[str, Any] = {"error": {"$ref": f"#/components/messages/{error}"}}
+        if streams:
+            replies["opened"] = {"$ref": "#/components/messages/stream.opened"}
         for v in offer.variants:
             base = f"{key}.{v.label}"
+            trait = "streamRequest" if v.streams else "request"
             requests[f"{v.label}.request"] = self.message(
                 f"{base}.request",
                 {
@@ -208,11 +269,25 @@ class _Document:
                     **_content(v.payload),
                     "payload": self.schema(v.payload, f"{base}.payload"),
                     "correlationId": {"location": f"$message.header#/{Header.REQUEST_ID}"},
-                    "traits": [{"$ref": "#/components/messageTraits/request"}],
+                    "traits": [{"$ref": f"#/components/messageTraits/{trait}"}],
                     "x-reach-version": v.version,
                     "x-reach-agents": list(v.agents),
+                    **({"x-reach-streams": True} if v.streams else {}),
                 },
             )
+            if v.streams:
+                replies[f"{v.label}.chunk"] = self.message(
+                    f"{base}.chunk",
+                    {
+                        "name": f"{name}.chunk",
+                        "title": f"{name} {v.version} chunk",
+                        "summary": "One chunk of the answer, in order (sdk/PROTOCOL.md 3.3).",
+                        "headers": _CHUNK_HEADERS,
+                        **_content(v.result),
+                        "payload": self.schema(v.result, f"{base}.result"),
+                    },
+                )
+                continue
             replies[f"{v.label}.reply"] = self.message(
                 f"{base}.reply",
                 {
@@ -223,6 +298,8 @@ class _Document:
                     "traits": [{"$ref": "#/components/messageTraits/reply"}],
                 },
             )
+        if streams:
+            replies["end"] = {"$ref": "#/components/messages/stream.end"}
         self.channels[key] = {
             "address": self.subjects.cap(name),
             "title": name,
@@ -247,7 +324,8 @@ class _Document:
             "address": None,
             "title": f"{name} replies",
             "description": "The request's NATS reply subject (an inbox the caller chose). A"
-            " success reply's own reply-to subject is the answering instance's direct subject.",
+            " success reply's own reply-to subject is the answering instance's direct subject."
+            + (_STREAM_REPLIES if streams else ""),
             "messages": replies,
         }
         answer = {
@@ -267,7 +345,75 @@ class _Document:
                 op["bindings"] = {
                     "nats": {"queue": Subjects.cap_queue(name), "bindingVersion": _NATS_BINDING}
                 }
+            if streams:
+                op["x-reach-streams"] = True
             self.operations[self.key(self.operations, channel)] = op
+
+    def stream_frames(self) -> None:
+        """What every capability that streams shares: the request trait with
+        ``Reach-Stream-Window``, the opened, end and error frames, and the stream's subject
+        where the agent hears its caller (sdk/PROTOCOL.md 3.3)."""
+        self.traits["streamRequest"] = {"headers": _STREAM_REQUEST_HEADERS}
+        self.messages["stream.opened"] = {
+            "name": "stream.opened",
+            "title": "Stream opened",
+            "summary": "Sent at once, before the handler runs: its reply-to subject is the"
+            " stream's, where the caller grants credit and may cancel. Not a chunk.",
+            "headers": _OPENED_HEADERS,
+            "contentType": "application/octet-stream",
+            "payload": _EMPTY,
+        }
+        self.messages["stream.end"] = {
+            "name": "stream.end",
+            "title": "Stream end",
+            "summary": "The last frame: every chunk was sent. Fewer chunks received than"
+            " it says, or one out of order, means frames were lost: the stream is broken.",
+            "headers": _END_HEADERS,
+            "contentType": "application/octet-stream",
+            "payload": _EMPTY,
+        }
+        self.messages["stream.error"] = {
+            "name": "error",
+            "title": "Error reply or error frame",
+            "summary": "Before the opened frame: a refusal, as for any request. After it: the"
+            " stream ended in an error, after Reach-End chunks (sdk/PROTOCOL.md 3.3).",
+            "headers": _STREAM_ERROR_HEADERS,
+            "payload": self.schema(msgspec.json.schema(ErrorBody), "reach.ErrorBody"),
+        }
+        control: dict[str, Any] = {}
+        for kind, struct, summary in (
+            ("credit", StreamCredit, "Grant `credit` more chunks; 0 is a keepalive."),
+            ("cancel", StreamCancel, "Stop now: the agent cancels the handler."),
+        ):
+            control[kind] = self.message(
+                f"stream.{kind}",
+                {
+                    "name": f"reach.stream.{kind}",
+                    "title": f"Stream {kind}",
+                    "summary": summary,
+                    "payload": self.schema(msgspec.json.schema(struct), f"reach.{struct.__name__}"),
+                },
+            )
+        self.channels["stream"] = {
+            "address": self.subjects.streams("{agent_id}") + "{stream_id}",
+            "title": "Streams",
+            "summary": "Where an agent hears the caller of one of its streams: the reply-to"
+            " subject of every frame.",
+            "parameters": {
+                "agent_id": {"description": "the streaming instance's agent id"},
+                "stream_id": {"description": "the stream's id, chosen by the agent"},
+            },
+            "messages": control,
+        }
+        self.operations["stream"] = {
+            "action": "receive",
+            "channel": {"$ref": "#/channels/stream"},
+            "title": "Stream credit, keepalive and cancel",
+            "description": "While a stream is open the caller publishes here well within the"
+            " agent's patience (Reach-Stream-Patience, 5 s by default): credit it owes or a"
+            " keepalive (credit 0); otherwise the agent stops the stream with `cancelled`.",
+            "messages": [{"$ref": f"#/channels/stream/messages/{m}"} for m in control],
+        }
 
     # -- durable tasks -----------------------------------------------------------------
 
@@ -398,15 +544,43 @@ class _Document:
             return {"description": "not described by the agent (an older agent)"}
         top = dict(schema)
         defs: dict[str, Any] = top.pop("$defs", {})
-        names = {d: d for d in defs}
-        for d, body in defs.items():  # a shape already there under its name is shared
-            names[d] = self._free(d, _rewrite(body, names))
+        names = self._names(defs)
         for d, body in defs.items():
             self.schemas[names[d]] = _rewrite(body, names)
         body = _rewrite(top, names)
         key = self._free(name, body)
         self.schemas[key] = body
         return {"$ref": _SCHEMAS + key}
+
+    def _names(self, defs: dict[str, Any]) -> dict[str, str]:
+        """A name in ``components.schemas`` for each of one schema's ``defs``: its own, or
+        ``-2``, ``-3``... while that name holds another shape. A part is the same shape
+        only with every reference rewritten, so renaming one part can make another that
+        refers to it differ: repeat until no name moves (names only move forward, so this
+        ends). Two parts of ``defs`` share a name only when they are the same."""
+        base = {d: _UNSAFE.sub("_", d) for d in defs}
+        n = dict.fromkeys(defs, 1)
+        names = dict(base)
+        moved = True
+        while moved:
+            moved = False
+            claimed: dict[str, bytes] = {}
+            for d, body in defs.items():
+                mine = _canonical(_rewrite(body, names))
+                while self._held(names[d], claimed) not in (None, mine):
+                    n[d] += 1
+                    names[d] = f"{base[d]}-{n[d]}"
+                    moved = True
+                    mine = _canonical(_rewrite(body, names))
+                claimed[names[d]] = mine
+        return names
+
+    def _held(self, key: str, claimed: dict[str, bytes]) -> bytes | None:
+        """The canonical form of what ``key`` holds: a part of the schema being hoisted
+        (``claimed``) or one already written; None when it is free."""
+        if key in claimed:
+            return claimed[key]
+        return _canonical(self.schemas[key]) if key in self.schemas else None
 
     def _free(self, name: str, body: Any) -> str:
         """``name`` unless another schema holds it, then ``name-2``...; the same schema
@@ -430,6 +604,18 @@ def _rewrite(node: Any, names: dict[str, str]) -> Any:
     if isinstance(node, list):
         return [_rewrite(v, names) for v in node]
     return node
+
+
+_STREAM_REPLIES = (
+    " For a capability that streams (x-reach-streams): the opened frame, the chunks in"
+    " order, then the end frame or an error frame. Every frame's own reply-to subject is"
+    " the stream's (channel `stream`), where the caller grants credit, keeps the stream"
+    " alive and cancels it (sdk/PROTOCOL.md 3.3)."
+)
+
+
+def _count(items: Sequence[object], one: str, many: str) -> str:
+    return f"{len(items)} {one if len(items) == 1 else many}"
 
 
 def _describe(item: Offer | Variant) -> dict[str, str]:

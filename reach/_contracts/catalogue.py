@@ -2,8 +2,9 @@
 
 Every live instance (any status but DOWN) says what it serves; the catalogue groups that by
 name: capabilities served by request, durable task capabilities, and topic patterns. The
-instances of one name that describe it differently (another version, other schemas) make
-the variants of that name, newest version first, so documents show them as versions.
+instances of one name that describe it differently (another version, other schemas, a
+stream or not) make the variants of that name, newest version first, so documents show
+them as versions.
 ``names`` (globs) and ``tags`` choose what is exposed: an instance counts only if it
 carries every tag asked for.
 """
@@ -38,6 +39,7 @@ class Variant:
     payload: dict[str, Any] | None  # None: not described (an older agent)
     result: dict[str, Any] | None  # None for topics
     agents: tuple[str, ...]  # agent ids, sorted
+    streams: bool = False  # capabilities only: answers with a stream of chunks
     durable: bool = False  # topics only
     ordered: bool = False
 
@@ -68,7 +70,7 @@ class Catalogue:
     capabilities: tuple[Offer, ...] = ()
     tasks: tuple[Offer, ...] = ()
     topics: tuple[Offer, ...] = ()
-    agents: tuple[str, ...] = ()  # ids of the instances that count
+    agents: tuple[str, ...] = ()  # ids of the instances serving what it holds
 
     def offers(self) -> tuple[Offer, ...]:
         return self.capabilities + self.tasks + self.topics
@@ -100,18 +102,18 @@ def catalogue(
         for into, infos in ((caps, r.info.capabilities), (tasks, r.info.tasks)):
             for c in infos:
                 if chosen(c.name):
-                    key = _canonical((c.version, c.payload_schema, c.result_schema))
+                    key = _canonical((c.version, c.streams, c.payload_schema, c.result_schema))
                     into.setdefault(c.name, {}).setdefault(key, []).append((c, agent_id))
         for t in r.info.topics:
             if chosen(t.pattern):
                 key = _canonical((t.payload_schema, t.durable, t.ordered))
                 topics.setdefault(t.pattern, {}).setdefault(key, []).append((t, agent_id))
-    return Catalogue(
+    cat = Catalogue(
         capabilities=tuple(_offer("request", n, g) for n, g in sorted(caps.items())),
         tasks=tuple(_offer("task", n, g) for n, g in sorted(tasks.items())),
         topics=tuple(_topic(p, g) for p, g in sorted(topics.items())),
-        agents=tuple(r.info.agent_id for r in live),
     )
+    return replace(cat, agents=tuple(sorted({a for o in cat.offers() for a in o.agents})))
 
 
 def _offer(kind: Kind, name: str, groups: dict[bytes, list[tuple[CapabilityInfo, str]]]) -> Offer:
@@ -123,6 +125,7 @@ def _offer(kind: Kind, name: str, groups: dict[bytes, list[tuple[CapabilityInfo,
             payload=members[0][0].payload_schema,
             result=members[0][0].result_schema,
             agents=tuple(a for _, a in members),
+            streams=members[0][0].streams,
         )
         for members in groups.values()
     ]

@@ -5,6 +5,7 @@ asyncapi`` writes them as an AsyncAPI 3.0 document that the official schema acce
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,45 @@ async def test_reach_asyncapi_writes_a_valid_document_of_the_demo_fleet(
             "cap.logistics.track",
             "task.logistics.reroute",
         ]
+
+
+async def test_reach_asyncapi_says_when_nothing_matches_and_counts_only_what_matched(
+    settings: ReachSettings,
+) -> None:
+    """A glob or tag that matches nothing gives the empty document (rc 0) and one warning
+    line; the document's count of instances is of those serving what it shows."""
+    helpdesk = described_agent(settings)
+    shop = Agent("shop", settings=settings)
+
+    @shop.capability("shop.quote")
+    async def quote(order: dict[str, Any]) -> float:
+        return 1.0
+
+    async with Registry(settings=settings):
+        code, stdout, err = await reach_cli(settings, "asyncapi")
+        assert code == 0, err
+        assert json.loads(stdout)["operations"] == {}
+        assert err == "warning: the fleet serves nothing now; the document is empty\n"
+    async with Registry(settings=settings), helpdesk, shop, Client(settings=settings) as client:
+        await record_of(client, helpdesk.agent_id)
+        await record_of(client, shop.agent_id)
+
+        code, stdout, err = await reach_cli(settings, "asyncapi", "--capability", "shop.*")
+        assert (code, err) == (0, "")
+        doc = json.loads(stdout)
+        assert sorted(doc["operations"]) == ["agent.shop.quote", "cap.shop.quote"]
+        assert "served by 1 instance." in doc["info"]["description"]
+
+        for selection in (("--capability", "nomatch.*"), ("--tag", "nosuchtag")):
+            code, stdout, err = await reach_cli(settings, "asyncapi", *selection)
+            assert code == 0, err
+            doc = json.loads(stdout)
+            assert validation_errors(doc) == []
+            assert doc["operations"] == {}
+            assert "served by 0 instances." in doc["info"]["description"]
+            (line,) = err.splitlines()
+            assert line == (
+                f"warning: nothing matches {selection[0]} {shlex.quote(selection[1])} (the fleet"
+                " serves 4 capabilities, tasks and topics: `reach asyncapi` alone shows them);"
+                " the document is empty"
+            )

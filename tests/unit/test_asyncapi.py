@@ -3,6 +3,7 @@ versions, selection, and schemas hoisted so that every reference resolves."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -11,7 +12,7 @@ from reach import Agent, ReachSettings
 from reach._contracts.asyncapi import asyncapi_document, fleet_document
 from reach._contracts.catalogue import catalogue, version_key
 from reach._subjects import Subjects
-from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Status
+from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Header, Status
 
 from ..asyncapi_schema import unresolved_refs, validation_errors
 from ..demo_fleet import CAPABILITIES, TASKS, demo_agents
@@ -62,6 +63,8 @@ def test_names_and_tags_choose_what_is_exposed() -> None:
     assert names(catalogue(records)) == ["img.resize", "text.summarize", "text.translate"]
     assert names(catalogue(records, names=["text.*"])) == ["text.summarize", "text.translate"]
     assert names(catalogue(records, tags=["gpu"])) == ["text.summarize"]
+    assert catalogue(records, names=["img.*"]).agents == ("a-1",)  # only who serves it
+    assert catalogue(records, names=["nomatch.*"]).agents == ()
     assert names(catalogue(records, names=["img.*", "*.summarize"], tags=["gpu"])) == [
         "text.summarize"
     ]
@@ -136,3 +139,195 @@ def test_an_empty_fleet_is_still_a_valid_document() -> None:
     doc = asyncapi_document(catalogue([]), subjects=Subjects("reach"), servers=["nats://h:1"])
     assert validation_errors(doc) == []
     assert doc["operations"] == {}
+
+
+def resolved(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its local ``$ref``s followed until it is a schema of its own."""
+    while "$ref" in node:
+        path = node["$ref"].removeprefix("#/").split("/")
+        node = doc
+        for part in path:
+            node = node[part]
+    return node
+
+
+def nested(y: dict[str, Any]) -> dict[str, Any]:
+    """An object whose ``x`` is ``X``, whose ``y`` is ``Y``: named parts in its ``$defs``."""
+    return {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/X"}},
+        "$defs": {
+            "X": {"type": "object", "properties": {"y": {"$ref": "#/$defs/Y"}}},
+            "Y": y,
+        },
+    }
+
+
+def y_of(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    payload = doc["components"]["messages"][f"cap.{name}.1.0.request"]["payload"]
+    x = resolved(doc, resolved(doc, payload)["properties"]["x"])
+    return resolved(doc, x["properties"]["y"])
+
+
+def test_parts_named_alike_keep_their_own_parts_down_to_the_last_reference() -> None:
+    """``X`` looks the same in both, but its ``Y`` does not: each ``X`` must reach its own."""
+    records = [
+        record("a-1", cap("1.0", nested({"type": "string"}), "a.one")),
+        record("a-2", cap("1.0", nested({"type": "integer"}), "a.two")),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert validation_errors(doc) == []
+    assert unresolved_refs(doc) == []
+    assert y_of(doc, "a.one") == {"type": "string"}
+    assert y_of(doc, "a.two") == {"type": "integer"}
+    schemas = doc["components"]["schemas"]
+    assert schemas["X"]["properties"]["y"] == {"$ref": "#/components/schemas/Y"}
+    assert schemas["X-2"]["properties"]["y"] == {"$ref": "#/components/schemas/Y-2"}
+
+
+def test_parts_that_are_the_same_all_the_way_down_are_written_once() -> None:
+    records = [
+        record("a-1", cap("1.0", nested({"type": "string"}), "a.one")),
+        record("a-2", cap("1.0", nested({"type": "string"}), "a.two")),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert unresolved_refs(doc) == []
+    assert y_of(doc, "a.one") == y_of(doc, "a.two") == {"type": "string"}
+    assert {"X", "Y"} <= set(doc["components"]["schemas"])
+    assert not {"X-2", "Y-2"} & set(doc["components"]["schemas"])
+
+
+def test_parts_that_refer_to_each_other_in_a_cycle_stay_apart_when_one_differs() -> None:
+    """``A`` refers to ``B`` and ``B`` to ``A``; only ``B``'s ``v`` differs."""
+
+    def cycle(v: str) -> dict[str, Any]:
+        return {
+            "$ref": "#/$defs/A",
+            "$defs": {
+                "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}},
+                "B": {
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#/$defs/A"}, "v": {"type": v}},
+                },
+            },
+        }
+
+    records = [
+        record("a-1", cap("1.0", cycle("string"), "a.one")),
+        record("a-2", cap("1.0", cycle("integer"), "a.two")),
+        record("a-3", cap("1.0", cycle("string"), "a.three")),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert validation_errors(doc) == []
+    assert unresolved_refs(doc) == []
+    messages = doc["components"]["messages"]
+    for name, v in (("a.one", "string"), ("a.two", "integer"), ("a.three", "string")):
+        a = resolved(doc, resolved(doc, messages[f"cap.{name}.1.0.request"]["payload"]))
+        b = resolved(doc, a["properties"]["b"])
+        assert b["properties"]["v"] == {"type": v}
+        again = resolved(doc, resolved(doc, b["properties"]["a"])["properties"]["b"])
+        assert again["properties"]["v"] == {"type": v}
+    assert {"A", "B", "A-2", "B-2"} <= set(doc["components"]["schemas"])
+    assert "A-3" not in doc["components"]["schemas"]
+
+
+def test_a_capability_that_streams_is_described_as_a_stream_of_frames() -> None:
+    """PROTOCOL.md 3.3: the request needs ``Reach-Stream-Window``; the answer is the opened
+    frame, the chunks (the result schema is one chunk's), then the end or an error frame;
+    the caller speaks to the stream's subject. A capability that does not stream is as
+    before."""
+    agent = Agent("llm", settings=ReachSettings())
+
+    @agent.capability("llm.complete")
+    async def complete(prompt: str) -> AsyncIterator[int]:
+        yield len(prompt)
+
+    @agent.capability("llm.count")
+    async def count(prompt: str) -> int:
+        return len(prompt)
+
+    cat = catalogue([AgentRecord(info=agent.info(), status=Status.UP)])
+    doc = asyncapi_document(cat, subjects=Subjects("acme"))
+    assert validation_errors(doc) == []
+    assert unresolved_refs(doc) == []
+    messages, ops, channels = doc["components"]["messages"], doc["operations"], doc["channels"]
+
+    def headers(message: dict[str, Any]) -> dict[str, Any]:
+        message = resolved(doc, message)
+        if "headers" in message:
+            return dict(message["headers"])
+        (trait,) = message["traits"]
+        return dict(resolved(doc, trait)["headers"])
+
+    request = headers(messages["cap.llm.complete.1.0.0.request"])
+    assert request["required"] == [Header.STREAM_WINDOW]
+    assert {Header.STREAM_WINDOW, Header.STREAM_PATIENCE, Header.DEADLINE} <= set(
+        request["properties"]
+    )
+    assert ops["cap.llm.complete"]["x-reach-streams"] is True
+    assert ops["agent.llm.complete"]["x-reach-streams"] is True
+    replies = channels["cap.llm.complete.reply"]["messages"]
+    assert list(replies) == ["error", "opened", "1.0.0.chunk", "end"]
+    chunk = resolved(doc, replies["1.0.0.chunk"])
+    assert resolved(doc, chunk["payload"]) == {"type": "integer"}
+    assert headers(chunk)["required"] == [Header.CHUNK]
+    assert headers(replies["opened"])["properties"][Header.CHUNK]["const"] == "0"
+    assert headers(replies["end"])["required"] == [Header.END]
+    error = headers(replies["error"])
+    assert error["required"] == [Header.SERVICE_ERROR_CODE]
+    assert Header.END in error["properties"]
+    assert [m["$ref"].rsplit("/", 1)[1] for m in ops["cap.llm.complete"]["reply"]["messages"]] == [
+        "error",
+        "opened",
+        "1.0.0.chunk",
+        "end",
+    ]
+    stream = channels["stream"]
+    assert stream["address"] == "acme.agent.{agent_id}.$stream.{stream_id}"
+    assert set(stream["parameters"]) == {"agent_id", "stream_id"}
+    control = [resolved(doc, resolved(doc, m)["payload"]) for m in stream["messages"].values()]
+    kinds = {body["properties"]["type"]["enum"][0] for body in control}
+    assert kinds == {"reach.stream.credit", "reach.stream.cancel"}
+    assert ops["stream"]["action"] == "receive"
+
+    # a capability that does not stream: one reply, no stream header
+    assert "x-reach-streams" not in ops["cap.llm.count"]
+    assert "required" not in headers(messages["cap.llm.count.1.0.0.request"])
+    assert list(channels["cap.llm.count.reply"]["messages"]) == ["error", "1.0.0.reply"]
+    assert (
+        Header.END
+        not in headers(channels["cap.llm.count.reply"]["messages"]["error"])["properties"]
+    )
+
+
+def test_a_fleet_without_streams_has_no_stream_channel() -> None:
+    doc = asyncapi_document(
+        catalogue([record("a-1", cap("1.0", None))]), subjects=Subjects("reach")
+    )
+    assert "stream" not in doc["channels"]
+    assert "streamRequest" not in doc["components"]["messageTraits"]
+
+
+def test_instances_that_stream_and_instances_that_do_not_are_two_versions() -> None:
+    """Mid-rollout, one name and version served both ways: each version says how it
+    answers."""
+    streaming = msgspec.structs.replace(cap("1.0", {"type": "string"}), streams=True)
+    records = [record("a-1", cap("1.0", {"type": "string"})), record("a-2", streaming)]
+    (offer,) = catalogue(records).capabilities
+    assert [(v.label, v.streams, v.agents) for v in offer.variants] == [
+        ("1.0", False, ("a-1",)),
+        ("1.0-2", True, ("a-2",)),
+    ]
+    doc = asyncapi_document(catalogue(records), subjects=Subjects("reach"))
+    assert validation_errors(doc) == []
+    assert unresolved_refs(doc) == []
+    messages = doc["components"]["messages"]
+    assert "x-reach-streams" not in messages["cap.text.translate.1.0.request"]
+    assert messages["cap.text.translate.1.0-2.request"]["x-reach-streams"] is True
+    assert list(doc["channels"]["cap.text.translate.reply"]["messages"]) == [
+        "error",
+        "opened",
+        "1.0.reply",
+        "1.0-2.chunk",
+        "end",
+    ]
