@@ -114,12 +114,15 @@ class Outflow:
             waiter.set_result(None)
 
     def stop(self, why: str) -> None:
-        """Cancel the handler (once; not over a deadline's cancellation)."""
+        """Cancel the handler (once; not over a deadline's cancellation), and have it
+        watched from now on as one past its deadline (``Outflows.cut``): a handler that
+        ignores the cancel is abandoned, so it keeps no worker."""
         job = self.job
         if job.expired or job.cut:
             return
         job.cut = why
         self.task.cancel()
+        self.owner.cut(self.task, job)
 
     async def pump(self, fn: Callable[..., AsyncGenerator[Any, None]], *args: Any) -> None:
         """Run the handler ``fn(*args)``: each item as a chunk, while credit lasts."""
@@ -137,12 +140,19 @@ class Outflow:
             self.heard = loop.time()
             self.owner.watched()
             while True:
-                while job.chunks >= self.granted:
+                while job.chunks >= self.granted and not job.cut:
                     await self._credit()
+                if job.cut:
+                    break
                 try:
                     item = await anext(gen)
                 except StopAsyncIteration:
                     return
+                if job.cut:
+                    # The handler took the stream's cancel for its own and went on to
+                    # yield: nothing more is sent (its caller has left, or cannot be
+                    # reached), and no credit is awaited (none will come).
+                    break
                 body = encode_payload(item)
                 n = job.chunks + 1
                 headers = {Header.CHUNK: str(n)}
@@ -159,6 +169,7 @@ class Outflow:
             raise
         finally:
             self.owner.close(self)  # before any other await: nothing cancels it later
+        await gen.aclose()  # cut, and it ignored that: closed at its yield
 
     async def _credit(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -173,10 +184,15 @@ class Outflow:
 class Outflows:
     """An agent's streams being sent, by token: their callers' words and their silence."""
 
-    def __init__(self, stem: str, stats: AgentStats) -> None:
+    def __init__(
+        self, stem: str, stats: AgentStats, cut: Callable[[asyncio.Task[Any], Job], None]
+    ) -> None:
+        """``cut(task, job)``: a stream's handler was cancelled for its caller (the
+        workers watch it from then on, as one past its deadline)."""
         #: ``<prefix>.agent.<id>.$stream.``: a stream's subject is this and its token
         self.stem = stem
         self.stats = stats
+        self.cut = cut
         self.open: dict[str, Outflow] = {}
         self.nc: NatsConnection
         self._seq = 0

@@ -95,7 +95,7 @@ class Workers:
         self._unreplaced = 0  # abandoned handlers' workers not replaced (over the cap)
         self._stuck_tasks = 0  # the task runner's abandoned handlers, still running
         #: the streaming replies being sent
-        self.outflows = Outflows(streams, stats)
+        self.outflows = Outflows(streams, stats, self._watch_cut)
 
     def start(self, nc: NatsConnection, owner: Background) -> None:
         self._nc = nc
@@ -369,13 +369,18 @@ class Workers:
         await self._answer(job, code, exc.message, status=status, retryable=retryable)
 
     async def _late(self, job: Job, task: asyncio.Task[Any]) -> None:
-        """The handler ended, however, after the deadline watch cancelled it: that
-        cancellation is consumed here (else the worker would take its next request's
-        CancelledError for a stop), and the caller, unless answered already, told
-        ``timeout``."""
+        """The handler ended, however, after the deadline watch (or its stream's caller)
+        cancelled it: that cancellation is consumed here (else the worker would take its
+        next request's CancelledError for a stop), and the caller, unless answered
+        already, told why it was stopped."""
         task.uncancel()
         if job.abandoned:
             return
+        await self._stopped(job)
+
+    async def _stopped(self, job: Job) -> None:
+        """Answer a handler that was cancelled: for its stream's caller, or past its
+        deadline."""
         if job.cut:
             await self._cut(job)
         else:
@@ -478,13 +483,23 @@ class Workers:
 
     # -- deadlines -------------------------------------------------------------------------
 
+    def _watch_cut(self, task: asyncio.Task[Any], job: Job) -> None:
+        """``Outflow.stop`` cancelled a stream's handler for its caller: from now on it is
+        watched as a handler past its deadline (a stream may have none), so one that
+        ignores the cancel is abandoned after the same grace."""
+        job.deadline_ms = now_ms()
+        self._deadlines[task] = job
+        if not self._armed.is_set():
+            self._armed.set()
+
     async def _deadline_watch(self) -> None:
         """Cancel handlers still running past their caller's deadline.
 
         One sweep every 50 ms while handlers with deadlines run, instead of a timer per
         request: per-request asyncio.timeout cost ~10% of throughput; the price is up to
         50 ms of overrun. Idle agents do not wake up. A handler that ignores the
-        cancellation is abandoned: its caller is answered and its worker replaced.
+        cancellation (its deadline's, or its stream's: ``_watch_cut``) is abandoned
+        ``_ABANDON_AFTER_MS`` after it: its caller is answered and its worker replaced.
         """
         deadlines = self._deadlines
         while True:
@@ -504,15 +519,18 @@ class Workers:
                     continue
                 deadline = job.deadline_ms
                 assert deadline is not None
-                if job.cut:
-                    continue  # its stream's caller stopped it already (one cancel each)
-                if not job.expired:
+                if not (job.expired or job.cut):  # (one cancel each)
                     job.expired = True
                     task.cancel()
                 elif deadline + _ABANDON_AFTER_MS <= now:
                     await self._abandon(task, job)
 
     async def _abandon(self, task: asyncio.Task[Any], job: Job) -> None:
+        what = (
+            f"ignores the cancellation of its stream (cut: {job.cut})"
+            if job.cut
+            else "ignores cancellation past its deadline"
+        )
         job.abandoned = True
         self._deadlines.pop(task, None)
         stats = self.stats
@@ -525,27 +543,28 @@ class Workers:
             self._unreplaced += 1
             self._judge_stuck()
             log.critical(
-                "agent %s: handler for %s (request id %s) ignores cancellation past its"
-                " deadline; %d handlers are stuck, over max_concurrency: its worker is NOT"
-                " replaced (%d workers lost until they end)",
+                "agent %s: handler for %s (request id %s) %s; %d handlers are stuck,"
+                " over max_concurrency: its worker is NOT replaced (%d workers lost until"
+                " they end)",
                 self.agent_id,
                 job.cap.info.name,
                 job.request_id or "-",
+                what,
                 stats.stuck,
                 self._unreplaced,
             )
         else:
             log.error(
-                "agent %s: handler for %s (request id %s) ignores cancellation past its"
-                " deadline; its worker is replaced",
+                "agent %s: handler for %s (request id %s) %s; its worker is replaced",
                 self.agent_id,
                 job.cap.info.name,
                 job.request_id or "-",
+                what,
             )
             owner = self._owner
             if owner is not None and not owner.closed:
                 owner.keep(self._worker, "worker")
-        await self._timed_out(job)
+        await self._stopped(job)
 
 
 def _stuck_words(requests: int, tasks: int) -> str:

@@ -783,3 +783,62 @@ async def test_a_chunk_larger_than_max_payload_fails_the_stream(settings):
                 await anext(stream)
         assert info.value.code == "failed"
         assert agent.stats.failed == 1
+
+
+@pytest.mark.parametrize("after", ["swallows", "yields"])
+async def test_a_handler_that_ignores_its_callers_cancel_keeps_no_worker(
+    settings, caplog, after
+):
+    """Nothing a handler does takes a worker away (ARCHITECTURE), a stream's no more than a
+    request's. One that swallows the cancel its caller's leaving brought is abandoned after
+    the grace a handler past its deadline gets: counted stuck, logged, its worker replaced,
+    so an agent of one worker serves on. One that yields again after it is stopped at that
+    yield (the agent does not wait for credit a cancelled stream never gets)."""
+    ignored, release = asyncio.Event(), asyncio.Event()
+    how: list[str] = []
+    agent = Agent("llm", "llm-1", settings=settings, max_concurrency=1, drain_timeout=0.5)
+
+    @agent.capability("chat.stubborn")
+    async def stubborn(req: Prompt) -> AsyncIterator[Token]:
+        yield Token(i=0)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            ignored.set()
+        if after == "swallows":
+            await release.wait()
+            return
+        try:
+            for i in range(1, 10_000):
+                yield Token(i=i)
+        except GeneratorExit:
+            how.append("closed")
+            raise
+
+    @agent.capability("chat.echo")
+    async def echo(req: Prompt) -> dict[str, int]:
+        return {"n": req.n}
+
+    try:
+        async with agent, Client(settings=settings) as client:
+            async with client.stream("chat.stubborn", Prompt(), timeout=30) as stream:
+                async for _ in stream:
+                    break
+            await ignored.wait()
+            # its one worker held by the stubborn handler, the agent answers only once the
+            # handler is abandoned (or stopped at its yield)
+            answer = await client.request("chat.echo", Prompt(n=7), agent_id="llm-1", timeout=10)
+            assert answer == {"n": 7}
+            assert agent.stats.streams_cancelled == 1
+            if after == "swallows":
+                assert (agent.stats.abandoned, agent.stats.stuck) == (1, 1)
+                assert any("ignores" in r.getMessage() for r in caplog.records)
+                release.set()
+                await eventually(lambda: agent.stats.stuck == 0)
+            else:
+                assert (agent.stats.abandoned, agent.stats.stuck) == (0, 0)
+                assert how == ["closed"]
+            assert agent.stats.failed == 0  # a stream its caller stopped is no failure
+            assert await client.request("chat.echo", Prompt(n=8), timeout=10) == {"n": 8}
+    finally:
+        release.set()
