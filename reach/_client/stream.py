@@ -46,6 +46,7 @@ from ..errors import (
     ConfigurationError,
     ConnectionFailed,
     InvalidReply,
+    NotStarted,
     ReachError,
     RequestTimeout,
     StreamBroken,
@@ -206,9 +207,14 @@ class Streams:
         self._owner.reopen()
 
     def track(self, flow: Flow) -> None:
-        self.open.add(flow)
+        """A stream opens: kept alive from now on. ``NotStarted`` (as for a request) when
+        the client is not connected, or closing; nothing is left behind then."""
+        nc = self.inbox.nc
+        if nc is None or nc.is_closed or self._owner.closed:
+            raise NotStarted("client is not connected; use 'async with Client(...)' first")
         if self._keeper is None or self._keeper.done():
             self._keeper = self._owner.keep(self._keep, "keepalive")
+        self.open.add(flow)
 
     def dropped(self, flow: Flow) -> None:
         """A stream object went away unclosed (``__del__``: nothing may wait there): the

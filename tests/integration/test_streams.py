@@ -29,6 +29,7 @@ from reach import (
     ConfigurationError,
     Context,
     HandlerFailed,
+    NotStarted,
     Registry,
     RemoteError,
     RequestTimeout,
@@ -842,3 +843,19 @@ async def test_a_handler_that_ignores_its_callers_cancel_keeps_no_worker(
             assert await client.request("chat.echo", Prompt(n=8), timeout=10) == {"n": 8}
     finally:
         release.set()
+
+
+async def test_a_stream_from_a_client_not_connected_is_not_started(settings):
+    """As a request: ``NotStarted``, and nothing left behind (no open stream, no loop)."""
+    for closed in (False, True):
+        client = Client(settings=settings)
+        if closed:
+            await client.connect()
+            await client.close()
+        with pytest.raises(NotStarted, match="not connected"):
+            await anext(client.stream(CAP, Prompt()))
+        with pytest.raises(NotStarted, match="not connected"):
+            async with client.stream(CAP, Prompt(), agent_id="llm-1"):
+                pass  # pragma: no cover - never entered
+        assert not client._streams.open
+        assert not len(client._streams._owner)
