@@ -290,16 +290,17 @@ class Streams:
                 async with asyncio.timeout(KEEPALIVE / 2):
                     await wake.wait()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float) -> None:
         """The client closes: every open stream ends for its reader now (``StreamBroken``,
-        "client closed") and is cancelled at its agent (best effort); the loop ends."""
+        "client closed") and is cancelled at its agent (best effort); the loop ends, or
+        is logged by name and left behind after ``timeout`` seconds."""
         closed = ConnectionFailed("client closed", url=self.inbox.url)
         for flow in list(self.open):
             flow.fail(closed)  # before forget: the inbox can tell its reader no more
             await self.cancel(flow)
         self._dropped.clear()
         self._keeper = None
-        await self._owner.close()
+        await self._owner.close(timeout)
 
 
 class Stream:
