@@ -217,8 +217,8 @@ class Streams:
         self.open.add(flow)
 
     def dropped(self, flow: Flow) -> None:
-        """A stream object went away unclosed (``__del__``: nothing may wait there): the
-        loop cancels it."""
+        """A stream object went away unclosed (called on the loop, soon after its
+        ``__del__``, where nothing may wait): the keepalive loop cancels it."""
         if flow in self.open:
             self._dropped.append(flow)
             self._wake.set()
@@ -331,6 +331,7 @@ class Stream:
     ) -> None:
         """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
         self._flow: Flow | None = None  # (first: __del__ reads it, even after a refusal)
+        self._loop: asyncio.AbstractEventLoop | None = None  # its own, once it opens
         self._over = False
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
             raise ConfigurationError(f"window must be 1..{MAX_WINDOW} chunks, got {window!r}")
@@ -418,7 +419,7 @@ class Stream:
 
     async def _open(self) -> Flow:
         requests = self._streams.requests
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         began = loop.time()
         if self._total is not None:
             self._deadline = began + self._total
@@ -609,11 +610,13 @@ class Stream:
         await self.aclose()
 
     def __del__(self) -> None:
-        flow = self._flow
-        if flow is not None and not self._over:
+        """The garbage collector may run in any thread: the cancel is handed to the
+        stream's own loop."""
+        flow, loop = self._flow, self._loop
+        if flow is not None and loop is not None and not self._over:
             self._over = True
             with contextlib.suppress(RuntimeError):  # (its loop closed: nothing to tell)
-                self._streams.dropped(flow)
+                loop.call_soon_threadsafe(self._streams.dropped, flow)
 
 
 class _Names(TypedDict):

@@ -859,3 +859,39 @@ async def test_a_stream_from_a_client_not_connected_is_not_started(settings):
                 pass  # pragma: no cover - never entered
         assert not client._streams.open
         assert not len(client._streams._owner)
+
+
+async def test_a_stream_dropped_in_another_thread_is_cancelled_on_its_loop(settings):
+    """The garbage collector may drop a stream in any thread: its cancel is handed to its
+    own loop (asyncio is not thread-safe: in debug mode a cross-thread wake-up raised and
+    the keepalive loop hung, so the agent took the caller for silent). The client runs on
+    a loop of its own, in debug mode, so a hung loop cannot hang the test."""
+    seen = Seen()
+
+    async def read_then_drop() -> list[Any]:
+        async with Client(settings=settings) as client:
+            stream = client.stream("chat.slow", Prompt(), timeout=30)
+            assert (await anext(stream))["i"] == 0
+            box = [stream]
+            del stream
+            thread = threading.Thread(target=box.clear)  # the last reference goes there
+            thread.start()
+            await asyncio.to_thread(thread.join)
+            await eventually(lambda: not client._streams.open)
+            keeper = client._streams._keeper
+            assert keeper is not None and not keeper.done()  # the keepalive loop goes on
+            return [c async for c in client.stream("chat.plain", Prompt(n=2))]
+
+    def on_its_own_loop() -> list[Any]:
+        loop = asyncio.new_event_loop()
+        loop.set_debug(True)
+        try:
+            return loop.run_until_complete(read_then_drop())
+        finally:
+            loop.close()
+
+    async with llm(settings, seen=seen) as agent:
+        assert await asyncio.to_thread(on_its_own_loop) == [{"n": 2}]
+        await eventually(seen.ended.is_set)
+        assert (agent.stats.streams_cancelled, agent.stats.streams_silent) == (1, 0)
+    assert seen.how == "cancelled"
