@@ -787,9 +787,7 @@ async def test_a_chunk_larger_than_max_payload_fails_the_stream(settings):
 
 
 @pytest.mark.parametrize("after", ["swallows", "yields"])
-async def test_a_handler_that_ignores_its_callers_cancel_keeps_no_worker(
-    settings, caplog, after
-):
+async def test_a_handler_that_ignores_its_callers_cancel_keeps_no_worker(settings, caplog, after):
     """Nothing a handler does takes a worker away (ARCHITECTURE), a stream's no more than a
     request's. One that swallows the cancel its caller's leaving brought is abandoned after
     the grace a handler past its deadline gets: counted stuck, logged, its worker replaced,
@@ -879,7 +877,8 @@ async def test_a_stream_dropped_in_another_thread_is_cancelled_on_its_loop(setti
             await asyncio.to_thread(thread.join)
             await eventually(lambda: not client._streams.open)
             keeper = client._streams._keeper
-            assert keeper is not None and not keeper.done()  # the keepalive loop goes on
+            assert keeper is not None
+            assert not keeper.done()  # the keepalive loop goes on
             return [c async for c in client.stream("chat.plain", Prompt(n=2))]
 
     def on_its_own_loop() -> list[Any]:
