@@ -118,9 +118,9 @@ class Outflow:
         watched from now on as one past its deadline (``Outflows.cut``): a handler that
         ignores the cancel is abandoned, so it keeps no worker."""
         job = self.job
-        if job.expired or job.cut:
+        if job.cancelled:
             return
-        job.cut = why
+        job.cancelled, job.cut = True, why
         self.task.cancel()
         self.owner.cut(self.task, job)
 

@@ -229,22 +229,24 @@ class Workers:
             return
         started = time.perf_counter_ns()
         cap.requests += 1
+        spec = cap.spec
         try:
-            payload = cap.spec.decode(msg.data)
+            payload = spec.decode(msg.data)
         except msgspec.DecodeError as exc:
             self._count_error(job, str(exc))
             self.stats.invalid += 1
             await self._answer(job, "bad_request", f"invalid payload: {exc}")
             return
         args: tuple[Any, ...] = (payload,)
-        if cap.spec.wants_context:
+        if spec.wants_context:
             args = (payload, job.context(self.agent_id, self._client))
         if job.deadline_ms is not None:
             self._deadlines[task] = job
             if not self._armed.is_set():
                 self._armed.set()
-        fn = cap.spec.fn
-        if job.window:  # a stream: the pump runs the generator, the reply is its end
+        fn = spec.fn
+        streaming = job.window  # (read once: a request's run pays one look for streams)
+        if streaming:  # the pump runs the generator, the reply is the stream's end
             fn, args = self.outflows.open_for(job, task).pump, (fn, *args)
         try:
             if self.tracer is None:
@@ -253,21 +255,19 @@ class Workers:
                 result = await traced_handler(self.tracer, self.agent_id, job, fn, args)
             body = encode_payload(result)
         except asyncio.CancelledError:
-            if job.expired or job.cut:
+            if job.cancelled:
                 task.uncancel()  # the deadline watch's or the stream's, not a stop
             if task.cancelling():
                 raise  # the agent stops
             if job.abandoned:
                 return  # answered already
-            if job.expired:
-                await self._timed_out(job)
-            elif job.cut:
-                await self._cut(job)
+            if job.cancelled:
+                await self._stopped(job)
             else:
                 await self._failed(job, "cancelled", "handler was cancelled")
             return
         except RemoteError as exc:
-            if job.expired or job.cut:
+            if job.cancelled:
                 await self._late(job, task)
             else:
                 await self._refused(job, exc)
@@ -285,7 +285,7 @@ class Workers:
                 return
             raise
         except BaseException:
-            if job.expired or job.cut:
+            if job.cancelled:
                 await self._late(job, task)
             else:
                 await self._failed(job, "failed", "handler failed")
@@ -293,7 +293,7 @@ class Workers:
         finally:
             if job.deadline_ms is not None:
                 self._deadlines.pop(task, None)
-        if job.expired or job.cut:
+        if job.cancelled:
             # The handler ignored the cancellation (its deadline's, its stream's) and
             # returned late.
             await self._late(job, task)
@@ -306,7 +306,7 @@ class Workers:
         if self.reply_headers:
             headers = {Header.AGENT: self.agent_id, Header.DURATION_MS: f"{ms:.3f}"}
         via = cap.direct
-        if job.chunks >= 0:  # a stream's end: how many chunks, from its subject
+        if streaming:  # a stream's end: how many chunks, from its subject
             headers = {**(headers or {}), Header.END: str(job.chunks)}
             via = job.via
         nc = self._nc
@@ -335,7 +335,7 @@ class Workers:
         cap.processing_ns += elapsed
         s = self.stats
         s.served += 1
-        if job.chunks >= 0:
+        if streaming:
             return  # a stream's length is its caller's reading: not a latency to route by
         s.latency_ewma_ms = (
             ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
@@ -519,8 +519,8 @@ class Workers:
                     continue
                 deadline = job.deadline_ms
                 assert deadline is not None
-                if not (job.expired or job.cut):  # (one cancel each)
-                    job.expired = True
+                if not job.cancelled:  # (a cut stream's was cancelled already)
+                    job.cancelled = True
                     task.cancel()
                 elif deadline + _ABANDON_AFTER_MS <= now:
                     await self._abandon(task, job)
