@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self, TypedDict
 
@@ -42,6 +43,7 @@ from .._codec import decoder_for, error_from_reply
 from .._delivery import publish, publish_by_nats
 from .._inbox import Inbox
 from .._nats import TRANSIENT
+from .._routing import Policy
 from ..errors import (
     ConfigurationError,
     ConnectionFailed,
@@ -51,7 +53,7 @@ from ..errors import (
     RequestTimeout,
     StreamBroken,
 )
-from ..wire import Header, StreamCancel, StreamCredit
+from ..wire import Header, Priority, StreamCancel, StreamCredit
 from .attempts import Requester
 
 __all__ = ["KEEPALIVE", "MAX_PATIENCE", "MAX_WINDOW", "MIN_PATIENCE", "WINDOW", "Stream", "Streams"]
@@ -326,7 +328,7 @@ class Stream:
         total_timeout: float | None,
         window: int,
         response_type: Any,
-        options: dict[str, Any],
+        options: Routed,
         patience: float | None = None,
     ) -> None:
         """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
@@ -335,9 +337,7 @@ class Stream:
         self._over = False
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
             raise ConfigurationError(f"window must be 1..{MAX_WINDOW} chunks, got {window!r}")
-        wait = streams.requests.default_timeout if timeout is None else timeout
-        if wait <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        wait = streams.requests.wait_of(timeout)
         if total_timeout is not None and total_timeout <= 0:
             raise ConfigurationError(f"total_timeout must be positive, got {total_timeout}")
         if patience is not None and not MIN_PATIENCE <= patience <= MAX_PATIENCE:
@@ -346,8 +346,8 @@ class Stream:
             )
         self._patience = patience
         self.capability = capability
-        self.agent_id = options.get("agent_id") or ""
-        self.request_id = options.get("request_id") or ""
+        self.agent_id = options["agent_id"] or ""
+        self.request_id = options["request_id"] or ""
         self.latency_ms = 0.0
         self.chunks = 0
         self._streams = streams
@@ -617,6 +617,21 @@ class Stream:
             self._over = True
             with contextlib.suppress(RuntimeError):  # (its loop closed: nothing to tell)
                 loop.call_soon_threadsafe(self._streams.dropped, flow)
+
+
+class Routed(TypedDict):
+    """What a stream passes on to ``Requester.call`` as it is: who may answer, and how it
+    is routed (``Client.stream``'s arguments of the same names)."""
+
+    priority: Priority | str
+    agent_id: str | None
+    request_id: str | None
+    version: str | None
+    required_tags: Sequence[str]
+    routing: Policy | str | None
+    affinity_key: str | None
+    max_attempts: int | None
+    idempotent: bool
 
 
 class _Names(TypedDict):
