@@ -18,7 +18,9 @@ once the opened frame is out (its process gone, its connection lost), cancels th
 at once, as the deadline watch does: the worker
 task is cancelled with ``Job.cut`` set, and ``workers`` takes it for what it is, not for a
 stop. A handler cancelled while it waits at ``yield`` is closed there (``aclose``: its
-``finally`` blocks run).
+``finally`` blocks run); one that ignores the cancel is closed at its next ``yield``, or,
+still running 0.5 s later, abandoned as a handler past its deadline is (its worker
+replaced): nothing a handler does keeps a worker.
 """
 
 from __future__ import annotations
