@@ -67,7 +67,9 @@ class Job:
     priority: Priority
     deadline_ms: int | None
     request_id: str
-    expired: bool = False  # the deadline watch cancelled its handler
+    #: the agent cancelled its handler: past its deadline (the deadline watch), or for its
+    #: stream's caller (``cut`` says why); one flag, so a request's run reads one
+    cancelled: bool = False
     abandoned: bool = False  # ...which ignored that; answered, and its worker replaced
     answered: bool = False  # a reply went out (a stop arriving during it adds none)
     #: a streaming request: the caller's first window (0: not a stream)
@@ -76,7 +78,8 @@ class Job:
     chunks: int = -1
     #: the stream's subject: every frame's reply-to, where its caller speaks
     via: str = ""
-    #: why the stream's handler was cancelled: its caller's cancel, or its silence
+    #: why the stream's handler was cancelled: its caller's cancel, its silence, or
+    #: its frames refused ("": not for its stream)
     cut: str = ""
     #: seconds of a stream's caller's silence that stop it (0: the agent's default)
     patience: float = 0.0

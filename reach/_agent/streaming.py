@@ -18,7 +18,9 @@ once the opened frame is out (its process gone, its connection lost), cancels th
 at once, as the deadline watch does: the worker
 task is cancelled with ``Job.cut`` set, and ``workers`` takes it for what it is, not for a
 stop. A handler cancelled while it waits at ``yield`` is closed there (``aclose``: its
-``finally`` blocks run).
+``finally`` blocks run); one that ignores the cancel is closed at its next ``yield``, or,
+still running 0.5 s later, abandoned as a handler past its deadline is (its worker
+replaced): nothing a handler does keeps a worker.
 """
 
 from __future__ import annotations
@@ -114,12 +116,15 @@ class Outflow:
             waiter.set_result(None)
 
     def stop(self, why: str) -> None:
-        """Cancel the handler (once; not over a deadline's cancellation)."""
+        """Cancel the handler (once; not over a deadline's cancellation), and have it
+        watched from now on as one past its deadline (``Outflows.cut``): a handler that
+        ignores the cancel is abandoned, so it keeps no worker."""
         job = self.job
-        if job.expired or job.cut:
+        if job.cancelled:
             return
-        job.cut = why
+        job.cancelled, job.cut = True, why
         self.task.cancel()
+        self.owner.cut(self.task, job)
 
     async def pump(self, fn: Callable[..., AsyncGenerator[Any, None]], *args: Any) -> None:
         """Run the handler ``fn(*args)``: each item as a chunk, while credit lasts."""
@@ -137,12 +142,19 @@ class Outflow:
             self.heard = loop.time()
             self.owner.watched()
             while True:
-                while job.chunks >= self.granted:
+                while job.chunks >= self.granted and not job.cut:
                     await self._credit()
+                if job.cut:
+                    break
                 try:
                     item = await anext(gen)
                 except StopAsyncIteration:
                     return
+                if job.cut:
+                    # The handler took the stream's cancel for its own and went on to
+                    # yield: nothing more is sent (its caller has left, or cannot be
+                    # reached), and no credit is awaited (none will come).
+                    break
                 body = encode_payload(item)
                 n = job.chunks + 1
                 headers = {Header.CHUNK: str(n)}
@@ -159,6 +171,7 @@ class Outflow:
             raise
         finally:
             self.owner.close(self)  # before any other await: nothing cancels it later
+        await gen.aclose()  # cut, and it ignored that: closed at its yield
 
     async def _credit(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -173,10 +186,15 @@ class Outflow:
 class Outflows:
     """An agent's streams being sent, by token: their callers' words and their silence."""
 
-    def __init__(self, stem: str, stats: AgentStats) -> None:
+    def __init__(
+        self, stem: str, stats: AgentStats, cut: Callable[[asyncio.Task[Any], Job], None]
+    ) -> None:
+        """``cut(task, job)``: a stream's handler was cancelled for its caller (the
+        workers watch it from then on, as one past its deadline)."""
         #: ``<prefix>.agent.<id>.$stream.``: a stream's subject is this and its token
         self.stem = stem
         self.stats = stats
+        self.cut = cut
         self.open: dict[str, Outflow] = {}
         self.nc: NatsConnection
         self._seq = 0

@@ -96,7 +96,7 @@ class Workers:
         #: the task and durable topic runners' abandoned handlers still running, by kind
         self._stuck_elsewhere: dict[str, int] = {}
         #: the streaming replies being sent
-        self.outflows = Outflows(streams, stats)
+        self.outflows = Outflows(streams, stats, self._watch_cut)
 
     def start(self, nc: NatsConnection, owner: Background) -> None:
         self._nc = nc
@@ -231,22 +231,24 @@ class Workers:
             return
         started = time.perf_counter_ns()
         cap.requests += 1
+        spec = cap.spec
         try:
-            payload = cap.spec.decode(msg.data)
+            payload = spec.decode(msg.data)
         except msgspec.DecodeError as exc:
             self._count_error(job, str(exc))
             self.stats.invalid += 1
             await self._answer(job, "bad_request", f"invalid payload: {exc}")
             return
         args: tuple[Any, ...] = (payload,)
-        if cap.spec.wants_context:
+        if spec.wants_context:
             args = (payload, job.context(self.agent_id, self._client))
         if job.deadline_ms is not None:
             self._deadlines[task] = job
             if not self._armed.is_set():
                 self._armed.set()
-        fn = cap.spec.fn
-        if job.window:  # a stream: the pump runs the generator, the reply is its end
+        fn = spec.fn
+        streaming = job.window  # (read once: a request's run pays one look for streams)
+        if streaming:  # the pump runs the generator, the reply is the stream's end
             fn, args = self.outflows.open_for(job, task).pump, (fn, *args)
         try:
             if self.tracer is None:
@@ -255,21 +257,19 @@ class Workers:
                 result = await traced_handler(self.tracer, self.agent_id, job, fn, args)
             body = encode_payload(result)
         except asyncio.CancelledError:
-            if job.expired or job.cut:
+            if job.cancelled:
                 task.uncancel()  # the deadline watch's or the stream's, not a stop
             if task.cancelling():
                 raise  # the agent stops
             if job.abandoned:
                 return  # answered already
-            if job.expired:
-                await self._timed_out(job)
-            elif job.cut:
-                await self._cut(job)
+            if job.cancelled:
+                await self._stopped(job)
             else:
                 await self._failed(job, "cancelled", "handler was cancelled")
             return
         except RemoteError as exc:
-            if job.expired or job.cut:
+            if job.cancelled:
                 await self._late(job, task)
             else:
                 await self._refused(job, exc)
@@ -287,7 +287,7 @@ class Workers:
                 return
             raise
         except BaseException:
-            if job.expired or job.cut:
+            if job.cancelled:
                 await self._late(job, task)
             else:
                 await self._failed(job, "failed", "handler failed")
@@ -295,7 +295,7 @@ class Workers:
         finally:
             if job.deadline_ms is not None:
                 self._deadlines.pop(task, None)
-        if job.expired or job.cut:
+        if job.cancelled:
             # The handler ignored the cancellation (its deadline's, its stream's) and
             # returned late.
             await self._late(job, task)
@@ -308,7 +308,7 @@ class Workers:
         if self.reply_headers:
             headers = {Header.AGENT: self.agent_id, Header.DURATION_MS: f"{ms:.3f}"}
         via = cap.direct
-        if job.chunks >= 0:  # a stream's end: how many chunks, from its subject
+        if streaming:  # a stream's end: how many chunks, from its subject
             headers = {**(headers or {}), Header.END: str(job.chunks)}
             via = job.via
         nc = self._nc
@@ -337,7 +337,7 @@ class Workers:
         cap.processing_ns += elapsed
         s = self.stats
         s.served += 1
-        if job.chunks >= 0:
+        if streaming:
             return  # a stream's length is its caller's reading: not a latency to route by
         s.latency_ewma_ms = (
             ms if s.served == 1 else s.latency_ewma_ms + _EWMA_ALPHA * (ms - s.latency_ewma_ms)
@@ -371,13 +371,18 @@ class Workers:
         await self._answer(job, code, exc.message, status=status, retryable=retryable)
 
     async def _late(self, job: Job, task: asyncio.Task[Any]) -> None:
-        """The handler ended, however, after the deadline watch cancelled it: that
-        cancellation is consumed here (else the worker would take its next request's
-        CancelledError for a stop), and the caller, unless answered already, told
-        ``timeout``."""
+        """The handler ended, however, after the deadline watch (or its stream's caller)
+        cancelled it: that cancellation is consumed here (else the worker would take its
+        next request's CancelledError for a stop), and the caller, unless answered
+        already, told why it was stopped."""
         task.uncancel()
         if job.abandoned:
             return
+        await self._stopped(job)
+
+    async def _stopped(self, job: Job) -> None:
+        """Answer a handler that was cancelled: for its stream's caller, or past its
+        deadline."""
         if job.cut:
             await self._cut(job)
         else:
@@ -480,13 +485,23 @@ class Workers:
 
     # -- deadlines -------------------------------------------------------------------------
 
+    def _watch_cut(self, task: asyncio.Task[Any], job: Job) -> None:
+        """``Outflow.stop`` cancelled a stream's handler for its caller: from now on it is
+        watched as a handler past its deadline (a stream may have none), so one that
+        ignores the cancel is abandoned after the same grace."""
+        job.deadline_ms = now_ms()
+        self._deadlines[task] = job
+        if not self._armed.is_set():
+            self._armed.set()
+
     async def _deadline_watch(self) -> None:
         """Cancel handlers still running past their caller's deadline.
 
         One sweep every 50 ms while handlers with deadlines run, instead of a timer per
         request: per-request asyncio.timeout cost ~10% of throughput; the price is up to
         50 ms of overrun. Idle agents do not wake up. A handler that ignores the
-        cancellation is abandoned: its caller is answered and its worker replaced.
+        cancellation (its deadline's, or its stream's: ``_watch_cut``) is abandoned
+        ``_ABANDON_AFTER_MS`` after it: its caller is answered and its worker replaced.
         """
         deadlines = self._deadlines
         while True:
@@ -506,15 +521,18 @@ class Workers:
                     continue
                 deadline = job.deadline_ms
                 assert deadline is not None
-                if job.cut:
-                    continue  # its stream's caller stopped it already (one cancel each)
-                if not job.expired:
-                    job.expired = True
+                if not job.cancelled:  # (a cut stream's was cancelled already)
+                    job.cancelled = True
                     task.cancel()
                 elif deadline + _ABANDON_AFTER_MS <= now:
                     await self._abandon(task, job)
 
     async def _abandon(self, task: asyncio.Task[Any], job: Job) -> None:
+        what = (
+            f"ignores the cancellation of its stream (cut: {job.cut})"
+            if job.cut
+            else "ignores cancellation past its deadline"
+        )
         job.abandoned = True
         self._deadlines.pop(task, None)
         stats = self.stats
@@ -527,27 +545,28 @@ class Workers:
             self._unreplaced += 1
             self._judge_stuck()
             log.critical(
-                "agent %s: handler for %s (request id %s) ignores cancellation past its"
-                " deadline; %d handlers are stuck, over max_concurrency: its worker is NOT"
-                " replaced (%d workers lost until they end)",
+                "agent %s: handler for %s (request id %s) %s; %d handlers are stuck,"
+                " over max_concurrency: its worker is NOT replaced (%d workers lost until"
+                " they end)",
                 self.agent_id,
                 job.cap.info.name,
                 job.request_id or "-",
+                what,
                 stats.stuck,
                 self._unreplaced,
             )
         else:
             log.error(
-                "agent %s: handler for %s (request id %s) ignores cancellation past its"
-                " deadline; its worker is replaced",
+                "agent %s: handler for %s (request id %s) %s; its worker is replaced",
                 self.agent_id,
                 job.cap.info.name,
                 job.request_id or "-",
+                what,
             )
             owner = self._owner
             if owner is not None and not owner.closed:
                 owner.keep(self._worker, "worker")
-        await self._timed_out(job)
+        await self._stopped(job)
 
 
 _HOLDS = {"task": "each holds its task slot", "topic": "each holds its topic worker"}

@@ -102,6 +102,14 @@ class Requester:
         """Capability names validated once and remembered (at most 10,000)."""
         return len(self._checked)
 
+    def wait_of(self, timeout: float | None) -> float:
+        """Seconds a call may take: ``timeout``, or the client's default (``timeout_ms``);
+        ``ConfigurationError`` unless positive. (Requests, streams and gathers alike.)"""
+        wait = self.default_timeout if timeout is None else timeout
+        if wait <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        return wait
+
     def check_capability(self, capability: str) -> None:
         if capability not in self._checked:
             validate_capability(capability)
@@ -137,9 +145,7 @@ class Requester:
         router = self.router
         loop = asyncio.get_running_loop()
         began = loop.time()
-        wait = self.default_timeout if timeout is None else timeout
-        if wait <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        wait = self.wait_of(timeout)
         table = None
         if agent_id is None:
             table = self.table

@@ -296,7 +296,7 @@ class Client:
         if self._unsource is not None:
             self._unsource()
             self._unsource = None
-        await self._streams.close()
+        await self._streams.close(self._watches.close_timeout)
         await self._watches.close()
         await self._tasks.close()
         await self._durable.close()

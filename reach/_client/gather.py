@@ -93,9 +93,7 @@ async def gather(
     """``Client.gather``: arguments are checked before anything is sent."""
     loop = asyncio.get_running_loop()
     began = loop.time()
-    wait = requests.default_timeout if timeout is None else timeout
-    if wait <= 0:
-        raise ConfigurationError(f"timeout must be positive, got {timeout}")
+    wait = requests.wait_of(timeout)
     if min_replies is not None and min_replies < 1:
         raise ConfigurationError(f"min_replies must be at least 1, got {min_replies}")
     tags = tuple(required_tags)

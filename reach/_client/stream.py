@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self, TypedDict
 
@@ -42,15 +43,17 @@ from .._codec import decoder_for, error_from_reply
 from .._delivery import publish, publish_by_nats
 from .._inbox import Inbox
 from .._nats import TRANSIENT
+from .._routing import Policy
 from ..errors import (
     ConfigurationError,
     ConnectionFailed,
     InvalidReply,
+    NotStarted,
     ReachError,
     RequestTimeout,
     StreamBroken,
 )
-from ..wire import Header, StreamCancel, StreamCredit
+from ..wire import Header, Priority, StreamCancel, StreamCredit
 from .attempts import Requester
 
 __all__ = ["KEEPALIVE", "MAX_PATIENCE", "MAX_WINDOW", "MIN_PATIENCE", "WINDOW", "Stream", "Streams"]
@@ -206,13 +209,18 @@ class Streams:
         self._owner.reopen()
 
     def track(self, flow: Flow) -> None:
-        self.open.add(flow)
+        """A stream opens: kept alive from now on. ``NotStarted`` (as for a request) when
+        the client is not connected, or closing; nothing is left behind then."""
+        nc = self.inbox.nc
+        if nc is None or nc.is_closed or self._owner.closed:
+            raise NotStarted("client is not connected; use 'async with Client(...)' first")
         if self._keeper is None or self._keeper.done():
             self._keeper = self._owner.keep(self._keep, "keepalive")
+        self.open.add(flow)
 
     def dropped(self, flow: Flow) -> None:
-        """A stream object went away unclosed (``__del__``: nothing may wait there): the
-        loop cancels it."""
+        """A stream object went away unclosed (called on the loop, soon after its
+        ``__del__``, where nothing may wait): the keepalive loop cancels it."""
         if flow in self.open:
             self._dropped.append(flow)
             self._wake.set()
@@ -284,16 +292,17 @@ class Streams:
                 async with asyncio.timeout(KEEPALIVE / 2):
                     await wake.wait()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float) -> None:
         """The client closes: every open stream ends for its reader now (``StreamBroken``,
-        "client closed") and is cancelled at its agent (best effort); the loop ends."""
+        "client closed") and is cancelled at its agent (best effort); the loop ends, or
+        is logged by name and left behind after ``timeout`` seconds."""
         closed = ConnectionFailed("client closed", url=self.inbox.url)
         for flow in list(self.open):
             flow.fail(closed)  # before forget: the inbox can tell its reader no more
             await self.cancel(flow)
         self._dropped.clear()
         self._keeper = None
-        await self._owner.close()
+        await self._owner.close(timeout)
 
 
 class Stream:
@@ -319,17 +328,16 @@ class Stream:
         total_timeout: float | None,
         window: int,
         response_type: Any,
-        options: dict[str, Any],
+        options: Routed,
         patience: float | None = None,
     ) -> None:
         """``options``: the rest of ``Requester.call``'s arguments (routing, priority...)."""
         self._flow: Flow | None = None  # (first: __del__ reads it, even after a refusal)
+        self._loop: asyncio.AbstractEventLoop | None = None  # its own, once it opens
         self._over = False
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
             raise ConfigurationError(f"window must be 1..{MAX_WINDOW} chunks, got {window!r}")
-        wait = streams.requests.default_timeout if timeout is None else timeout
-        if wait <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        wait = streams.requests.wait_of(timeout)
         if total_timeout is not None and total_timeout <= 0:
             raise ConfigurationError(f"total_timeout must be positive, got {total_timeout}")
         if patience is not None and not MIN_PATIENCE <= patience <= MAX_PATIENCE:
@@ -338,8 +346,8 @@ class Stream:
             )
         self._patience = patience
         self.capability = capability
-        self.agent_id = options.get("agent_id") or ""
-        self.request_id = options.get("request_id") or ""
+        self.agent_id = options["agent_id"] or ""
+        self.request_id = options["request_id"] or ""
         self.latency_ms = 0.0
         self.chunks = 0
         self._streams = streams
@@ -411,7 +419,7 @@ class Stream:
 
     async def _open(self) -> Flow:
         requests = self._streams.requests
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         began = loop.time()
         if self._total is not None:
             self._deadline = began + self._total
@@ -602,11 +610,28 @@ class Stream:
         await self.aclose()
 
     def __del__(self) -> None:
-        flow = self._flow
-        if flow is not None and not self._over:
+        """The garbage collector may run in any thread: the cancel is handed to the
+        stream's own loop."""
+        flow, loop = self._flow, self._loop
+        if flow is not None and loop is not None and not self._over:
             self._over = True
             with contextlib.suppress(RuntimeError):  # (its loop closed: nothing to tell)
-                self._streams.dropped(flow)
+                loop.call_soon_threadsafe(self._streams.dropped, flow)
+
+
+class Routed(TypedDict):
+    """What a stream passes on to ``Requester.call`` as it is: who may answer, and how it
+    is routed (``Client.stream``'s arguments of the same names)."""
+
+    priority: Priority | str
+    agent_id: str | None
+    request_id: str | None
+    version: str | None
+    required_tags: Sequence[str]
+    routing: Policy | str | None
+    affinity_key: str | None
+    max_attempts: int | None
+    idempotent: bool
 
 
 class _Names(TypedDict):

@@ -35,7 +35,8 @@ class Watches:
         config: ConfigSink,
     ) -> None:
         self.owner = Background(f"client {name}")
-        #: seconds ``close`` waits for the tasks, then for each watcher, at most
+        #: seconds ``close`` waits for the tasks, then for each watcher, at most (the
+        #: client's close bound: its streams' loop gets as long, ``Streams.close``)
         self.close_timeout = CLOSE_TIMEOUT
         self._settings = settings
         self._subjects = subjects

@@ -67,3 +67,23 @@ async def test_client_close_is_bounded_and_names_what_did_not_end(
         assert not client.connected
     finally:
         release.set()
+
+
+async def test_client_close_is_bounded_by_its_streams_loop_too(
+    reach_settings: ReachSettings, caplog: pytest.LogCaptureFixture
+):
+    """The streams' keepalive owner is closed within the same bound as the watches."""
+    client = Client(settings=reach_settings, name="bounded")
+    await client.connect()
+    client._watches.close_timeout = 0.5
+    run, running, release = stubborn()
+    client._streams._owner.spawn(run(), "stubborn stream loop")
+    await running.wait()
+    try:
+        with caplog.at_level(logging.ERROR):
+            async with asyncio.timeout(30):  # (it never returned)
+                await client.close()
+        assert any("stubborn stream loop" in m and "did not end" in m for m in said(caplog))
+        assert not client.connected
+    finally:
+        release.set()

@@ -191,6 +191,12 @@ async def test_invalid_arguments_raise_before_sending(reach_client):
         await reach_client.request("text.translate", {}, priority="urgent")
     with pytest.raises(ValueError, match="agent_id"):
         await reach_client.request("text.translate", {}, agent_id="a.b")
+    for timeout in (0, -1.5):  # one rule, whatever the call
+        for ask in (reach_client.request, reach_client.call, reach_client.gather):
+            with pytest.raises(reach.ConfigurationError, match="timeout must be positive"):
+                await ask("text.translate", {}, timeout=timeout)
+        with pytest.raises(reach.ConfigurationError, match="timeout must be positive"):
+            reach_client.stream("text.translate", {}, timeout=timeout)
 
 
 async def test_ping_answers_with_live_load(reach_settings, reach_client):

@@ -29,6 +29,7 @@ from reach import (
     ConfigurationError,
     Context,
     HandlerFailed,
+    NotStarted,
     Registry,
     RemoteError,
     RequestTimeout,
@@ -783,3 +784,113 @@ async def test_a_chunk_larger_than_max_payload_fails_the_stream(settings):
                 await anext(stream)
         assert info.value.code == "failed"
         assert agent.stats.failed == 1
+
+
+@pytest.mark.parametrize("after", ["swallows", "yields"])
+async def test_a_handler_that_ignores_its_callers_cancel_keeps_no_worker(settings, caplog, after):
+    """Nothing a handler does takes a worker away (ARCHITECTURE), a stream's no more than a
+    request's. One that swallows the cancel its caller's leaving brought is abandoned after
+    the grace a handler past its deadline gets: counted stuck, logged, its worker replaced,
+    so an agent of one worker serves on. One that yields again after it is stopped at that
+    yield (the agent does not wait for credit a cancelled stream never gets)."""
+    ignored, release = asyncio.Event(), asyncio.Event()
+    how: list[str] = []
+    agent = Agent("llm", "llm-1", settings=settings, max_concurrency=1, drain_timeout=0.5)
+
+    @agent.capability("chat.stubborn")
+    async def stubborn(req: Prompt) -> AsyncIterator[Token]:
+        yield Token(i=0)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            ignored.set()
+        if after == "swallows":
+            await release.wait()
+            return
+        try:
+            for i in range(1, 10_000):
+                yield Token(i=i)
+        except GeneratorExit:
+            how.append("closed")
+            raise
+
+    @agent.capability("chat.echo")
+    async def echo(req: Prompt) -> dict[str, int]:
+        return {"n": req.n}
+
+    try:
+        async with agent, Client(settings=settings) as client:
+            async with client.stream("chat.stubborn", Prompt(), timeout=30) as stream:
+                async for _ in stream:
+                    break
+            await ignored.wait()
+            # its one worker held by the stubborn handler, the agent answers only once the
+            # handler is abandoned (or stopped at its yield)
+            answer = await client.request("chat.echo", Prompt(n=7), agent_id="llm-1", timeout=10)
+            assert answer == {"n": 7}
+            assert agent.stats.streams_cancelled == 1
+            if after == "swallows":
+                assert (agent.stats.abandoned, agent.stats.stuck) == (1, 1)
+                assert any("ignores" in r.getMessage() for r in caplog.records)
+                release.set()
+                await eventually(lambda: agent.stats.stuck == 0)
+            else:
+                assert (agent.stats.abandoned, agent.stats.stuck) == (0, 0)
+                assert how == ["closed"]
+            assert agent.stats.failed == 0  # a stream its caller stopped is no failure
+            assert await client.request("chat.echo", Prompt(n=8), timeout=10) == {"n": 8}
+    finally:
+        release.set()
+
+
+async def test_a_stream_from_a_client_not_connected_is_not_started(settings):
+    """As a request: ``NotStarted``, and nothing left behind (no open stream, no loop)."""
+    for closed in (False, True):
+        client = Client(settings=settings)
+        if closed:
+            await client.connect()
+            await client.close()
+        with pytest.raises(NotStarted, match="not connected"):
+            await anext(client.stream(CAP, Prompt()))
+        with pytest.raises(NotStarted, match="not connected"):
+            async with client.stream(CAP, Prompt(), agent_id="llm-1"):
+                pass  # pragma: no cover - never entered
+        assert not client._streams.open
+        assert not len(client._streams._owner)
+
+
+async def test_a_stream_dropped_in_another_thread_is_cancelled_on_its_loop(settings):
+    """The garbage collector may drop a stream in any thread: its cancel is handed to its
+    own loop (asyncio is not thread-safe: in debug mode a cross-thread wake-up raised and
+    the keepalive loop hung, so the agent took the caller for silent). The client runs on
+    a loop of its own, in debug mode, so a hung loop cannot hang the test."""
+    seen = Seen()
+
+    async def read_then_drop() -> list[Any]:
+        async with Client(settings=settings) as client:
+            stream = client.stream("chat.slow", Prompt(), timeout=30)
+            assert (await anext(stream))["i"] == 0
+            box = [stream]
+            del stream
+            thread = threading.Thread(target=box.clear)  # the last reference goes there
+            thread.start()
+            await asyncio.to_thread(thread.join)
+            await eventually(lambda: not client._streams.open)
+            keeper = client._streams._keeper
+            assert keeper is not None
+            assert not keeper.done()  # the keepalive loop goes on
+            return [c async for c in client.stream("chat.plain", Prompt(n=2))]
+
+    def on_its_own_loop() -> list[Any]:
+        loop = asyncio.new_event_loop()
+        loop.set_debug(True)
+        try:
+            return loop.run_until_complete(read_then_drop())
+        finally:
+            loop.close()
+
+    async with llm(settings, seen=seen) as agent:
+        assert await asyncio.to_thread(on_its_own_loop) == [{"n": 2}]
+        await eventually(seen.ended.is_set)
+        assert (agent.stats.streams_cancelled, agent.stats.streams_silent) == (1, 0)
+    assert seen.how == "cancelled"
