@@ -44,4 +44,6 @@ async def test_latest_reads_the_same_through_the_inbox_as_through_nats_py(both):
 
     await eventually(expired, 10.0)
     via_js, via_api = await read("b")
-    assert via_js == via_api and via_api.operation == "PURGE" and via_api.value is None
+    assert via_js == via_api
+    assert via_api.operation == "PURGE"
+    assert via_api.value is None

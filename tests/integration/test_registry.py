@@ -266,10 +266,12 @@ async def test_two_registries_race_on_one_key_and_the_newest_heartbeat_wins(sett
         async def raced() -> bool:
             # The heartbeat subscription is a queue group: a burst lands on both replicas,
             # and both renew the one key while the other's write is still on its way.
+            # Each heartbeat says something new (its reason), so each one is written.
             nonlocal seq
             for _ in range(40):
                 seq += 1
-                body = beat("geo-race", seq, sent_ms=int(time.time() * 1000))
+                news = f"burst {seq}"
+                body = beat("geo-race", seq, reason=news, sent_ms=int(time.time() * 1000))
                 await heartbeat(nc, settings, "geo-race", body)
             await client.flush()
             return (
