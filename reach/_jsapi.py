@@ -6,11 +6,12 @@ nats-py's ``js.publish`` and ``js.get_msg`` go through ``nc.request``: a fresh f
 ``asyncio.wait_for`` per call and the ack parsed by ``json``. A task costs several of these
 on its path, and a registry one per heartbeat it writes, so they go through reach's request
 inbox instead (one wildcard subscription, a counter per request, one timer for every
-deadline), and the answer is read with msgspec: about twice the acked publishes per second
-of ``js.publish`` on one connection. Errors leave as nats-py's own exceptions
-(``TRANSIENT`` covers them), so callers need not care; a publish the server refused raises
-``Unauthorized``. The inbox's subscription is the connection's: nats-py renews it on a
-reconnect, so one ``JsApi`` serves a connection for its life.
+deadline), and the answer is read with msgspec: 1.4 to 2 times the acked publishes per
+second of ``js.publish`` on one connection (into a memory KV bucket, on loopback, 64 and
+256 in flight). Errors leave as nats-py's own exceptions (``TRANSIENT`` covers them), so
+callers need not care; a publish the server refused raises ``Unauthorized``. The inbox's
+subscription is the connection's: nats-py renews it on a reconnect, so one ``JsApi``
+serves a connection for its life.
 """
 
 from __future__ import annotations

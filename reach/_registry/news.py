@@ -55,7 +55,7 @@ LOAD_STEP = 0.1
 QUEUE_STEP = 0.1  # of max_concurrency
 LATENCY_SHARE = 0.25
 LATENCY_FLOOR_MS = 1.0
-_EPSILON = 1e-9  # 0.35 - 0.25 is 0.0999...: a step is taken as written
+_EPSILON = 1e-9  # 0.35 - 0.25 is 0.0999... in floats: a step is taken as written
 
 
 def renew_after(lease_ttl: float, heartbeat_interval: float) -> float:
@@ -74,5 +74,5 @@ def is_news(stored: AgentRecord, hb: Heartbeat, status: Status) -> bool:
     queue_step = max(1.0, QUEUE_STEP * stored.info.max_concurrency)
     if abs(hb.queue_len - old.queue_len) >= queue_step - _EPSILON:
         return True
-    moved = abs(hb.latency_ms - old.latency_ms)
-    return moved >= LATENCY_FLOOR_MS and moved >= LATENCY_SHARE * old.latency_ms - _EPSILON
+    moved = abs(hb.latency_ms - old.latency_ms) + _EPSILON
+    return moved >= LATENCY_FLOOR_MS and moved >= LATENCY_SHARE * old.latency_ms
