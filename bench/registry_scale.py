@@ -13,13 +13,17 @@ Every party is a process of its own, so each one's CPU and memory are its own:
   holds (one host, one clock).
 
 Per size it reports the registry's CPU (share of one core) and RSS, the writes into the
-agents bucket (its stream's last sequence over the window) per second and per heartbeat,
+agents bucket (its stream's last sequence over the window) per second and per heartbeat
+(a registry writes a heartbeat with news or a lease due for renewal, docs/registry.md;
+the simulated agents report a constant load, so past each one's first heartbeat only
+renewals are written: about one heartbeat in ceil(R / 5 s), R = lease/3 - 2.5 s, so
+every one at the default 15 s lease, one in two at ``--lease-ttl 30``),
 the lag p50/p99, the time to register everyone, the time the registry takes to exit on
 SIGTERM (sent 1 s after the last heartbeat; killed, and reported so, after 10 s), and the
 idle client's CPU and RSS.
 
     python bench/registry_scale.py [--agents 1000 10000] [--seconds 15] [--warmup 5]
-                                   [--sim-procs 2] [--json]
+                                   [--sim-procs 2] [--lease-ttl 15] [--json]
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import reach
 from reach.testing import NatsServer
 from reach.wire import AgentInfo, CapabilityInfo, Heartbeat, Registration
 
-INTERVAL = 5.0  # the default heartbeat interval (lease TTL: the default 15 s)
+INTERVAL = 5.0  # the default heartbeat interval (the lease: --lease-ttl, default 15 s)
 TICK = 0.01
 INFLIGHT = 64  # registrations in flight, over all simulators
 CAPABILITY = "sim.work"
@@ -202,11 +206,16 @@ async def stop(proc: Proc, grace: float = STOP_GRACE) -> float | None:
     return time.perf_counter() - t0
 
 
-async def start_registry(url: str, prefix: str) -> tuple[Proc, str]:
+async def start_registry(url: str, prefix: str, lease_ttl: float) -> tuple[Proc, str]:
     """The registry under test, and its bucket's stream (named by the registry's own
     start line). Its log is read to the end by the caller (``drain``): a full pipe would
     stall it."""
-    env = {**clean_environ(), "REACH_NATS_URL": url, "REACH_SUBJECT_PREFIX": prefix}
+    env = {
+        **clean_environ(),
+        "REACH_NATS_URL": url,
+        "REACH_SUBJECT_PREFIX": prefix,
+        "REACH_LEASE_TTL": str(lease_ttl),
+    }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -255,14 +264,14 @@ async def sample(js: Any, stream: str, registry: int, idle: int) -> dict[str, fl
 
 
 async def run_once(
-    url: str, n: int, seconds: float, warmup: float, sim_procs: int
+    url: str, n: int, seconds: float, warmup: float, sim_procs: int, lease_ttl: float
 ) -> dict[str, Any]:
     prefix = f"scale{n}"
     procs: list[Proc] = []
     draining: asyncio.Task[None] | None = None
     nc = await nats.connect(url)
     try:
-        registry, stream = await start_registry(url, prefix)
+        registry, stream = await start_registry(url, prefix, lease_ttl)
         procs.append(registry)
         assert registry.stderr is not None
         draining = asyncio.create_task(drain(registry.stderr))
@@ -326,6 +335,7 @@ async def run_once(
     return {
         "agents": n,
         "sim_procs": sim_procs,
+        "lease_ttl_s": lease_ttl,
         "register_s": round(register_s, 2),
         "heartbeats": heartbeats,
         "heartbeats_per_s": round(hb_per_s),
@@ -347,7 +357,11 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     with NatsServer() as server:
         for n in args.agents:
-            results.append(await run_once(server.url, n, args.seconds, args.warmup, args.sim_procs))
+            results.append(
+                await run_once(
+                    server.url, n, args.seconds, args.warmup, args.sim_procs, args.lease_ttl
+                )
+            )
     return results
 
 
@@ -377,6 +391,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
+    parser.add_argument(
+        "--lease-ttl", type=float, default=15.0, help="the registry's lease, s (default 15)"
+    )
     parser.add_argument("--json", action="store_true")
     # the children's roles
     parser.add_argument("--simulate", type=int, nargs=3, help=argparse.SUPPRESS)
@@ -394,6 +411,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=2))
     else:
+        print(f"heartbeats every {INTERVAL:g} s, lease {args.lease_ttl:g} s")
         print(table(results))
         print(GOAL)
     return 0

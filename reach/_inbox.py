@@ -455,7 +455,7 @@ class Inbox:
         """``nc.request`` on this inbox: the reply, or what ``nc.request`` raises (nats-py's
         ``TimeoutError``, ``NoRespondersError``, ``ConnectionClosedError`` once the inbox
         is closed, and whatever its publish raises); ``Unauthorized`` when the server
-        refused this very publish. For the JetStream API (``_tasks.jsapi``), whose callers
+        refused this very publish. For the JetStream API (``_jsapi``), whose callers
         catch nats-py's errors and tell a refused call from a slow server."""
         nc = self.nc
         if nc is None:

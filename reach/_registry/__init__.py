@@ -5,8 +5,9 @@ subscriptions); ``api`` (register, deregister, list, route), ``heartbeats`` (int
 checks) and ``liveness`` (suspect, probe, forget, housekeeping); ``writer`` (every
 compare-and-set write of an agent record, its transitions and events); ``state`` (the
 bounded in-memory view); ``observe`` (the metrics source, reading a ``RegistryView``);
-``counters`` (what a registry counts) and ``checks`` (pure input validation). Each imports
-only rooms below it.
+``counters`` (what a registry counts), ``checks`` (pure input validation) and ``news``
+(pure: which heartbeats are written, and when a lease is renewed). Each imports only rooms
+below it.
 """
 
 from .counters import RegistryStats

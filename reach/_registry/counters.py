@@ -21,6 +21,7 @@ class RegistryStats:
     dropped_invalid: int = 0  # decoded, but an id or number no record may carry
     clamped: int = 0  # heartbeats stored with numbers brought into range
     stale_heartbeats: int = 0  # older than the heartbeat already stored: not written
+    heartbeats_unwritten: int = 0  # no news and a young lease: not written (``news``)
     reregister_requests: int = 0
     registrations: int = 0
     deregistrations: int = 0

@@ -8,6 +8,13 @@ is one dict slot that exists only while a write is in flight. Writes overall are
 consumer, which is what an overwhelmed registry should do). A write's slot is given back
 by its coroutine's done-callback, so one cancelled before it ever ran gives it back too.
 
+A heartbeat is written only when it carries news or its lease is due for renewal
+(``news``: the rule, its thresholds, and why a live agent's lease never expires); the
+others are counted (``heartbeats_unwritten``). Any replica may take any heartbeat (a queue
+group), so the decision reads the record and its age from this replica's view, which its
+watch keeps current with every replica's writes; a write that raced another one is
+decided again on the fresh record.
+
 A heartbeat for a key that was just deleted is late (the agent is deregistering, or was
 removed): it is dropped, not answered with "register", or a draining agent would come
 back as a ghost. Once the deletion is forgotten (``Entries.prune``), an agent that still
@@ -27,6 +34,7 @@ from .._nats import TRANSIENT
 from .._subjects import validate_agent_id
 from ..wire import AgentRecord, Control, Heartbeat, Status, Transition
 from .checks import is_stale, sanitize_heartbeat
+from .news import is_news, renew_after
 from .state import Core
 from .writer import ALIVE, WRITE_FAILED, RecordWriter
 
@@ -54,6 +62,8 @@ class Heartbeats:
         self.core = core
         self.writer = writer
         self.max_inflight = max_inflight
+        #: a lease this old (seconds) is renewed by any heartbeat
+        self.renew_after = renew_after(core.lease_ttl, core.settings.heartbeat_interval)
         self.reset()
 
     def reset(self) -> None:
@@ -155,18 +165,24 @@ class Heartbeats:
             return
         now = now_ms()
         events: list[Transition] = []
-        stale = False
+        stale = quiet = False
 
         def change(before: AgentRecord | None) -> tuple[AgentRecord, float] | None:
-            nonlocal stale
+            nonlocal stale, quiet
             events.clear()
-            stale = False
+            stale = quiet = False
             if before is None or before.status == Status.DOWN:
                 return None  # gone meanwhile (or garbage): the agent must register again
             if is_stale(hb, before.heartbeat):
                 stale = True
                 return None  # a newer heartbeat is stored already: keep it
             reported = hb.status if hb.status in ALIVE else Status.UP
+            if (
+                not is_news(before, hb, reported)
+                and self.lease_age(agent_id, before) < self.renew_after
+            ):
+                quiet = True
+                return None  # nothing new, and the lease is young: no write
             reason = "heartbeat resumed" if before.status == Status.UNKNOWN else "reported"
             record, t = self.writer.transition(
                 before, reported, reason, hb.reason, heartbeat=hb, last_seen_ms=now
@@ -176,12 +192,27 @@ class Heartbeats:
             return record, self.core.lease_ttl
 
         updated = await self.writer.update(agent_id, change)
-        if stale or (updated.written is None and updated.deleted):
+        if quiet:
+            self.core.stats.heartbeats_unwritten += 1
+        elif stale or (updated.written is None and updated.deleted):
             self.core.stats.stale_heartbeats += 1  # older than the one stored, or deleted
         elif updated.written is None:
             await self.ask_to_register(agent_id)
         for t in events:
             await self.writer.announce(agent_id, t, removed=False)
+
+    def lease_age(self, agent_id: str, record: AgentRecord) -> float:
+        """Seconds since ``record`` was written, read two ways, the larger kept: this
+        host's clock against the ``last_seen_ms`` its writer stamped before writing (not
+        under the true age, unless the writer's clock is ahead of ours), and how long this
+        replica's view has held it (under the true age by the watch's delay, never more).
+        A record read from the stream after a lost race has only the first reading."""
+        core = self.core
+        age = (now_ms() - record.last_seen_ms) / 1000
+        entry = core.entries.get(agent_id)
+        if entry is not None and entry.record is record:
+            age = max(age, core.entries.clock() - entry.since)
+        return age
 
     async def ask_to_register(self, agent_id: str) -> None:
         """An agent we have no record of heartbeats (after a registry restart, an expiry,

@@ -48,6 +48,7 @@ def registry_source(registry: RegistryView) -> Callable[[Emitter], None]:
             out.counter("reach_registry_transitions", (status, reason), n)
         s = registry.stats
         out.counter("reach_registry_heartbeats", (), s.heartbeats)
+        out.counter("reach_registry_heartbeats_unwritten", (), s.heartbeats_unwritten)
         for reason, n in (
             ("malformed", s.dropped_malformed),
             ("spoofed", s.dropped_spoofed),

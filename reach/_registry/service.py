@@ -8,9 +8,11 @@ revision, so any number of replicas can run; a lost race is retried on the fresh
 One lifecycle: ``start`` connects, opens the bucket, loads a snapshot, subscribes and
 flushes, all within ``start_timeout``; any failure is ``ConnectionFailed`` and leaves
 nothing behind. ``stop`` drains the subscriptions (requests already taken are answered),
-lets taken heartbeats be written, then cancels and awaits every background coroutine, and
-closes the connection last. Start and stop take turns (one lock): a ``stop`` called while
-``start`` runs waits for it and then stops, and a second ``start`` finds the first done.
+lets taken heartbeats be written, then cancels and awaits every background coroutine,
+closes the request inbox every lease write and read goes through (``reach._jsapi.JsApi``,
+one per connection), and closes the connection last. Start and stop take turns (one
+lock): a ``stop`` called while ``start`` runs waits for it and then stops, and a second
+``start`` finds the first done.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from nats.nuid import NUID
 
 from .. import _kv
 from .._background import Background
+from .._jsapi import JsApi
 from .._nats import TRANSIENT, check_refused, close_nats, connect_nats, flush_nats, redact
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
@@ -209,6 +212,10 @@ class Registry:
         try:
             async with asyncio.timeout(self.start_timeout):
                 await self._bind()
+                step = "open its request inbox"
+                api = JsApi(nc)  # its subscription is the connection's: renewed on reconnect
+                await api.open()
+                core.api = api
                 step = "load the bucket"
                 self._mirror = _kv.BucketMirror(
                     self._bind,
@@ -314,6 +321,13 @@ class Registry:
             recovery.stop()  # its loops end with the owner, even if a cancel is lost
         # bounded: a coroutine that swallowed its cancellation is logged by name, left behind
         await self._owner.close(self.stop_timeout)
+        api, core.api = core.api, None
+        if api is not None:  # after the writers: a request still waiting fails, as closed
+            try:
+                async with asyncio.timeout(self.stop_timeout):
+                    await api.close()
+            except TimeoutError:
+                log.warning("registry %s: request inbox not closed", self.registry_id)
         nc, core.nc, core.js = core.nc, None, None
         if nc is not None:
             await close_nats(nc, drain=False)

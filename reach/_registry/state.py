@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from .. import _kv
 from .._background import Background
 from .._kv import KvEntry
 from .._subjects import Subjects
@@ -29,6 +30,8 @@ from .counters import RegistryCells, RegistryStats
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsConnection
     from nats.js import JetStreamContext
+
+    from .._jsapi import JsApi
 
 __all__ = ["Core", "Entries", "Entry", "Throttle"]
 
@@ -237,6 +240,8 @@ class Core:
     #: whose refused requests were logged within the last minute (a flood logs once a minute)
     warned: Throttle = field(default_factory=lambda: Throttle(interval=60.0, limit=1024))
     js: JetStreamContext | None = None
+    #: the connection's JetStream API requester: every lease write and read goes through it
+    api: JsApi | None = None
     cells: RegistryCells = field(default_factory=RegistryCells)
 
     @property
@@ -252,3 +257,12 @@ class Core:
         if self.js is None:
             raise NotStarted("registry is not started")
         return self.js
+
+    def publisher(self) -> JetStreamContext | _kv.Publish:
+        """Where lease writes go: the request inbox (``api``) when open, else nats-py's
+        JetStream context, as the task store does (``reach._jsapi.js_publish``)."""
+        return self.api.publish if self.api is not None else self.jsc()
+
+    def reader(self) -> JetStreamContext | _kv.GetLast:
+        """Where a key's newest message is read: like ``publisher``."""
+        return self.api.last_msg if self.api is not None else self.jsc()

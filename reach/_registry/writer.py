@@ -57,7 +57,7 @@ class RecordWriter:
         core = self.core
         prior = core.entries.get(agent_id)
         rev = await _kv.write(
-            core.jsc(), core.bucket, agent_id, encode_json(record), last=last, ttl=ttl
+            core.publisher(), core.bucket, agent_id, encode_json(record), last=last, ttl=ttl
         )
         core.entries.stored(agent_id, rev, record, prior)
         return rev
@@ -78,7 +78,7 @@ class RecordWriter:
                 await self.write(agent_id, record, ttl, last)
             except _kv.Conflict:
                 core.stats.cas_conflicts += 1
-                fresh = await _kv.latest(core.jsc(), core.bucket, agent_id)
+                fresh = await _kv.latest(core.reader(), core.bucket, agent_id)
                 last = fresh.revision
                 before = core.entries.decode(agent_id, fresh.value) if fresh.value else None
                 deleted = fresh.operation == "DEL"
@@ -91,13 +91,15 @@ class RecordWriter:
         expires like a lease marker does, so agent churn cannot grow the bucket."""
         core = self.core
         prior = core.entries.get(agent_id)
-        rev = await _kv.delete(core.jsc(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL)
+        rev = await _kv.delete(
+            core.publisher(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL
+        )
         core.entries.stored(agent_id, rev, None, prior)
 
     async def exists(self, agent_id: str) -> bool:
         """Whether the key holds a value now (read from the stream, not from our view)."""
         core = self.core
-        return (await _kv.latest(core.jsc(), core.bucket, agent_id)).value is not None
+        return (await _kv.latest(core.reader(), core.bucket, agent_id)).value is not None
 
     def transition(
         self, record: AgentRecord, new: Status, reason: str, detail: str = "", **changes: Any

@@ -15,9 +15,9 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
+from .._jsapi import JsApi
 from .._nats import TRANSIENT, NatsConnection, check_refused, refusals
 from .faults import patiently
-from .jsapi import JsApi
 
 __all__ = ["PerConnection", "open_store"]
 

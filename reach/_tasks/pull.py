@@ -28,8 +28,8 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from .._jsapi import JsApi
 from .._nats import TRANSIENT, NatsConnection
-from .jsapi import JsApi
 
 __all__ = ["Puller", "close_pulling", "keep_alive", "settle"]
 

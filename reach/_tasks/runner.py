@@ -34,6 +34,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.trace import Tracer
 
 from .._background import Background
+from .._jsapi import JsApi
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
 from .._telemetry import LOG_AGENT, LOG_WORK
@@ -46,7 +47,6 @@ from .delayed import retry_later
 from .execute import Executor
 from .faults import patiently
 from .handler_run import call_handler, redelivered, task_context, task_span
-from .jsapi import JsApi
 from .model import ContextFactory, Delivery, TaskDecl, TaskStats
 from .opening import open_store
 from .pull import Puller, close_pulling, keep_alive

@@ -31,6 +31,7 @@ from nats.js.api import (
 
 from .. import _kv
 from .._codec import now_ms
+from .._jsapi import JsApi, direct_batch, js_publish
 from .._kv import KV_OP, MARKER_REASON, Conflict, JsErrorCode, bind_bucket, check_replicas
 from .._nats import NatsConnection
 from .._subjects import Subjects
@@ -38,7 +39,6 @@ from ..errors import ConfigurationError, CorruptRecord
 from ..settings import ReachSettings
 from ..wire import ErrorBody, Priority
 from ..wire.tasks import TaskRecord, TaskState, TaskStep, TaskSubmit
-from .jsapi import JsApi, direct_batch, js_publish
 from .states import advance
 
 __all__ = [

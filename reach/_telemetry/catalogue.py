@@ -189,6 +189,12 @@ CATALOGUE: Final[dict[str, Spec]] = {
         "counter", "Agent status transitions, by new status and reason.", ("status", "reason")
     ),
     "reach_registry_heartbeats": Spec("counter", "Heartbeats received.", ()),
+    "reach_registry_heartbeats_unwritten": Spec(
+        "counter",
+        "Heartbeats not written: no news (status, reason, a load, queue or latency move)"
+        " and a lease younger than lease_ttl/3 - heartbeat_interval/2.",
+        (),
+    ),
     "reach_registry_heartbeats_dropped": Spec(
         "counter", "Heartbeats dropped, by reason.", ("reason",)
     ),

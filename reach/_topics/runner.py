@@ -46,12 +46,12 @@ from nats.aio.msg import Msg
 
 from .._background import Background
 from .._codec import now_ms
+from .._jsapi import JsApi
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
 from .._tasks.bounded import BoundedRun
 from .._tasks.dlq import DLQ_CONSUMER, DLQ_GROUP, DLQ_SEQ, dead_letter
 from .._tasks.faults import patiently
-from .._tasks.jsapi import JsApi
 from .._tasks.model import TaskHandler
 from .._tasks.opening import open_store
 from .._tasks.pull import Puller, close_pulling, keep_alive, settle

@@ -43,10 +43,10 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from .._jsapi import JsApi, js_publish
 from .._kv import JsErrorCode
 from .._nats import TRANSIENT
 from .._subjects import Subjects
-from .._tasks.jsapi import JsApi, js_publish
 from .._tasks.store import add_dlq_stream, add_stream
 from ..errors import NotStored
 from ..settings import ReachSettings

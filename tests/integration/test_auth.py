@@ -32,9 +32,9 @@ from reach import (
     Unauthorized,
 )
 from reach._background import Background
+from reach._jsapi import JsApi
 from reach._nats import connect_nats
 from reach._subjects import Subjects
-from reach._tasks.jsapi import JsApi
 from reach._tasks.recovery import TaskRecovery
 from reach.testing import NatsServer, config_with_store, eventually
 from reach.wire import AgentInfo, CapabilityInfo, Deregistration, Registration

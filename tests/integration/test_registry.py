@@ -266,10 +266,12 @@ async def test_two_registries_race_on_one_key_and_the_newest_heartbeat_wins(sett
         async def raced() -> bool:
             # The heartbeat subscription is a queue group: a burst lands on both replicas,
             # and both renew the one key while the other's write is still on its way.
+            # Each heartbeat says something new (its reason), so each one is written.
             nonlocal seq
             for _ in range(40):
                 seq += 1
-                body = beat("geo-race", seq, sent_ms=int(time.time() * 1000))
+                news = f"burst {seq}"
+                body = beat("geo-race", seq, reason=news, sent_ms=int(time.time() * 1000))
                 await heartbeat(nc, settings, "geo-race", body)
             await client.flush()
             return (
@@ -409,6 +411,9 @@ async def test_nats_server_restart_on_same_store_table_recovers(tmp_path):
             # the registry holds the agent at a revision after the filler
             await eventually(lambda: registry.records()["geo-phoenix"].last_seen_ms > filled_ms)
             killed_ms = now_ms()
+            api = registry._core.api  # its lease writes' request inbox, for the connection
+            assert api is not None
+            sent = api._inbox._seq
             await server.akill()
             await eventually(lambda: not client.connected)
             await server.astart()
@@ -421,6 +426,9 @@ async def test_nats_server_restart_on_same_store_table_recovers(tmp_path):
                 return record is not None and record.registered_ms > killed_ms
 
             await eventually(registered_again, timeout=30)
+            # through the same inbox: nats-py renewed its subscription on the reconnect
+            assert registry._core.api is api
+            assert api._inbox._seq > sent
 
             # ... and the registry's own view follows the new bucket, not the old one.
             def view_follows() -> bool:

@@ -13,8 +13,8 @@ from nats.aio.msg import Msg
 
 import reach
 from reach import Client, ConnectionFailed, NotStarted, ReachError, ReachSettings
+from reach._jsapi import JsApi
 from reach._nats import connect_nats
-from reach._tasks.jsapi import JsApi
 from reach.testing import NatsServer, eventually, unique_prefix
 
 CAP = "err.op"

@@ -1,12 +1,17 @@
-"""The JetStream API as the durable-task path asks it: publishes and direct gets, sent
-through the muxed request inbox (``reach._inbox.Inbox.request``).
+"""The JetStream API on the muxed request inbox (``reach._inbox.Inbox.request``): publishes,
+reads of a subject's last message, direct gets and purges, for the durable-task and topic
+stores and the registry's leases.
 
 nats-py's ``js.publish`` and ``js.get_msg`` go through ``nc.request``: a fresh future and
 ``asyncio.wait_for`` per call and the ack parsed by ``json``. A task costs several of these
-on its path, so they go through reach's request inbox instead (one wildcard
-subscription, a counter per request, one timer for every deadline), and the ack is read
-with msgspec. Errors leave as nats-py's own exceptions (``TRANSIENT`` covers them), so
-callers need not care; a publish the server refused raises ``Unauthorized``.
+on its path, and a registry one per heartbeat it writes, so they go through reach's request
+inbox instead (one wildcard subscription, a counter per request, one timer for every
+deadline), and the answer is read with msgspec: 1.4 to 2 times the acked publishes per
+second of ``js.publish`` on one connection (into a memory KV bucket, on loopback, 64 and
+256 in flight). Errors leave as nats-py's own exceptions (``TRANSIENT`` covers them), so
+callers need not care; a publish the server refused raises ``Unauthorized``. The inbox's
+subscription is the connection's: nats-py renews it on a reconnect, so one ``JsApi``
+serves a connection for its life.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 
-from .._inbox import Inbox
-from .._nats import NatsConnection
+from ._delivery import read_headers
+from ._inbox import Inbox
+from ._nats import NatsConnection
 
 __all__ = ["JsApi", "direct_batch", "js_publish"]
 
@@ -42,8 +49,21 @@ class _Purged(msgspec.Struct):
     error: _ApiError | None = None
 
 
+class _Stored(msgspec.Struct):
+    subject: str = ""
+    seq: int = 0
+    hdrs: bytes | None = None  # base64 in the JSON: msgspec decodes it
+    data: bytes | None = None
+
+
+class _Got(msgspec.Struct):
+    message: _Stored | None = None
+    error: _ApiError | None = None
+
+
 _ack_decoder = msgspec.json.Decoder(_PubAck)
 _purged_decoder = msgspec.json.Decoder(_Purged)
+_got_decoder = msgspec.json.Decoder(_Got)
 
 
 def _refused(e: _ApiError) -> nats.js.errors.APIError:
@@ -98,6 +118,25 @@ class JsApi:
         if answer.error is not None:
             raise _refused(answer.error)
         return answer.purged
+
+    async def last_msg(self, stream: str, subject: str) -> RawStreamMsg | None:
+        """The newest message on ``subject`` in ``stream`` as the stream's leader holds it,
+        or None (nats-py's ``get_msg(stream, subject=...)``). Not a direct get: a replica
+        may answer one from behind the leader, and the stream must allow it."""
+        request = msgspec.json.encode({"last_by_subj": subject})
+        msg = await self.request(f"$JS.API.STREAM.MSG.GET.{stream}", request)
+        got = _got_decoder.decode(msg.data)
+        if got.error is not None:
+            if got.error.code == 404:  # no such message (or stream): get_msg's NotFoundError
+                return None
+            raise _refused(got.error)
+        stored = got.message
+        if stored is None:
+            return None
+        headers = read_headers(stored.hdrs) if stored.hdrs else None
+        return RawStreamMsg(
+            subject=stored.subject, seq=stored.seq, data=stored.data or b"", headers=headers
+        )
 
     async def direct_get(self, stream: str, subject: str) -> Msg | None:
         """The last message on ``subject`` (wildcards allowed), or None."""
