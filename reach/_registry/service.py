@@ -11,6 +11,14 @@ nothing behind. ``stop`` drains the subscriptions (requests already taken are an
 lets taken heartbeats be written, then cancels and awaits every background coroutine, and
 closes the connection last. Start and stop take turns (one lock): a ``stop`` called while
 ``start`` runs waits for it and then stops, and a second ``start`` finds the first done.
+
+nats-py reconnects a lost link by itself, but gives a connection up for good when the
+server closes it for an error (a message over max_payload, say). A registry does not live
+on with a dead connection: it stops the NATS side and starts it again on a new connection
+(``_mend``, with backoff until it works), as a restarted process would, but in place:
+its metrics endpoint stays, and being stateless it loses nothing. Restarting in place
+rather than exiting, because nothing would start it again: ``reach up`` and the compose
+file run it once, and a ``Registry`` may run inside another program.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from .._nats import TRANSIENT, check_refused, close_nats, connect_nats, flush_na
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
 from .._telemetry.core import Attachment, Telemetry
-from ..errors import ConnectionFailed
+from ..errors import ConnectionFailed, ReachError
 from ..settings import ReachSettings
 from ..wire import AgentRecord
 from .api import Api
@@ -44,6 +52,9 @@ from .writer import RecordWriter
 __all__ = ["Registry"]
 
 log = logging.getLogger("reach.registry")
+
+_MEND_BACKOFF = 0.5  # seconds before connecting again, doubled up to _MEND_BACKOFF_MAX
+_MEND_BACKOFF_MAX = 15.0
 
 
 class Registry:
@@ -99,6 +110,8 @@ class Registry:
         self._subs: list[Subscription] = []
         self._running = False
         self._lifecycle = asyncio.Lock()
+        self._given_up = asyncio.Event()  # nats-py closed the connection for good
+        self._mender: asyncio.Task[None] | None = None
 
     # -- what anyone may read ------------------------------------------------------------
 
@@ -158,17 +171,14 @@ class Registry:
         async with self._lifecycle:
             if self._running:
                 return
-            if self._owner.closed:
-                self._owner.reopen()
-            self._heartbeats.reset()
-            self._liveness.reset()
             try:
-                await self._open()
+                await self._begin()
                 await self._expose()
             except BaseException:
                 await self._close()
                 raise
             self._running = True
+            self._mender = asyncio.create_task(self._mend(), name=f"{self.registry_id} mend")
         log.info("registry %s serving bucket %s", self.registry_id, self.bucket_name)
 
     async def stop(self) -> None:
@@ -179,6 +189,10 @@ class Registry:
             if not self._running:
                 return
             self._running = False
+            mender, self._mender = self._mender, None
+            if mender is not None:  # it waits (for the lock, an event, a backoff): ends at once
+                mender.cancel()
+                await asyncio.wait([mender], timeout=self.stop_timeout)
             await self._close()
 
     async def __aenter__(self) -> Self:
@@ -199,10 +213,69 @@ class Registry:
 
     # -- start ---------------------------------------------------------------------------
 
+    async def _begin(self) -> None:
+        """The NATS side: connect, load the bucket, subscribe (``_release`` undoes it)."""
+        if self._owner.closed:
+            self._owner.reopen()
+        self._heartbeats.reset()
+        self._liveness.reset()
+        self._given_up.clear()
+        try:
+            await self._open()
+        except BaseException:
+            await self._release()
+            raise
+
+    async def _mend(self) -> None:
+        """While the registry runs: when nats-py has given its connection up for good,
+        start the NATS side again on a new connection, with backoff until it serves."""
+        backoff = _MEND_BACKOFF
+        while True:
+            await self._given_up.wait()
+            async with self._lifecycle:
+                if not self._running:
+                    return
+                log.warning(
+                    "registry %s: its NATS connection is closed for good; connecting again",
+                    self.registry_id,
+                )
+                await self._release()
+                try:
+                    await self._begin()
+                except ReachError as exc:
+                    log.warning(
+                        "registry %s: not serving yet (%s); trying again in %gs",
+                        self.registry_id,
+                        exc,
+                        backoff,
+                    )
+                    self._given_up.set()
+                except Exception:
+                    log.exception(
+                        "registry %s: starting again failed; trying again in %gs",
+                        self.registry_id,
+                        backoff,
+                    )
+                    self._given_up.set()
+                else:
+                    self._core.stats.connections_replaced += 1
+                    log.info("registry %s serving again on a new connection", self.registry_id)
+                    backoff = _MEND_BACKOFF
+                    continue
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _MEND_BACKOFF_MAX)
+
+    async def _on_closed(self) -> None:
+        self._given_up.set()
+
     async def _open(self) -> None:
         core = self._core
         nc = await connect_nats(
-            self.settings, self.url, self.registry_id, reconnected=self._on_reconnect
+            self.settings,
+            self.url,
+            self.registry_id,
+            reconnected=self._on_reconnect,
+            closed=self._on_closed,
         )
         core.nc, core.js = nc, nc.jetstream()
         step = "bind"
@@ -293,10 +366,14 @@ class Registry:
 
     async def _close(self) -> None:
         """Stop taking work, finish what was taken, end every task, then disconnect."""
-        core = self._core
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             await attachment.close()
+        await self._release()
+
+    async def _release(self) -> None:
+        """The NATS side stops: drain, end every task, disconnect (each stage bounded)."""
+        core = self._core
         subs, self._subs = self._subs, []
         try:
             async with asyncio.timeout(self.stop_timeout):
