@@ -111,7 +111,8 @@ class Registry:
         self._running = False
         self._lifecycle = asyncio.Lock()
         self._given_up = asyncio.Event()  # nats-py closed the connection for good
-        self._mender: asyncio.Task[None] | None = None
+        #: owns ``_mend``, which outlives the NATS side (``_owner``) it stops and starts
+        self._keeper = Background(f"{self.registry_id} keeper")
 
     # -- what anyone may read ------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class Registry:
     def stats(self) -> RegistryStats:
         """Counters of the traffic handled (``background_failures`` is read at access)."""
         stats = self._core.stats
-        stats.background_failures = self._owner.failures
+        stats.background_failures = self._owner.failures + self._keeper.failures
         rs = self._recovery_stats
         stats.sweeps, stats.sweeps_skipped = rs.sweeps, rs.sweeps_skipped
         stats.tasks_recovered = rs.tasks_recovered
@@ -178,7 +179,9 @@ class Registry:
                 await self._close()
                 raise
             self._running = True
-            self._mender = asyncio.create_task(self._mend(), name=f"{self.registry_id} mend")
+            if self._keeper.closed:
+                self._keeper.reopen()
+            self._keeper.keep(self._mend, "mend")
         log.info("registry %s serving bucket %s", self.registry_id, self.bucket_name)
 
     async def stop(self) -> None:
@@ -189,10 +192,8 @@ class Registry:
             if not self._running:
                 return
             self._running = False
-            mender, self._mender = self._mender, None
-            if mender is not None:  # it waits (for the lock, an event, a backoff): ends at once
-                mender.cancel()
-                await asyncio.wait([mender], timeout=self.stop_timeout)
+            # _mend waits (for this lock, an event, a backoff): it ends at once
+            await self._keeper.close(self.stop_timeout)
             await self._close()
 
     async def __aenter__(self) -> Self:

@@ -29,6 +29,7 @@ from reach.testing import NatsServer, eventually
 from reach.wire import (
     RECORD_ROOM,
     AgentRecord,
+    Control,
     Heartbeat,
     RegisterReply,
     Registration,
@@ -251,8 +252,12 @@ async def test_a_heartbeat_whose_record_would_not_fit_is_not_sent(
         )
         await eventually(lambda: agent_id in registry.records())
         errors = registry.stats.write_errors
+        ctl = await client.nc.subscribe(client.subjects.ctl(agent_id))
+        await client.flush()
         await heartbeat(client.nc, settings, agent_id, encode_json(hb))
-        await eventually(lambda: registry.stats.write_errors > errors)
+        asked = await ctl.next_msg(timeout=10)  # to register again: that is size-checked
+        assert msgspec.json.decode(asked.data, type=Control).command == "register"
+        assert registry.stats.write_errors == errors + 1
         assert registry.records()[agent_id].heartbeat is None
         assert any("too large" in r.getMessage() for r in caplog.records)
         await registry_serves(settings, registry, "geo-after")
