@@ -22,6 +22,7 @@ from .errors import ConfigurationError
 __all__ = [
     "PAYLOAD_HELP",
     "duration_of",
+    "format_duration",
     "json_or_text",
     "parse_duration",
     "parse_json",
@@ -64,6 +65,19 @@ def parse_duration(text: str) -> datetime.timedelta:
     if got == datetime.timedelta.max:
         raise argparse.ArgumentTypeError(f"{text!r} is too long for a duration")
     return got
+
+
+def format_duration(span: datetime.timedelta) -> str:
+    """A duration as ``duration_of`` reads it: ``7d``, ``1h30m``, ``90s`` is ``1m30s``."""
+    seconds = span.total_seconds()
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        whole, seconds = divmod(seconds, size)
+        if whole:
+            parts.append(f"{int(whole)}{unit}")
+    if seconds or not parts:
+        parts.append(f"{round(seconds, 3):g}s")
+    return "".join(parts)
 
 
 _COLOURS = {"UP": "32", "DEGRADED": "33", "PAUSED": "36", "UNKNOWN": "35", "DOWN": "31"}

@@ -16,6 +16,7 @@ from . import __version__
 from ._client import Client
 from ._contracts.asyncapi import fleet_document
 from ._contracts.catalogue import catalogue
+from ._settings_errors import load_settings
 from ._telemetry import configure_logging
 from ._tokens import Tokens, TokenSettings
 from .errors import ConfigurationError
@@ -74,6 +75,12 @@ def _write(text: str, output: str | None) -> None:
         raise ConfigurationError(f"cannot write {output!r}: {exc.strerror or exc}") from None
 
 
+def _check_settings(args: argparse.Namespace) -> None:
+    """The HTTP server's tokens, read before anything starts: a bad one is a usage error."""
+    if args.http:
+        load_settings(TokenSettings)
+
+
 async def _mcp(args: argparse.Namespace, settings: ReachSettings) -> int:
     try:
         from mcp.server.stdio import stdio_server
@@ -85,7 +92,7 @@ async def _mcp(args: argparse.Namespace, settings: ReachSettings) -> int:
         ) from None
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)  # stderr: stdout is MCP's
-    tokens = TokenSettings() if args.http else None
+    tokens = load_settings(TokenSettings) if args.http else None
     if tokens is not None:
         tokens.check_host(args.host)
     async with (
@@ -185,4 +192,4 @@ def add_contract_commands(
         default=300.0,
         help="seconds a task tool waits for the end before answering with the task id",
     )
-    p.set_defaults(run=_mcp, is_async=True)
+    p.set_defaults(run=_mcp, is_async=True, check_settings=_check_settings)

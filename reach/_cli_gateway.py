@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ._client import Client
 from ._nats import redact
 from ._runtime import on_stop_signals
+from ._settings_errors import load_settings
 from ._supervisor import READY, Supervisor, bind_reuseport, reuseport_sockets, watch_lifeline
 from ._telemetry import configure_logging
 from .errors import ConfigurationError
@@ -79,12 +80,7 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
         ) from None
     if not logging.getLogger().handlers:
         configure_logging(settings.log_format, settings.log_level)
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers))
-        if v is not None
-    }
-    gateway = GatewaySettings(**overrides)
+    gateway = load_settings(GatewaySettings, **_overrides(args))
     worker = args.listen_fd is not None
     if gateway.open and not worker:
         log.warning("no REACH_GATEWAY_TOKENS: every caller of %s may do everything", gateway.host)
@@ -211,6 +207,21 @@ def _worker_argv(
     return argv
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway settings given as options (over ``REACH_GATEWAY_*``)."""
+    given = (("host", args.host), ("port", args.port), ("workers", args.workers))
+    return {k: v for k, v in given if v is not None}
+
+
+def _check_settings(args: argparse.Namespace) -> None:
+    """The gateway's settings, read before anything starts: a bad one is a usage error."""
+    try:
+        from ._gateway.settings import GatewaySettings
+    except ImportError:
+        return  # the command says what to install
+    load_settings(GatewaySettings, **_overrides(args))
+
+
 def add_gateway_commands(
     sub: Any, with_url: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 ) -> None:
@@ -241,4 +252,4 @@ def add_gateway_commands(
     )
     for fd in ("--listen-fd", "--ready-fd", "--lifeline-fd"):  # from the supervisor only
         p.add_argument(fd, type=int, default=None, help=argparse.SUPPRESS)
-    p.set_defaults(run=_gateway, is_async=True)
+    p.set_defaults(run=_gateway, is_async=True, check_settings=_check_settings)

@@ -16,6 +16,7 @@ import msgspec
 
 from ._cli_common import (
     PAYLOAD_HELP,
+    format_duration,
     json_or_text,
     parse_duration,
     print_value,
@@ -363,14 +364,18 @@ async def _dlq_replay(args: argparse.Namespace, settings: ReachSettings) -> int:
 async def _dlq_purge(args: argparse.Namespace, settings: ReachSettings) -> int:
     """Count first; remove only with ``--yes N``, N the count shown (so what goes is what
     was seen: a count that changed meanwhile removes nothing, and a letter stored after
-    the purge's own count stays, as the purge stops below it)."""
+    the purge's own count stays, as the purge stops below it). The count alone is what
+    was asked for, not a failure: exit 0, whatever it is."""
     what = f"of {args.capability}" if args.capability else "(tasks, callbacks and topics)"
-    age = f" older than {args.older_than}" if args.older_than is not None else ""
+    age = f" older than {format_duration(args.older_than)}" if args.older_than is not None else ""
     async with Client(settings=settings, name=_NAME) as client:
         if args.yes is None:
             n = await client.count_dead_letters(args.capability, args.older_than)
-            print(f"{n} dead letters {what}{age}; to remove them: add --yes {n}")
-            return 0 if n == 0 else 1
+            if n == 0:
+                print(f"no dead letters {what}{age}")
+            else:
+                print(f"{n} dead letters {what}{age}; to remove them: add --yes {n}")
+            return 0
         gone = await client.purge_dead_letters(args.capability, args.older_than, expect=args.yes)
     print(f"{gone} dead letters {what}{age} removed")
     return 0

@@ -13,7 +13,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,6 +45,7 @@ __all__ = [
     "is_no_responders",
     "jetstream_unready",
     "leave",
+    "message_size",
     "permissions_of",
     "redact",
     "refusals",
@@ -63,12 +64,19 @@ TOO_LARGE = nats.errors.MaxPayloadError
 HEADROOM = 4096
 
 
+def message_size(data: bytes, headers: Mapping[str, str] | None) -> int:
+    """What the server counts against max_payload: the payload and its headers block (an
+    upper bound: ``NATS/1.0``, each ``key: value`` line, the blank line)."""
+    if not headers:
+        return len(data)
+    return len(data) + sum(len(k) + len(v.encode()) + 4 for k, v in headers.items()) + 16
+
+
 def fits(nc: NatsConnection, data: bytes, headers: dict[str, str]) -> bool:
     """nats-py checks a payload alone against max_payload; the server counts the headers
     too, and closes the connection (losing everything in flight on it) when the sum is
     over."""
-    size = len(data) + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 16
-    return size <= nc.max_payload
+    return message_size(data, headers) <= nc.max_payload
 
 
 def too_large(nc: NatsConnection, size: int, what: str) -> PayloadTooLarge:
@@ -111,6 +119,7 @@ async def connect_nats(
     url: str,
     name: str,
     reconnected: Callable[[], Awaitable[None]] | None = None,
+    closed: Callable[[], Awaitable[None]] | None = None,
 ) -> NatsConnection:
     """Open a NATS connection that reconnects forever, with the settings' credentials.
 
@@ -120,6 +129,11 @@ async def connect_nats(
     at once when the server refuses the credentials (none given, or wrong). The server's
     permission violations on the connection go to its ``Permissions``
     (``permissions_of(nc)``), which logs and counts them.
+
+    nats-py reconnects after a lost link, but gives the connection up for good when the
+    server closes it for an error it names (a message over max_payload, a protocol
+    violation, an authorization violation): that is logged once, and ``closed`` is called
+    (never for a close of ours, ``close_nats``).
     """
     try:
         servers = check_servers(url)  # a cluster: nats://a:4222,nats://b:4222
@@ -141,6 +155,10 @@ async def connect_nats(
         if reconnected is not None:
             await reconnected()
 
+    async def on_closed() -> None:
+        if link.given_up() and closed is not None:
+            await closed()
+
     # nats-py types these seconds as int; it uses them as float (as nats.connect passes them)
     options: dict[str, Any] = {
         "connect_timeout": settings.connect_timeout,
@@ -159,6 +177,7 @@ async def connect_nats(
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
+                closed_cb=on_closed,
                 **options,
             )
     except _Refused as exc:
@@ -263,6 +282,21 @@ class _Link:
             why,
         )
 
+    def given_up(self) -> bool:
+        """nats-py closed the connection: True (logged) when it gave it up for good, False
+        for a close of ours or of a first connect that failed."""
+        if self.connecting or getattr(self.nc, "reach_closing", False):
+            return False
+        cause = self.nc.last_error
+        why = str(cause).removeprefix("nats: ") if cause is not None else "no error given"
+        log.warning(
+            "nats connection %s: closed by %s for good (%s); nats-py will not reconnect it",
+            self.name,
+            self.url,
+            why,
+        )
+        return True
+
     def back(self) -> None:
         self.auth_warned = False
         if self.down_since is not None:
@@ -296,8 +330,22 @@ class ReachConnection(NatsConnection):
         #: read by ``_delivery`` on every publish and subscription; only connections made
         #: by ``connect_nats`` ever have it on (never a connection a user hands us)
         self.reach_shortcuts = shortcuts and shortcuts_allowed(self)
-        #: set by ``close_nats``: what goes wrong from then on is the close, not a loss
+        #: set by every close of its user's (``close``, ``drain``, ``close_nats``...): what
+        #: goes wrong from then on is the close, not a loss, and a closed connection was
+        #: not given up by nats-py
         self.reach_closing = False
+
+    async def close(self) -> None:
+        self.reach_closing = True
+        await super().close()
+
+    async def drain(self) -> None:
+        self.reach_closing = True
+        await super().drain()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.reach_closing = True
+        await super().__aexit__(*exc_info)
 
 
 def closing(nc: NatsConnection) -> bool:

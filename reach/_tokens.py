@@ -42,10 +42,15 @@ class TokenSettings(BaseSettings):
         env_file_encoding="utf-8",
         extra="ignore",
         frozen=True,
+        hide_input_in_errors=True,  # a ValidationError would print the tokens
     )
 
     #: bearer token -> scopes; empty: no authentication (loopback only, see allow_open)
-    tokens: dict[str, frozenset[Scope]] = Field(default_factory=dict, repr=False)
+    tokens: dict[str, frozenset[Scope]] = Field(
+        default_factory=dict,
+        repr=False,
+        examples=['{"<token: 16 or more characters>": ["call", "submit"]}'],
+    )
     #: listen on a non-loopback address without tokens (behind a proxy that authenticates)
     allow_open: bool = False
 

@@ -384,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             settings = _settings(args)  # once, before anything starts: bad values stop us here
+            check = getattr(args, "check_settings", None)
+            if check is not None:
+                check(args)  # a command's settings of its own (REACH_GATEWAY_*), as early
         except ValueError as exc:  # a bad setting or settings file (ConfigurationError)
             print(f"error: bad_request: {exc}", file=sys.stderr)
             return 2  # as for a bad option

@@ -16,13 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
+from ._settings_errors import load_settings
 from ._subjects import validate_prefix
 from ._urls import redact
 from .errors import ConfigurationError
@@ -65,11 +66,17 @@ class ReachSettings(BaseSettings):
     retry_budget: float = Field(default=0.2, ge=0)
     breaker_cooldown: float = Field(default=5.0, gt=0)
     #: capability -> [rate per second, burst]; JSON in REACH_RATE_LIMITS
-    rate_limits: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    rate_limits: dict[str, tuple[float, float]] = Field(
+        default_factory=dict, examples=['{"text.translate": [50, 100]}']
+    )
     #: capability -> {"w_load": .., "w_latency": .., "threshold": ..} for the scored policy
-    routing_weights: dict[str, dict[str, float]] = Field(default_factory=dict)
+    routing_weights: dict[str, dict[str, float]] = Field(
+        default_factory=dict, examples=['{"text.translate": {"w_load": 0.7, "w_latency": 0.3}}']
+    )
     #: task type -> capability, so callers can ask by task type
-    task_types: dict[str, str] = Field(default_factory=dict)
+    task_types: dict[str, str] = Field(
+        default_factory=dict, examples=['{"translation": "text.translate"}']
+    )
     nats_server_bin: str = ""
     # -- durable tasks ---------------------------------------------------------------------
     #: seconds before JetStream redelivers a task whose agent went silent; a running task is
@@ -181,10 +188,7 @@ class ReachSettings(BaseSettings):
     def load(cls, **values: Any) -> Self:
         """Settings as a program's entry point builds them: a bad value or settings file is
         one ``ConfigurationError`` line naming the setting, not pydantic's report."""
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            raise ConfigurationError(_explain(exc)) from None
+        return load_settings(cls, **values)
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         """A password in ``nats_url`` is not shown either (the secrets are SecretStr)."""
@@ -337,14 +341,3 @@ def _load_yaml(text: str, where: str) -> Any:
     except yaml.YAMLError as exc:
         why = " ".join(str(exc).split())  # its report spans lines
         raise ConfigurationError(f"{where}: not valid YAML ({why})") from None
-
-
-def _explain(exc: ValidationError) -> str:
-    """A ``ValidationError`` of settings in one line, without the values given (a password
-    among them would be printed)."""
-    problems = []
-    for e in exc.errors():
-        where = ".".join(str(p) for p in e["loc"])
-        what = str(e["msg"]).removeprefix("Value error, ")
-        problems.append(f"{where}: {what}" if where else what)
-    return "invalid settings: " + "; ".join(problems)

@@ -21,15 +21,18 @@ from nats.aio.msg import Msg
 
 from .._background import Background
 from .._codec import encode_json
-from .._contracts.schemas import without_schemas
+from .._contracts.schemas import within, without_schemas
 from .._nats import TRANSIENT, NatsConnection
 from .._subjects import Subjects
-from ..errors import NotStarted
+from ..errors import NotStarted, PayloadTooLarge
 from ..settings import ReachSettings
 from ..wire import (
+    ERROR_CODES,
+    RECORD_ROOM,
     AgentEvent,
     AgentInfo,
     Deregistration,
+    ErrorCode,
     Header,
     Heartbeat,
     RegisterReply,
@@ -56,7 +59,14 @@ def accept_interval(offered: float, setting: float) -> float:
 
 _register_reply = msgspec.json.Decoder(RegisterReply)
 _event = msgspec.json.Decoder(AgentEvent)
-_REGISTER_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT, msgspec.DecodeError)
+_BAD_REQUEST = str(ERROR_CODES[ErrorCode.BAD_REQUEST][0])
+
+
+def _refusal(msg: Msg | None) -> tuple[str, str] | None:
+    """(status code, text) of an error answer; None for none, or a reply."""
+    if msg is None or not msg.headers or Header.SERVICE_ERROR_CODE not in msg.headers:
+        return None
+    return msg.headers[Header.SERVICE_ERROR_CODE], msg.headers.get(Header.SERVICE_ERROR, "")
 
 
 class Presence:
@@ -95,6 +105,7 @@ class Presence:
         self.seen: Status | None = None
         self._seen_changed = asyncio.Event()
         self._halt = False
+        self._left_out: tuple[str, ...] = ()  # what the last warning said was left out
 
     def attach(self, nc: NatsConnection | None) -> None:
         """Use ``nc`` from now on (None: the agent has stopped)."""
@@ -162,32 +173,47 @@ class Presence:
         return True
 
     async def register(self) -> bool:
-        """One registration attempt; False (logged) when no registry accepted it."""
+        """One registration attempt; False (logged) when no registry accepted it.
+
+        The registry stores the registration with a heartbeat and transitions, so it may
+        take the server's max_payload less ``RECORD_ROOM``: the largest schemas are left
+        out until it fits (one warning), and a registry that still refuses it as
+        ``bad_request`` is asked again without any. ``PayloadTooLarge`` when it cannot
+        fit even without schemas: no registry could store it."""
         nc = self._conn()
         info, status = self._info(), self._status()
-        body = encode_json(Registration(info=info, status=status))
-        if len(body) > nc.max_payload:
-            log.warning(
-                "agent %s: registration takes %d bytes, more than the server's max_payload"
-                " (%d): registering without the payload and result schemas",
-                self.agent_id,
-                len(body),
-                nc.max_payload,
+        limit = nc.max_payload - RECORD_ROOM
+        body, left_out = within(info, status, limit)
+        if len(body) > limit:
+            raise PayloadTooLarge(
+                f"agent {self.agent_id}: its registration takes {len(body)} bytes even without"
+                f" schemas, over the {limit} a registration may (the server's max_payload"
+                f" {nc.max_payload} less {RECORD_ROOM} for the rest of the registry's record);"
+                " serve fewer capabilities, or shorten their descriptions, tags or metadata",
+                size=len(body),
+                limit=limit,
             )
-            body = encode_json(Registration(info=without_schemas(info), status=status))
-        try:
-            msg = await nc.request(
-                self._subjects.register(self.agent_id), body, timeout=self._settings.probe_timeout
-            )
-            if msg.headers and Header.SERVICE_ERROR_CODE in msg.headers:
+        self._warn_left_out(info, status, left_out, limit, nc.max_payload)
+        msg = await self._request(nc, body)
+        refusal = _refusal(msg)
+        if refusal is not None and refusal[0] == _BAD_REQUEST:
+            bare = encode_json(Registration(info=without_schemas(info), status=status))
+            if bare != body:
                 log.warning(
-                    "agent %s: registry refused registration: %s",
+                    "agent %s: registry refused the registration (%s); registering without schemas",
                     self.agent_id,
-                    msg.headers.get(Header.SERVICE_ERROR, ""),
+                    refusal[1],
                 )
-                return False
+                msg = await self._request(nc, bare)
+                refusal = _refusal(msg)
+        if msg is None:
+            return False
+        if refusal is not None:
+            log.warning("agent %s: registry refused registration: %s", self.agent_id, refusal[1])
+            return False
+        try:
             reply = _register_reply.decode(msg.data)
-        except _REGISTER_ERRORS as exc:
+        except msgspec.DecodeError as exc:
             log.debug("agent %s: registration failed: %s", self.agent_id, exc)
             return False
         self.interval = accept_interval(reply.heartbeat_interval, self._settings.heartbeat_interval)
@@ -195,6 +221,47 @@ class Presence:
         self.registered = True
         log.info("agent %s registered with %s", self.agent_id, reply.registry or "a registry")
         return True
+
+    async def _request(self, nc: NatsConnection, body: bytes) -> Msg | None:
+        """The registry's answer to ``body``; None when none came (logged at debug)."""
+        try:
+            return await nc.request(
+                self._subjects.register(self.agent_id), body, timeout=self._settings.probe_timeout
+            )
+        except TRANSIENT as exc:
+            log.debug("agent %s: registration failed: %s", self.agent_id, exc)
+            return None
+
+    def _warn_left_out(
+        self,
+        info: AgentInfo,
+        status: Status,
+        left_out: list[tuple[str, int]],
+        limit: int,
+        max_payload: int,
+    ) -> None:
+        """One warning for what is left out (again only when that changes)."""
+        names = tuple(name for name, _ in left_out)
+        if names == self._left_out:
+            return
+        self._left_out = names
+        if not left_out:
+            return
+        full = len(encode_json(Registration(info=info, status=status)))
+        shown = ", ".join(f"{name} ({size} bytes)" for name, size in left_out[:5])
+        more = f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
+        log.warning(
+            "agent %s: registration takes %d bytes, over the %d a registration may (the"
+            " server's max_payload %d less %d for the registry's record): registering"
+            " without the schemas of %s%s",
+            self.agent_id,
+            full,
+            limit,
+            max_payload,
+            RECORD_ROOM,
+            shown,
+            more,
+        )
 
     async def deregister(self) -> None:
         """Tell the registry we are gone (best effort: a lease expires by itself anyway)."""
@@ -226,7 +293,12 @@ class Presence:
         while not self._halt:
             now = loop.time()
             if self._need_register and now >= register_at:
-                if await self.register():
+                try:
+                    registered = await self.register()
+                except PayloadTooLarge as exc:  # a server with a smaller max_payload now
+                    log.error("%s", exc)
+                    registered = False
+                if registered:
                     backoff = self._settings.register_backoff
                 else:
                     backoff = min(backoff * 2, self._settings.register_backoff_max)

@@ -18,7 +18,8 @@ from typing import Any
 
 import msgspec
 
-from ..wire import AgentInfo, CapabilityInfo, TopicInfo
+from .._codec import encode_json
+from ..wire import AgentInfo, CapabilityInfo, Registration, Status, TopicInfo
 
 __all__ = [
     "MAX_SCHEMA_BYTES",
@@ -26,8 +27,10 @@ __all__ = [
     "Contract",
     "capability_info",
     "contract_of",
+    "described",
     "json_schema",
     "topic_info",
+    "within",
     "without_schemas",
 ]
 
@@ -152,14 +155,57 @@ def _bounded(schema: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 def without_schemas(info: AgentInfo) -> AgentInfo:
-    """``info`` with no schema (descriptions kept): for a registration that would not fit
-    in one NATS message with them."""
-    replace = msgspec.structs.replace
-    return replace(
+    """``info`` with no schema (descriptions kept)."""
+    return msgspec.structs.replace(
         info,
-        capabilities=[
-            replace(c, payload_schema=None, result_schema=None) for c in info.capabilities
-        ],
-        tasks=[replace(c, payload_schema=None, result_schema=None) for c in info.tasks],
-        topics=[replace(t, payload_schema=None) for t in info.topics],
+        capabilities=[_bare(c) for c in info.capabilities],
+        tasks=[_bare(c) for c in info.tasks],
+        topics=[_bare(t) for t in info.topics],
     )
+
+
+def within(info: AgentInfo, status: Status, budget: int) -> tuple[bytes, list[tuple[str, int]]]:
+    """The registration of ``info`` in at most ``budget`` bytes if it can be: the largest
+    schemas are left out first, until it fits; with what was left out (the capability,
+    task or topic, and the bytes its schemas took). Still over ``budget`` when even
+    without any schema it does not fit (the caller refuses it)."""
+    body = encode_json(Registration(info=info, status=status))
+    size = len(body)
+    if size <= budget:
+        return body, []
+    parts: dict[str, list[Any]] = {
+        "capabilities": list(info.capabilities),
+        "tasks": list(info.tasks),
+        "topics": list(info.topics),
+    }
+    savings = [
+        (len(encode_json(item)) - len(encode_json(_bare(item))), kind, i)
+        for kind, items in parts.items()
+        for i, item in enumerate(items)
+    ]
+    savings.sort(key=lambda s: s[0], reverse=True)  # a stable sort: equal ones in order
+    left_out: list[tuple[str, int]] = []
+    for saving, kind, i in savings:
+        if size <= budget or saving <= 0:
+            break
+        item = parts[kind][i]
+        parts[kind][i] = _bare(item)
+        size -= saving  # an item's encoding is a part of the whole one
+        left_out.append((item.pattern if isinstance(item, TopicInfo) else item.name, saving))
+    fitted = msgspec.structs.replace(info, **parts)
+    return encode_json(Registration(info=fitted, status=status)), left_out
+
+
+def described(info: AgentInfo) -> bool:
+    """Whether ``info`` carries any schema."""
+    return info != without_schemas(info)
+
+
+@typing.overload
+def _bare(item: CapabilityInfo) -> CapabilityInfo: ...
+@typing.overload
+def _bare(item: TopicInfo) -> TopicInfo: ...
+def _bare(item: CapabilityInfo | TopicInfo) -> CapabilityInfo | TopicInfo:
+    if isinstance(item, TopicInfo):
+        return msgspec.structs.replace(item, payload_schema=None)
+    return msgspec.structs.replace(item, payload_schema=None, result_schema=None)

@@ -19,6 +19,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
+from .._nats import message_size
+from ..errors import PayloadTooLarge
+
 __all__ = [
     "CONFLICT_CODES",
     "KV_OP",
@@ -115,6 +118,7 @@ async def write(
     last: int | None,
     ttl: float | None,
     headers: Mapping[str, str] | None = None,
+    limit: int | None = None,
 ) -> int:
     """Publish ``value`` as the newest message of ``key``; its revision.
 
@@ -122,13 +126,21 @@ async def write(
     ``Conflict`` otherwise; None writes whatever is there. ``ttl``: the message (and so
     the key, while it is the newest) expires after ``ttl`` seconds; None: never.
     ``headers`` go along (a ``KV-Operation``, or the caller's own). ``via``: nats-py's
-    JetStream context, or a publish of the caller's own (a faster path)."""
+    JetStream context, or a publish of the caller's own (a faster path). ``limit``: the
+    connection's max_payload; a message over it with its headers is ``PayloadTooLarge``
+    and never sent (the server would close the connection for it)."""
     sent = dict(headers) if headers else {}
     if last is not None:
         sent[EXPECTED_LAST] = str(last)
     if ttl is not None:
         sent[TTL] = ttl_header(ttl)
     subject = f"$KV.{bucket}.{key}"
+    if limit is not None and (size := message_size(value, sent)) > limit:
+        raise PayloadTooLarge(
+            f"{subject}: {size} bytes with its headers, over max_payload ({limit})",
+            size=size,
+            limit=limit,
+        )
     with conflicts(subject):
         if isinstance(via, JetStreamContext):
             ack = await via.publish(subject, value, headers=sent)

@@ -11,12 +11,17 @@ config lets no agent send them.
 
 Each request is answered, always: with its reply, with ``bad_request`` naming the field
 when the body does not decode or does not check out (counted), or with ``failed``. Only
-the decoding and checking step (``parse``) can make a ``bad_request``: an error raised
-while serving is ours, and answered ``failed``.
+the decoding and checking step (``parse``) and the size checks below can make a
+``bad_request``: any other error raised while serving is ours, and answered ``failed``
+(or ``agent_unavailable`` when the server is away).
 
-A ``list`` answer must fit in one NATS message (``max_payload``): callers that page
-(``limit``/``after``) get as many records as fit and ``next_after``; a caller that asked
-for everything gets ``bad_request`` saying to page or filter, rather than nothing.
+Everything must fit in one NATS message (``max_payload``, headers included: the server
+closes the connection of a client that sends more, and with it the registry's view). A
+``list`` answer: callers that page (``limit``/``after``) get as many records as fit and
+``next_after``; a caller that asked for everything gets ``bad_request`` saying to page or
+filter, rather than nothing. A registration: it may take max_payload less ``RECORD_ROOM``
+(the heartbeat, transitions and headers its record adds), else ``bad_request`` "record
+too large"; a record that does not fit anyway is not sent, and answered the same.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from .._codec import encode_json, error_reply, now_ms
 from .._nats import TRANSIENT
 from .._routing import explain_miss, rank
 from .._subjects import validate_agent_id, validate_capability
+from ..errors import PayloadTooLarge
 from ..wire import (
+    RECORD_ROOM,
     AgentRecord,
     Candidate,
     Deregistration,
@@ -154,6 +161,10 @@ class Api:
         except TooLarge as exc:
             core.stats.bad_requests += 1
             return error_reply(ErrorCode.BAD_REQUEST, str(exc))
+        except PayloadTooLarge as exc:  # a record no message can carry: not sent
+            core.stats.bad_requests += 1
+            text = f"record too large ({exc.size} bytes > limit {exc.limit})"
+            return error_reply(ErrorCode.BAD_REQUEST, text)
         except WRITE_FAILED as exc:
             core.stats.write_errors += 1
             log.warning("registry %s: %s not served: %s", core.registry_id, msg.subject, exc)
@@ -165,6 +176,14 @@ class Api:
     async def _on_register(self, reg: Registration) -> bytes:
         core = self.core
         agent_id = reg.info.agent_id
+        size, limit = len(encode_json(reg)), core.conn().max_payload - RECORD_ROOM
+        if size > limit:
+            raise TooLarge(
+                f"record too large ({size} bytes > limit {limit}): a registration may take "
+                f"the server's max_payload ({limit + RECORD_ROOM}) less {RECORD_ROOM} bytes "
+                "for the rest of its record; register without schemas, or with fewer or "
+                "shorter descriptions, tags or metadata"
+            )
         status = reg.status if reg.status in ALIVE else Status.UP
         now = now_ms()
         core.stats.registrations += 1

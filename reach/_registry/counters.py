@@ -33,6 +33,7 @@ class RegistryStats:
     cas_conflicts: int = 0
     write_errors: int = 0
     background_failures: int = 0  # background coroutines that raised (logged; loops restarted)
+    connections_replaced: int = 0  # NATS connections given up for good, served again anew
     # durable-task recovery (``reach._tasks.recovery``), read at access
     sweeps: int = 0
     sweeps_skipped: int = 0  # another replica held the sweep lock for that interval

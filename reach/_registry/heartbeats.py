@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 from .._codec import encode_json, now_ms
 from .._nats import TRANSIENT
 from .._subjects import validate_agent_id
+from ..errors import PayloadTooLarge
 from ..wire import AgentRecord, Control, Heartbeat, Status, Transition
 from .checks import is_stale, sanitize_heartbeat
 from .news import is_news, renew_after
@@ -140,6 +141,18 @@ class Heartbeats:
             while True:
                 try:
                     await self._apply(hb)
+                except PayloadTooLarge as exc:
+                    # Stored by another writer near the limit: a registration of today is
+                    # checked against it, and falls back to one that fits.
+                    self.core.stats.write_errors += 1
+                    log.warning(
+                        "registry: heartbeat of %s not stored: its record would be too large"
+                        " (%d bytes > limit %d); asking it to register again",
+                        agent_id,
+                        exc.size,
+                        exc.limit,
+                    )
+                    await self.ask_to_register(agent_id)
                 except WRITE_FAILED as exc:
                     self.core.stats.write_errors += 1
                     log.warning("registry: heartbeat of %s not stored: %s", agent_id, exc)

@@ -110,7 +110,7 @@ class Liveness:
             await writer.write(agent_id, record, core.settings.probe_timeout + ttl, marker_revision)
         except _kv.Conflict:
             return  # another replica (or a heartbeat) got there first: it owns the probe
-        except TRANSIENT as exc:
+        except WRITE_FAILED as exc:  # the server away, or a record over max_payload
             log.warning("registry: could not mark %s UNKNOWN: %s", agent_id, exc)
             return
         if t is not None:

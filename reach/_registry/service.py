@@ -13,6 +13,14 @@ closes the request inbox every lease write and read goes through (``reach._jsapi
 one per connection), and closes the connection last. Start and stop take turns (one
 lock): a ``stop`` called while ``start`` runs waits for it and then stops, and a second
 ``start`` finds the first done.
+
+nats-py reconnects a lost link by itself, but gives a connection up for good when the
+server closes it for an error (a message over max_payload, say). A registry does not live
+on with a dead connection: it stops the NATS side and starts it again on a new connection
+(``_mend``, with backoff until it works), as a restarted process would, but in place:
+its metrics endpoint stays, and being stateless it loses nothing. Restarting in place
+rather than exiting, because nothing would start it again: ``reach up`` and the compose
+file run it once, and a ``Registry`` may run inside another program.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from .._nats import TRANSIENT, check_refused, close_nats, connect_nats, flush_na
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
 from .._telemetry.core import Attachment, Telemetry
-from ..errors import ConnectionFailed
+from ..errors import ConnectionFailed, ReachError
 from ..settings import ReachSettings
 from ..wire import AgentRecord
 from .api import Api
@@ -47,6 +55,9 @@ from .writer import RecordWriter
 __all__ = ["Registry"]
 
 log = logging.getLogger("reach.registry")
+
+_MEND_BACKOFF = 0.5  # seconds before connecting again, doubled up to _MEND_BACKOFF_MAX
+_MEND_BACKOFF_MAX = 15.0
 
 
 class Registry:
@@ -102,6 +113,9 @@ class Registry:
         self._subs: list[Subscription] = []
         self._running = False
         self._lifecycle = asyncio.Lock()
+        self._given_up = asyncio.Event()  # nats-py closed the connection for good
+        #: owns ``_mend``, which outlives the NATS side (``_owner``) it stops and starts
+        self._keeper = Background(f"{self.registry_id} keeper")
 
     # -- what anyone may read ------------------------------------------------------------
 
@@ -123,7 +137,7 @@ class Registry:
     def stats(self) -> RegistryStats:
         """Counters of the traffic handled (``background_failures`` is read at access)."""
         stats = self._core.stats
-        stats.background_failures = self._owner.failures
+        stats.background_failures = self._owner.failures + self._keeper.failures
         rs = self._recovery_stats
         stats.sweeps, stats.sweeps_skipped = rs.sweeps, rs.sweeps_skipped
         stats.tasks_recovered = rs.tasks_recovered
@@ -161,17 +175,16 @@ class Registry:
         async with self._lifecycle:
             if self._running:
                 return
-            if self._owner.closed:
-                self._owner.reopen()
-            self._heartbeats.reset()
-            self._liveness.reset()
             try:
-                await self._open()
+                await self._begin()
                 await self._expose()
             except BaseException:
                 await self._close()
                 raise
             self._running = True
+            if self._keeper.closed:
+                self._keeper.reopen()
+            self._keeper.keep(self._mend, "mend")
         log.info("registry %s serving bucket %s", self.registry_id, self.bucket_name)
 
     async def stop(self) -> None:
@@ -182,6 +195,8 @@ class Registry:
             if not self._running:
                 return
             self._running = False
+            # _mend waits (for this lock, an event, a backoff): it ends at once
+            await self._keeper.close(self.stop_timeout)
             await self._close()
 
     async def __aenter__(self) -> Self:
@@ -202,10 +217,69 @@ class Registry:
 
     # -- start ---------------------------------------------------------------------------
 
+    async def _begin(self) -> None:
+        """The NATS side: connect, load the bucket, subscribe (``_release`` undoes it)."""
+        if self._owner.closed:
+            self._owner.reopen()
+        self._heartbeats.reset()
+        self._liveness.reset()
+        self._given_up.clear()
+        try:
+            await self._open()
+        except BaseException:
+            await self._release()
+            raise
+
+    async def _mend(self) -> None:
+        """While the registry runs: when nats-py has given its connection up for good,
+        start the NATS side again on a new connection, with backoff until it serves."""
+        backoff = _MEND_BACKOFF
+        while True:
+            await self._given_up.wait()
+            async with self._lifecycle:
+                if not self._running:
+                    return
+                log.warning(
+                    "registry %s: its NATS connection is closed for good; connecting again",
+                    self.registry_id,
+                )
+                await self._release()
+                try:
+                    await self._begin()
+                except ReachError as exc:
+                    log.warning(
+                        "registry %s: not serving yet (%s); trying again in %gs",
+                        self.registry_id,
+                        exc,
+                        backoff,
+                    )
+                    self._given_up.set()
+                except Exception:
+                    log.exception(
+                        "registry %s: starting again failed; trying again in %gs",
+                        self.registry_id,
+                        backoff,
+                    )
+                    self._given_up.set()
+                else:
+                    self._core.stats.connections_replaced += 1
+                    log.info("registry %s serving again on a new connection", self.registry_id)
+                    backoff = _MEND_BACKOFF
+                    continue
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _MEND_BACKOFF_MAX)
+
+    async def _on_closed(self) -> None:
+        self._given_up.set()
+
     async def _open(self) -> None:
         core = self._core
         nc = await connect_nats(
-            self.settings, self.url, self.registry_id, reconnected=self._on_reconnect
+            self.settings,
+            self.url,
+            self.registry_id,
+            reconnected=self._on_reconnect,
+            closed=self._on_closed,
         )
         core.nc, core.js = nc, nc.jetstream()
         step = "bind"
@@ -300,10 +374,14 @@ class Registry:
 
     async def _close(self) -> None:
         """Stop taking work, finish what was taken, end every task, then disconnect."""
-        core = self._core
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             await attachment.close()
+        await self._release()
+
+    async def _release(self) -> None:
+        """The NATS side stops: drain, end every task, disconnect (each stage bounded)."""
+        core = self._core
         subs, self._subs = self._subs, []
         try:
             async with asyncio.timeout(self.stop_timeout):

@@ -18,6 +18,7 @@ import msgspec
 from .. import _kv
 from .._codec import encode_json, now_ms
 from .._nats import TRANSIENT
+from ..errors import PayloadTooLarge
 from ..wire import AgentEvent, AgentRecord, Status, Transition
 from .state import Core
 
@@ -28,8 +29,9 @@ log = logging.getLogger("reach.registry")
 ALIVE = (Status.UP, Status.DEGRADED, Status.PAUSED)
 MAX_TRANSITIONS = 8
 CAS_RETRIES = 5
-#: What a write may raise that is not a bug: the server away or slow, or lost races.
-WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.Conflict)
+#: What a write may raise that is not a bug: the server away or slow, lost races, or a
+#: record over the server's max_payload (``PayloadTooLarge``: not sent).
+WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.Conflict, PayloadTooLarge)
 
 #: Given the stored record (None: none, or undecodable), the record to write and its TTL,
 #: or None to write nothing.
@@ -53,11 +55,14 @@ class RecordWriter:
         self.core = core
 
     async def write(self, agent_id: str, record: AgentRecord, ttl: float, last: int) -> int:
-        """Write iff the key's newest revision is ``last``; ``_kv.Conflict`` otherwise."""
+        """Write iff the key's newest revision is ``last``; ``_kv.Conflict`` otherwise.
+        A record over max_payload with its headers is ``PayloadTooLarge``, and not sent:
+        the server would close the registry's connection for it."""
         core = self.core
         prior = core.entries.get(agent_id)
+        value, limit = encode_json(record), core.conn().max_payload
         rev = await _kv.write(
-            core.publisher(), core.bucket, agent_id, encode_json(record), last=last, ttl=ttl
+            core.publisher(), core.bucket, agent_id, value, last=last, ttl=ttl, limit=limit
         )
         core.entries.stored(agent_id, rev, record, prior)
         return rev

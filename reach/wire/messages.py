@@ -12,6 +12,7 @@ __all__ = [
     "ERROR_CODES",
     "PROBE_NO_RESPONDERS",
     "PROTOCOL_VERSION",
+    "RECORD_ROOM",
     "AgentEvent",
     "AgentInfo",
     "AgentRecord",
@@ -43,6 +44,12 @@ PROTOCOL_VERSION: Final = "1"
 #: the reason of a DOWN transition when nobody listens on the agent's subjects (its
 #: connection is gone): callers may fail its pending requests over at once
 PROBE_NO_RESPONDERS: Final = "probe failed: no responders"
+#: bytes a registration leaves within the server's max_payload for the rest of the
+#: registry's record of the agent: a heartbeat, the last 8 transitions and the KV headers
+#: (each transition and the heartbeat may carry the agent's reason, up to 200 characters).
+#: Registries refuse a larger registration (``bad_request``); agents leave schemas out
+#: so as not to send one.
+RECORD_ROOM: Final = 16 * 1024
 
 
 class Header:

@@ -13,11 +13,13 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import reach
 from reach import Client, ReachSettings
+from reach._nats import close_nats, connect_nats
 from reach._urls import redact
 from reach.testing import NatsServer, eventually
 
@@ -191,6 +193,41 @@ async def test_a_lost_connection_is_logged_once_until_it_is_back(caplog):
                 )
     finally:
         server.close()
+
+
+async def test_a_connection_the_server_closes_is_reported_a_close_of_ours_is_not(
+    reach_settings, caplog
+):
+    """nats-py gives a connection up for good (no reconnect) when the server closes it for
+    an error: that is logged once, naming the error, and ``closed`` is called. Closing a
+    connection ourselves (any way: ``close``, ``drain``, ``async with``, ``close_nats``),
+    even after a refused publish, is neither."""
+    caplog.set_level(logging.DEBUG, logger="reach.nats")
+    given_up: list[str] = []
+
+    def connect(name: str) -> Any:
+        async def closed() -> None:
+            given_up.append(name)
+
+        return connect_nats(reach_settings, reach_settings.nats_url, name, closed=closed)
+
+    for name, close in (
+        ("closed", lambda nc: nc.close()),
+        ("drained", lambda nc: nc.drain()),
+        ("exited", lambda nc: nc.__aexit__(None, None, None)),
+        ("ours", close_nats),
+    ):
+        nc = await connect(name)
+        await close(nc)
+        assert nc.is_closed
+    nc = await connect("over")
+    headers = {"X-Pad": "p" * 64}  # within max_payload alone, over it with the header
+    await nc.publish("nowhere", b"x" * (nc.max_payload - 16), headers=headers)
+    await eventually(lambda: nc.is_closed)
+    await eventually(lambda: given_up == ["over"])
+    (warning,) = [r.getMessage() for r in caplog.records if "for good" in r.getMessage()]
+    assert "nats connection over: closed by" in warning
+    assert "maximum payload" in warning.lower()
 
 
 async def test_an_empty_url_given_directly_is_refused_not_the_default(reach_settings):

@@ -17,10 +17,11 @@ from reach._contracts.schemas import (
     RAW_BYTES,
     contract_of,
     json_schema,
+    within,
     without_schemas,
 )
 from reach._registry.checks import check_registration
-from reach.wire import AgentInfo, Registration, TopicInfo
+from reach.wire import AgentInfo, CapabilityInfo, Registration, Status, TopicInfo
 
 
 class Line(msgspec.Struct, frozen=True):
@@ -202,6 +203,32 @@ def test_without_schemas_keeps_the_descriptions() -> None:
     ]
     assert info.capabilities[0].description.startswith("Place an order.")
     assert [(t.pattern, t.payload_schema) for t in info.topics] == [("order.*", None)]
+
+
+def test_within_leaves_out_the_largest_schemas_until_the_registration_fits() -> None:
+    def cap(name: str, size: int) -> CapabilityInfo:
+        schema = {"description": "d" * size}
+        return CapabilityInfo(name=name, payload_schema=schema, result_schema=schema)
+
+    info = AgentInfo(
+        agent_id="a-1",
+        name="a",
+        capabilities=[cap("small", 100), cap("large", 5000), cap("middle", 3000)],
+        topics=[TopicInfo(pattern="t.*", payload_schema={"description": "t" * 8000})],
+    )
+    whole = len(msgspec.json.encode(Registration(info=info, status=Status.UP)))
+    assert within(info, Status.UP, whole) == (msgspec.json.encode(Registration(info=info)), [])
+    body, left_out = within(info, Status.UP, whole - 15_000)
+    assert [name for name, _ in left_out] == ["large", "t.*"]
+    assert [size for _, size in left_out] == [10_028, 8014]  # what leaving them out saved
+    assert len(body) == whole - sum(size for _, size in left_out)
+    sent = msgspec.json.decode(body, type=Registration).info
+    assert [c.payload_schema is not None for c in sent.capabilities] == [True, False, True]
+    assert sent.topics[0].payload_schema is None
+    body, left_out = within(info, Status.UP, 100)  # not even without any schema
+    assert len(body) > 100
+    assert {name for name, _ in left_out} == {"small", "large", "middle", "t.*"}
+    assert msgspec.json.decode(body, type=Registration).info == without_schemas(info)
 
 
 def test_a_registry_refuses_a_bad_topic_pattern() -> None:

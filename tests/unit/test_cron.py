@@ -8,7 +8,7 @@ import math
 import pytest
 
 from reach import ConfigurationError, RetryLater
-from reach._cli_common import parse_duration
+from reach._cli_common import format_duration, parse_duration
 from reach._tasks.cron import Every, catch_up, parse_cron, slots, timing
 from reach._tasks.delayed import due_of
 from reach._tasks.schedules import spec_of
@@ -151,6 +151,16 @@ def test_at_more_than_five_years_ahead_is_refused() -> None:
 def test_a_duration_too_long_for_python_is_a_usage_error() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="too long"):
         parse_duration("99999999999d")
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [("7d", "7d"), ("1h30m", "1h30m"), ("90s", "1m30s"), ("0.5s", "0.5s"), ("0s", "0s")],
+)
+def test_a_duration_is_shown_as_it_is_written(text: str, shown: str) -> None:
+    """``reach dlq purge --older-than 7d`` says "older than 7d", not "7 days, 0:00:00"."""
+    assert format_duration(parse_duration(text)) == shown
+    assert parse_duration(shown) == parse_duration(text)
 
 
 BERLIN = "Europe/Berlin"

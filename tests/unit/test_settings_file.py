@@ -116,7 +116,10 @@ def test_yaml_without_pyyaml_says_how_to_get_it(monkeypatch, tmp_path):
     ("text", "says"),
     [
         ("max_qeue = 3\n", "error: bad_request: settings file bad.toml: unknown setting"),
-        ("timeout_ms = 0\n", "error: bad_request: invalid settings: timeout_ms: Input should be"),
+        (
+            "timeout_ms = 0\n",
+            "error: bad_request: invalid settings: REACH_TIMEOUT_MS (timeout_ms): Input should be",
+        ),
         ('nats_password = "pw"\nlease_ttl = 1.0\n', "lease_ttl (1s) must be at least 2 x"),
     ],
 )
