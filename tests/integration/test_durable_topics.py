@@ -497,7 +497,7 @@ async def test_a_message_past_max_deliver_is_dead_lettered_by_the_next_instance(
     ``topic_max_deliver`` times to instances that never settled it (here taken and
     put back by hand, as instances that died holding it) is delivered again, and the next
     instance dead-letters it (reason ``max_deliveries``) without running its handler."""
-    from reach._topics.store import consumer_name, stream_name
+    from reach._topics.store import stream_name, topic_consumer_name
 
     seen: list[int] = []
     async with Client(settings=settings) as client:
@@ -505,7 +505,7 @@ async def test_a_message_past_max_deliver_is_dead_lettered_by_the_next_instance(
             pass  # its consumer is made: it keeps what is published from now on
         await publish_all(client, [9], topic="sensor.gone")
         js = client.nc.jetstream()
-        stream, name = stream_name(client.subjects), consumer_name("alarm", "sensor.>")
+        stream, name = stream_name(client.subjects), topic_consumer_name("alarm", "sensor.>")
         assert (await js.consumer_info(stream, name)).config.max_deliver == -1
         held = await js.pull_subscribe_bind(durable=name, stream=stream)
         for n in range(1, settings.topic_max_deliver + 1):
