@@ -94,8 +94,7 @@ async def _mcp(args: argparse.Namespace, settings: ReachSettings) -> int:
             names = ", ".join(t.name for t in fleet.tools) or "none yet"
             if tokens is not None and sock is not None:
                 return await _serve_http(fleet, args, tokens, names, sock)
-            log.info("mcp server on stdio; tools: %s", names)
-            return await _serve_stdio(fleet)
+            return await _serve_stdio(fleet, names)
     finally:
         if sock is not None:
             sock.close()
@@ -125,7 +124,7 @@ def _stopped(sig: signal.Signals) -> int:
     return 128 + sig
 
 
-async def _serve_stdio(fleet: FleetServer) -> int:
+async def _serve_stdio(fleet: FleetServer, names: str) -> int:
     """MCP over stdin and stdout until stdin ends (0), or until SIGINT or SIGTERM (one
     line; 128 + the signal). The SDK reads stdin in a thread that no cancellation reaches:
     if it still holds the server ``_STOP_GRACE`` seconds after the signal, the process
@@ -146,6 +145,7 @@ async def _serve_stdio(fleet: FleetServer) -> int:
             serving.cancel()
 
     with on_stop_signals(stop):
+        log.info("mcp server on stdio; tools: %s", names)  # Ctrl-C is heard from here
         try:
             either: set[asyncio.Future[Any]] = {serving, stopped}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
