@@ -26,7 +26,14 @@ from ._client import Client
 from ._nats import redact
 from ._runtime import on_stop_signals
 from ._settings_errors import load_settings
-from ._supervisor import READY, Supervisor, bind_reuseport, reuseport_sockets, watch_lifeline
+from ._supervisor import (
+    READY,
+    Supervisor,
+    bind_port,
+    bind_reuseport,
+    reuseport_sockets,
+    watch_lifeline,
+)
 from ._telemetry import configure_logging
 from .errors import ConfigurationError
 from .settings import ReachSettings
@@ -138,7 +145,7 @@ async def _serve(args: argparse.Namespace, settings: ReachSettings, servers: lis
             if worker:
                 sock = socket.socket(fileno=args.listen_fd)  # bound; uvicorn listens on it
             else:
-                sock = config.bind_socket()  # bound here, so the port (also with 0) is known
+                sock = bind_port(gateway.host, gateway.port)  # the port (also 0) known here
                 sock.listen(config.backlog)  # connections queue from now on: say so below
                 host, port = sock.getsockname()[:2]
                 extra = f", metrics {metrics.url}/metrics" if metrics is not None else ""

@@ -16,6 +16,8 @@ _json_encoder = msgspec.json.Encoder()
 _any_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
 _error_decoder = msgspec.json.Decoder(ErrorBody)
 encode_json = _json_encoder.encode
+#: one encoding per value (object keys sorted), for comparing schemas and shapes by bytes
+canonical = msgspec.json.Encoder(order="sorted").encode
 #: the protocol's own codes -> (Nats-Service-Error-Code, retryable); fixed by the protocol
 _PROTOCOL: dict[str, tuple[int, bool]] = {str(k): v for k, v in ERROR_CODES.items()}
 _APP_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")

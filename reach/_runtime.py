@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Stopping", "loop_factory", "on_stop_signals", "run_async", "stop_now"]
+__all__ = ["Stopping", "exit_now", "loop_factory", "on_stop_signals", "run_async", "stop_now"]
 
 #: The exit status of a process stopped at once by a second Ctrl-C (128 + SIGINT).
 STOPPED_NOW = 130
@@ -51,10 +51,16 @@ def stop_now(abandon: Callable[[], None] | None = None) -> NoReturn:
         if abandon is not None:
             abandon()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(STOPPED_NOW)
+        exit_now(STOPPED_NOW)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process at once with ``code``, its output flushed: past a thread that no
+    cancellation reaches (it would hold the interpreter's exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 class Stopping:

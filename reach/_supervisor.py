@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ __all__ = [
     "READY",
     "Supervisor",
     "WorkerFailed",
+    "bind_port",
     "bind_reuseport",
     "reuseport_sockets",
     "watch_lifeline",
@@ -73,12 +75,7 @@ def reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ConfigurationError("several gateway workers need SO_REUSEPORT (Linux, BSD)")
     if port:
-        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                raise ConfigurationError(f"cannot listen on {host}:{port}: {exc}") from None
+        bind_port(host, port).close()  # the probe: taken, it says so as for one process
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
@@ -87,8 +84,34 @@ def reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     except OSError as exc:
         for sock in sockets:
             sock.close()
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc}") from None
+        raise _refusal(host, port, exc) from None
     return sockets
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: a free port), for one server to listen on
+    (``reach gateway``, ``reach mcp --http``); a port it cannot have is a one-line
+    ``ConfigurationError`` that says what to do, never a server's own log line."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise _refusal(host, port, exc) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _refusal(host: str, port: int, exc: OSError) -> ConfigurationError:
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigurationError(
+            f"cannot listen on {host}:{port}: the port is taken (another server runs"
+            " there?): stop it, or pass --port 0 for a free port"
+        )
+    return ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
 
 
 def bind_reuseport(host: str, port: int) -> socket.socket:

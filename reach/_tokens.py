@@ -20,9 +20,21 @@ import ipaddress
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["MIN_TOKEN_LENGTH", "Scope", "TokenSettings", "Tokens", "bearer", "is_loopback"]
+from .errors import Unauthorized
+
+__all__ = [
+    "CHALLENGE",
+    "MIN_TOKEN_LENGTH",
+    "Scope",
+    "TokenSettings",
+    "Tokens",
+    "bearer",
+    "is_loopback",
+]
 
 MIN_TOKEN_LENGTH = 16
+#: the header of every 401 answer, from the gateway and from ``reach mcp --http``
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="reach"'}
 
 
 class Scope(enum.StrEnum):
@@ -93,6 +105,21 @@ class Tokens:
     @property
     def open(self) -> bool:
         return not self._tokens
+
+    def admit(self, authorization: str | None) -> frozenset[Scope]:
+        """The scopes an ``Authorization`` header grants (all of them without tokens);
+        ``Unauthorized`` saying what is wrong with it otherwise (a 401, with ``CHALLENGE``)."""
+        if self.open:
+            return frozenset(Scope)
+        if not authorization:
+            raise Unauthorized("a bearer token is required")
+        token = bearer(authorization)
+        if token is None:
+            raise Unauthorized("use 'Authorization: Bearer <token>'")
+        found = self.scopes(token)
+        if found is None:
+            raise Unauthorized("unknown token")
+        return found
 
     def scopes(self, token: str) -> frozenset[Scope] | None:
         """What ``token`` may do; None for an unknown token. Every token is compared."""

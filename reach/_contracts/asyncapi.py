@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from .._codec import canonical
 from .._subjects import Subjects
 from .._urls import check_servers
 from ..wire import (
@@ -43,7 +44,7 @@ ASYNCAPI_VERSION = "3.0.0"
 _NATS_BINDING = "0.1.0"
 _SCHEMAS = "#/components/schemas/"
 _DEFS = "#/$defs/"
-_canonical = msgspec.json.Encoder(order="sorted").encode
+
 _UNSAFE = re.compile(r"[^\w.\-]")
 
 
@@ -566,12 +567,12 @@ class _Document:
             moved = False
             claimed: dict[str, bytes] = {}
             for d, body in defs.items():
-                mine = _canonical(_rewrite(body, names))
+                mine = canonical(_rewrite(body, names))
                 while self._held(names[d], claimed) not in (None, mine):
                     n[d] += 1
                     names[d] = f"{base[d]}-{n[d]}"
                     moved = True
-                    mine = _canonical(_rewrite(body, names))
+                    mine = canonical(_rewrite(body, names))
                 claimed[names[d]] = mine
         return names
 
@@ -580,14 +581,14 @@ class _Document:
         (``claimed``) or one already written; None when it is free."""
         if key in claimed:
             return claimed[key]
-        return _canonical(self.schemas[key]) if key in self.schemas else None
+        return canonical(self.schemas[key]) if key in self.schemas else None
 
     def _free(self, name: str, body: Any) -> str:
         """``name`` unless another schema holds it, then ``name-2``...; the same schema
         under the same name is written once."""
         base = _UNSAFE.sub("_", name)
         key, n = base, 1
-        while key in self.schemas and _canonical(self.schemas[key]) != _canonical(body):
+        while key in self.schemas and canonical(self.schemas[key]) != canonical(body):
             n += 1
             key = f"{base}-{n}"
         return key

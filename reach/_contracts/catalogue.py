@@ -17,15 +17,13 @@ from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
-import msgspec
-
+from .._codec import canonical
 from ..wire import AgentRecord, CapabilityInfo, Status, TopicInfo
 
-__all__ = ["Catalogue", "Kind", "Offer", "Variant", "catalogue", "version_key"]
+__all__ = ["Catalogue", "Kind", "Offer", "Variant", "catalogue", "chosen", "version_key"]
 
 Kind = Literal["request", "task", "topic"]
 
-_canonical = msgspec.json.Encoder(order="sorted").encode
 _NUMBERS = re.compile(r"\d+")
 
 
@@ -81,6 +79,11 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(n) for n in _NUMBERS.findall(version))
 
 
+def chosen(name: str, names: Sequence[str]) -> bool:
+    """Whether ``names`` (globs; none: every name) take ``name``."""
+    return not names or any(fnmatchcase(name, g) for g in names)
+
+
 def catalogue(
     records: Iterable[AgentRecord], *, names: Sequence[str] = (), tags: Sequence[str] = ()
 ) -> Catalogue:
@@ -91,9 +94,6 @@ def catalogue(
         key=lambda r: r.info.agent_id,
     )
 
-    def chosen(name: str) -> bool:
-        return not names or any(fnmatchcase(name, g) for g in names)
-
     caps: dict[str, dict[bytes, list[tuple[CapabilityInfo, str]]]] = {}
     tasks: dict[str, dict[bytes, list[tuple[CapabilityInfo, str]]]] = {}
     topics: dict[str, dict[bytes, list[tuple[TopicInfo, str]]]] = {}
@@ -101,12 +101,12 @@ def catalogue(
         agent_id = r.info.agent_id
         for into, infos in ((caps, r.info.capabilities), (tasks, r.info.tasks)):
             for c in infos:
-                if chosen(c.name):
-                    key = _canonical((c.version, c.streams, c.payload_schema, c.result_schema))
+                if chosen(c.name, names):
+                    key = canonical((c.version, c.streams, c.payload_schema, c.result_schema))
                     into.setdefault(c.name, {}).setdefault(key, []).append((c, agent_id))
         for t in r.info.topics:
-            if chosen(t.pattern):
-                key = _canonical((t.payload_schema, t.durable, t.ordered))
+            if chosen(t.pattern, names):
+                key = canonical((t.payload_schema, t.durable, t.ordered))
                 topics.setdefault(t.pattern, {}).setdefault(key, []).append((t, agent_id))
     cat = Catalogue(
         capabilities=tuple(_offer("request", n, g) for n, g in sorted(caps.items())),

@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import HTTPConnection
 
-from .._tokens import Scope, Tokens, bearer
+from .._tokens import CHALLENGE, Scope, Tokens
+from ..errors import Unauthorized
 from .errors import EdgeError
 
 __all__ = ["CALLER_DIGITS", "OPEN_CALLER", "Auth", "caller_id", "scoped_key"]
@@ -23,8 +24,6 @@ __all__ = ["CALLER_DIGITS", "OPEN_CALLER", "Auth", "caller_id", "scoped_key"]
 OPEN_CALLER = "open"
 #: hex digits of a token's digest in ``caller_id`` (with the colon, 13 characters)
 CALLER_DIGITS = 12
-
-_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="reach"'}
 
 
 class Auth:
@@ -39,19 +38,10 @@ class Auth:
 
     def scopes_of(self, authorization: str | None) -> frozenset[Scope]:
         """The scopes an ``Authorization`` header grants; ``EdgeError`` 401 for none."""
-        if self.open:
-            return frozenset(Scope)
-        if not authorization:
-            raise EdgeError(401, "unauthorized", "a bearer token is required", headers=_CHALLENGE)
-        token = bearer(authorization)
-        if token is None:
-            raise EdgeError(
-                401, "unauthorized", "use 'Authorization: Bearer <token>'", headers=_CHALLENGE
-            )
-        found = self._tokens.scopes(token)
-        if found is None:
-            raise EdgeError(401, "unauthorized", "unknown token", headers=_CHALLENGE)
-        return found
+        try:
+            return self._tokens.admit(authorization)
+        except Unauthorized as exc:
+            raise EdgeError(401, exc.code, exc.message, headers=dict(CHALLENGE)) from None
 
     def caller(self, authorization: str | None) -> str:
         """``caller_id`` of an admitted request: ``open`` on an open gateway."""

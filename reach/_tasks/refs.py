@@ -288,13 +288,14 @@ class TaskRef:
             kv = await store.js.key_value(store.bucket)
             watcher = await kv.watch(self.task_id)
             fut = tasks.waiter(self.task_id)  # the final notice, or the client closing
+            follow = _Follow(watcher, fut)
             try:
                 if first.revision == 0:
                     yield first.record  # PENDING: still a message no agent has taken
                 while True:
-                    entry = await _next_or(watcher, fut)
+                    entry = await follow.next()
                     if entry is _NOTICE:
-                        yield fut.result()  # the final notice came first (or NotStarted)
+                        yield fut.result()  # the watch did not bring the end in time
                         return
                     if entry is None:
                         continue  # the end of the initial values
@@ -313,6 +314,32 @@ class TaskRef:
 
 
 _NOTICE = object()
+#: seconds a watch that heard the final notice reads on for what was written before it
+_DRAIN = 1.0
+
+
+class _Follow:
+    """A task's KV watch beside its final notice (``notice``): the watch's entries until
+    the notice comes, then those it still brings within ``_DRAIN`` seconds, and then
+    ``_NOTICE``. The final record was written before its notice was sent, but the notice
+    can overtake the watch: what was written before the end (the last progress, say) still
+    comes, in order, the end included. nats-py ends no watch when the connection closes:
+    the notice (or ``NotStarted``, raised) ends the wait."""
+
+    def __init__(self, watcher: Any, notice: asyncio.Future[TaskRecord]) -> None:
+        self.watcher = watcher
+        self.notice = notice
+        self._until: float | None = None  # the notice came: read on until then
+
+    async def next(self) -> Any:
+        """The next entry (None: the end of the initial values), or ``_NOTICE``."""
+        if self._until is None:
+            entry = await _next_or(self.watcher, self.notice)
+            if entry is not _NOTICE:
+                return entry
+            self.notice.result()  # NotStarted: the client closed
+            self._until = asyncio.get_running_loop().time() + _DRAIN
+        return await _next_before(self.watcher, self._until)
 
 
 async def _next_or(watcher: Any, fut: asyncio.Future[TaskRecord]) -> Any:
@@ -332,6 +359,15 @@ async def _next_or(watcher: Any, fut: asyncio.Future[TaskRecord]) -> Any:
     if not nxt.cancelled():
         return nxt.result()
     return _NOTICE
+
+
+async def _next_before(watcher: Any, deadline: float) -> Any:
+    """The KV watch's next entry, or ``_NOTICE`` once ``deadline`` passes."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await watcher.__anext__()
+    except TimeoutError:
+        return _NOTICE
 
 
 @dataclass(frozen=True, slots=True)

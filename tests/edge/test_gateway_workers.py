@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from reach import ReachSettings
 from reach._supervisor import WorkerFailed
@@ -160,14 +161,17 @@ async def test_each_socket_is_held_by_its_worker_alone(reach_settings: ReachSett
         assert len(listening(port) & sockets_of(new)) == 1
 
 
-async def test_a_port_in_use_is_refused(reach_settings: ReachSettings):
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_port_in_use_is_refused(reach_settings: ReachSettings, workers: str):
+    """One line that says what to do, status 1: with one process as with workers (the same
+    refusal as ``reach mcp --http``'s)."""
     with socket.socket() as taken:  # as another gateway's workers would: SO_REUSEPORT
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         proc = await start_gateway(
-            "--port", str(port), "--workers", "2", env=env_of(reach_settings)
+            "--port", str(port), "--workers", workers, env=env_of(reach_settings)
         )
         try:
             async with asyncio.timeout(60):
@@ -179,7 +183,10 @@ async def test_a_port_in_use_is_refused(reach_settings: ReachSettings):
                 proc.kill()
                 await proc.wait()
     assert proc.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
+    assert err.decode().splitlines()[-1] == (
+        f"error: bad_request: cannot listen on 127.0.0.1:{port}: the port is taken (another"
+        " server runs there?): stop it, or pass --port 0 for a free port"
+    )
 
 
 def test_the_exit_status_of_a_worker_that_failed():

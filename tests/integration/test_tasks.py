@@ -4,6 +4,7 @@ a task from another process, callbacks, unknown ids, and a drain that hands work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -251,6 +252,34 @@ async def test_a_task_is_followed_from_another_process(settings: ReachSettings, 
     assert json.loads(line) == {"n": 42}
     assert states(seen) == [S.PENDING, S.RUNNING, S.SUCCEEDED]
     assert any(rec.progress_note == "half way" for rec in seen)
+
+
+async def test_a_watch_read_after_the_end_still_gives_the_progress_before_it(
+    settings: ReachSettings,
+):
+    """End to end: a watch left unread while its task reports progress and ends (its
+    final notice heard meanwhile) still gives the report, then the end. (The notice
+    overtaking the watch itself: tests/unit/test_task_watch.py, where it is certain.)"""
+    agent = Agent("drained", settings=settings)
+    go = asyncio.Event()
+
+    @agent.task("drain.op")
+    async def op(payload: dict[str, Any], ctx: reach.TaskContext) -> dict[str, Any]:
+        await go.wait()
+        await ctx.progress(0.5, "half way")
+        return {"done": True}
+
+    async with agent, Client(settings=settings) as client:
+        ref = await client.submit("drain.op", {})
+        seen: list[reach.TaskRecord] = []
+        async with contextlib.aclosing(ref.watch()) as watch, asyncio.timeout(60):
+            while not seen or seen[-1].state is not S.RUNNING:
+                seen.append(await anext(watch))
+            go.set()  # the task reports and ends while nobody reads the watch
+            await ref.wait()  # its end is known here: the notice came
+            seen += [rec async for rec in watch]
+    assert states(seen)[-2:] == [S.RUNNING, S.SUCCEEDED]
+    assert [(r.progress, r.progress_note) for r in seen if not r.final][-1] == (0.5, "half way")
 
 
 async def test_a_callback_is_retried_until_acknowledged(settings: ReachSettings):
