@@ -176,8 +176,11 @@ async def _serve_stdio(fleet: FleetServer, names: str) -> int:
         try:
             either: set[asyncio.Future[Any]] = {serving, stopped}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            serving.cancel()  # (we were cancelled ourselves: it ends with us)
+        except asyncio.CancelledError:
+            serving.cancel()  # we were cancelled ourselves: it ends with us, within a bound
+            await asyncio.wait({serving}, timeout=_STOP_GRACE)
+            raise
+        serving.cancel()
         if not stopped.done():
             stopped.cancel()
             await serving  # stdin ended: its error, if it failed

@@ -27,7 +27,7 @@ from nats.js.api import RawStreamMsg
 
 from ._delivery import read_headers
 from ._inbox import Inbox
-from ._nats import NatsConnection
+from ._nats import NatsConnection, check_refused, refusals
 
 __all__ = ["JsApi", "direct_batch", "js_publish"]
 
@@ -165,13 +165,18 @@ async def direct_batch(
     request: dict[str, object] = {"next_by_subj": subject, "batch": batch}
     if seq:
         request["seq"] = seq
+    mark = refusals(nc)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     got: list[Msg] = []
     try:
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", msgspec.json.encode(request), inbox)
         while True:
-            msg = await sub.next_msg(timeout)
+            try:
+                msg = await sub.next_msg(timeout)
+            except Exception as exc:  # a timeout may be a refused publish: say so
+                check_refused(nc, f"a batched direct get of {stream}", exc, since=mark)
+                raise
             headers = msg.headers or {}
             status = headers.get("Status", "")
             if not status:

@@ -18,7 +18,7 @@ import msgspec
 from .. import _kv
 from .._codec import encode_json, now_ms
 from .._nats import TRANSIENT
-from ..errors import PayloadTooLarge
+from ..errors import PayloadTooLarge, Unauthorized
 from ..wire import AgentEvent, AgentRecord, Status, Transition
 from .state import Core
 
@@ -29,9 +29,16 @@ log = logging.getLogger("reach.registry")
 ALIVE = (Status.UP, Status.DEGRADED, Status.PAUSED)
 MAX_TRANSITIONS = 8
 CAS_RETRIES = 5
-#: What a write may raise that is not a bug: the server away or slow, lost races, or a
-#: record over the server's max_payload (``PayloadTooLarge``: not sent).
-WRITE_FAILED: tuple[type[BaseException], ...] = (*TRANSIENT, _kv.Conflict, PayloadTooLarge)
+#: What a write may raise that is not a bug: the server away or slow, lost races, a
+#: record over the server's max_payload (``PayloadTooLarge``: not sent), or a subject the
+#: registry's user may not use (``Unauthorized``, from the request inbox: a deployment's
+#: own permissions; logged like the others, and the next heartbeat tries again).
+WRITE_FAILED: tuple[type[BaseException], ...] = (
+    *TRANSIENT,
+    _kv.Conflict,
+    PayloadTooLarge,
+    Unauthorized,
+)
 
 #: Given the stored record (None: none, or undecodable), the record to write and its TTL,
 #: or None to write nothing.

@@ -50,8 +50,8 @@ async def open_store(
         await api.open()
         store = make(api)
         await patiently(nc, what, store.ensure, until=until, stopped=stopped)
-    except Exception as exc:  # a timeout may be a refusal: say which
-        await api.close()  # its inbox and listener: not left behind
+    except BaseException as exc:  # a cancel too: the inbox is not left on the connection
+        await api.close()  # its inbox and listener (bounded by the inbox)
         check_refused(nc, what, exc, since=mark)
         raise
     return store

@@ -32,7 +32,7 @@ from reach import (
     Unauthorized,
 )
 from reach._background import Background
-from reach._jsapi import JsApi
+from reach._jsapi import JsApi, direct_batch
 from reach._nats import connect_nats
 from reach._subjects import Subjects
 from reach._tasks.recovery import TaskRecovery
@@ -329,6 +329,17 @@ async def test_a_refused_jetstream_call_fails_alone_and_at_once(secured: NatsSer
         assert (await asyncio.wait_for(waiting, 10)).data == b"answer"
     finally:
         await api.close()
+        await nc.close()
+
+
+async def test_a_refused_batched_direct_get_is_unauthorized_not_a_timeout(secured: NatsServer):
+    """A count of a user without task rights (an upgrade that kept its own permissions)
+    says what was refused, not a bare timeout."""
+    nc = await connect_nats(as_user(secured, "aftersales-1"), secured.url, "aftersales-count")
+    try:
+        with pytest.raises(Unauthorized, match="batched direct get of REACH_TASKS"):
+            await direct_batch(nc, "REACH_TASKS", "reach.task.>", timeout=1.0)
+    finally:
         await nc.close()
 
 
