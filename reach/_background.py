@@ -62,12 +62,25 @@ class Background:
         return task
 
     def keep(
-        self, factory: Callable[[], Coroutine[Any, Any, None]], name: str
+        self,
+        factory: Callable[[], Coroutine[Any, Any, None]],
+        name: str,
+        *,
+        expected: Callable[[BaseException], bool] | None = None,
     ) -> asyncio.Task[Any]:
-        """Run the loop ``factory()`` for the owner's life, restarting it after a crash."""
-        return self.spawn(self._supervise(factory, name), name)
+        """Run the loop ``factory()`` for the owner's life, restarting it after a crash.
 
-    async def _supervise(self, factory: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        ``expected(exc)``: what stops the loop without being a bug (its server away, say):
+        one warning line, no traceback, restarted the same way; every other exception is
+        a crash, logged with its traceback and counted in ``failures``."""
+        return self.spawn(self._supervise(factory, name, expected), name)
+
+    async def _supervise(
+        self,
+        factory: Callable[[], Coroutine[Any, Any, None]],
+        name: str,
+        expected: Callable[[BaseException], bool] | None,
+    ) -> None:
         delay = self.backoff
         while True:
             started = self.clock()
@@ -80,18 +93,38 @@ class Background:
                     raise  # a stop: closing the owner, or whoever awaits this loop
                 # Raised by the loop itself (a handler's own CancelledError): a crash.
                 delay = self._crashed(name, started, delay)
-            except Exception:
-                delay = self._crashed(name, started, delay)
+            except Exception as exc:
+                if expected is not None and expected(exc):
+                    delay = self._stopped(name, started, delay, exc)
+                else:
+                    delay = self._crashed(name, started, delay)
             await asyncio.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 2, self.backoff_max)
 
+    def _first_delay(self, started: float, delay: float) -> float:
+        if self.clock() - started > self.backoff_max:
+            return self.backoff  # it ran well for a while: a new fault, not a crash loop
+        return delay
+
     def _crashed(self, name: str, started: float, delay: float) -> float:
         """Log and count a crash; the delay before the restart."""
-        if self.clock() - started > self.backoff_max:
-            delay = self.backoff  # it ran well for a while: a new fault, not a crash loop
+        delay = self._first_delay(started, delay)
         self.failures += 1
         self.restarts += 1
         log.exception("%s: %s crashed; restarting in %.2fs", self.owner, name, delay)
+        return delay
+
+    def _stopped(self, name: str, started: float, delay: float, exc: BaseException) -> float:
+        """Log an expected stop in one line; the delay before the restart."""
+        delay = self._first_delay(started, delay)
+        self.restarts += 1
+        log.warning(
+            "%s: %s stopped (%s); restarting in %.2fs",
+            self.owner,
+            name,
+            str(exc) or type(exc).__name__,
+            delay,
+        )
         return delay
 
     def _done(self, task: asyncio.Task[Any]) -> None:

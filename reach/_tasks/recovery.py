@@ -40,7 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from .._background import Background
 from .._codec import now_ms
-from .._nats import TRANSIENT, NatsConnection
+from .._nats import TRANSIENT, NatsConnection, jetstream_unready
 from .._subjects import Subjects
 from ..errors import CorruptRecord
 from ..settings import ReachSettings
@@ -98,9 +98,11 @@ class TaskRecovery:
 
     def start(self) -> None:
         """Take max-deliveries advisories, and sweep unless ``task_sweep_interval`` is 0."""
-        self.owner.keep(self._taking_advisories, "tasks: max deliveries")
+        self.owner.keep(
+            self._taking_advisories, "tasks: max deliveries", expected=jetstream_unready
+        )
         if self.settings.task_sweep_interval > 0:
-            self.owner.keep(self.sweeper.sweeping, "tasks: sweep")
+            self.owner.keep(self.sweeper.sweeping, "tasks: sweep", expected=jetstream_unready)
 
     def stop(self) -> None:
         """Ask the loops to end; call it before closing the owner. A nats-py request may

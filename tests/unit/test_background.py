@@ -127,3 +127,31 @@ async def test_spawn_after_close_raises_and_closes_the_coroutine():
     owner.reopen()
     await owner.spawn(work(), "again")
     assert not owner.closed
+
+
+async def test_an_expected_stop_is_one_warning_line_and_no_failure(caplog):
+    """A loop stopped by what its owner expects (its server away) restarts as after a
+    crash, logged in one line without a traceback, and is not counted as a failure."""
+    owner = Background("owner-x", backoff=0.001, backoff_max=0.004)
+    runs = 0
+    ended = asyncio.Event()
+
+    async def loop() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise TimeoutError("the server is away")
+        if runs == 2:
+            raise KeyError("a bug")
+        ended.set()
+
+    task = owner.keep(loop, "loop", expected=lambda exc: isinstance(exc, TimeoutError))
+    await ended.wait()
+    await task
+    assert (runs, owner.restarts, owner.failures) == (3, 2, 1)
+    records = [r for r in caplog.records if r.name == "reach.background"]
+    assert [(r.levelno, r.exc_info is not None and r.exc_info[0] is not None) for r in records] == [
+        (logging.WARNING, False),
+        (logging.ERROR, True),
+    ]
+    assert "loop stopped (the server is away); restarting in" in records[0].getMessage()
