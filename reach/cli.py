@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import nats.errors
@@ -288,8 +288,16 @@ async def _demo(args: argparse.Namespace, settings: ReachSettings) -> int:
     return code
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage is one line that names the problem and where help is (exit status 2, as
+    argparse's), not the usage block before it; subcommands' parsers are of this class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reach", description="Agent-Reach over NATS")
+    parser = _Parser(prog="reach", description="Agent-Reach over NATS")
     parser.add_argument(
         "--config",
         dest="settings_file",

@@ -105,3 +105,17 @@ def test_reach_up_port_0_is_any_free_port_as_on_the_gateway(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--port", "70000"])
     assert "70000 is not a port" in capsys.readouterr().err
+
+
+def test_bad_usage_is_one_line_naming_the_problem_and_the_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["up", "--port", "70000"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "reach up: error: argument --port: 70000 is not a port (1-65535, or 0 for any)"
+        " (see reach up --help)"
+    ]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["nosuch"])
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("reach: error: argument command: invalid choice: 'nosuch'")
