@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -18,7 +19,6 @@ from typing import Any, Self
 
 import msgspec
 from nats.aio.client import Client as NatsConnection
-from nats.js.kv import KeyValue
 
 from .._codec import now_ms
 from .._inbox import Inbox, Reply
@@ -39,7 +39,7 @@ from .._tasks import (
 from .._tasks import schedules as periodic
 from .._tasks.admin import DeadLetter
 from .._tasks.delayed import due_of
-from .._tasks.faults import task_errors
+from .._tasks.faults import patiently, task_errors
 from .._telemetry.core import Telemetry
 from .._topics import DurableTopics, Since
 from ..errors import (
@@ -873,13 +873,24 @@ class Client:
 
     # -- routing configuration: writes to the config bucket every client follows ---------
 
-    async def _config_bucket(self) -> KeyValue:
-        return await config_bucket(
-            self.nc.jetstream(),
-            self.subjects.bucket("config"),
-            create=True,
-            replicas=self.settings.replicas,
-        )
+    async def _config_put(self, key: str, value: bytes) -> None:
+        """One write to the config bucket (made when missing), tried again while JetStream
+        cannot answer yet (in a cluster a bucket just made has no stream leader for a moment)
+        for ``task_patience``; every failure is a ``ReachError``."""
+        what = f"config {key}"
+
+        async def put() -> None:
+            kv = await config_bucket(
+                self.nc.jetstream(),
+                self.subjects.bucket("config"),
+                create=True,
+                replicas=self.settings.replicas,
+            )
+            await kv.put(key, value)
+
+        with task_errors(what, store="config bucket"):
+            until = time.monotonic() + self.settings.task_patience
+            await patiently(self.nc, what, put, until=until)
 
     async def set_routing_weights(
         self,
@@ -891,13 +902,11 @@ class Client:
     ) -> None:
         """Change the ``scored`` weights of a capability for every client, no restart."""
         validate_capability(capability)
-        kv = await self._config_bucket()
         body = {"w_load": w_load, "w_latency": w_latency, "threshold": threshold}
-        await kv.put(f"weights.{capability}", msgspec.json.encode(body))
+        await self._config_put(f"weights.{capability}", msgspec.json.encode(body))
 
     async def set_task_type(self, task_type: str, capability: str) -> None:
         """Let callers ask for ``task_type``; it is served by ``capability``."""
         validate_capability(task_type)
         validate_capability(capability)
-        kv = await self._config_bucket()
-        await kv.put(f"task.{task_type}", capability.encode())
+        await self._config_put(f"task.{task_type}", capability.encode())

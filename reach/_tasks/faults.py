@@ -29,7 +29,7 @@ _FIRST_PAUSE, _LONGEST_PAUSE = 0.2, 2.0
 
 
 @contextmanager
-def task_errors(what: str) -> Iterator[None]:
+def task_errors(what: str, *, store: str = "task store") -> Iterator[None]:
     """Translate for ``what`` (e.g. "task abc", "list tasks"): the server out of reach
     (or slow, or the connection closed) is ``ConnectionFailed``, a request it refused
     (400) ``ConfigurationError`` with its reason, a stored record or dead
@@ -43,7 +43,7 @@ def task_errors(what: str) -> Iterator[None]:
         raise ConfigurationError(f"{what}: the server refused it: {exc.description}") from exc
     except TRANSIENT as exc:
         raise ConnectionFailed(
-            f"{what}: the task store is out of reach ({type(exc).__name__}: {exc})"
+            f"{what}: the {store} is out of reach ({type(exc).__name__}: {exc})"
         ) from exc
     except msgspec.DecodeError as exc:
         raise ReachError(f"{what}: stored data does not decode ({exc})") from exc

@@ -9,7 +9,7 @@ import pytest
 
 import reach
 from reach import Agent, Client, Context, Registry, Status
-from reach.testing import eventually
+from reach.testing import NatsServer, eventually
 from tests.integration.test_registry import fast_settings, wait_status
 
 
@@ -356,3 +356,16 @@ async def test_a_hedge_that_fails_is_recorded_against_the_instance_that_answered
             with pytest.raises(reach.RemoteError) as info:
                 await call
     assert [a.agent_id for a in info.value.attempts] == [hedge]
+
+
+async def test_config_writes_wait_out_jetstream_then_fail_with_one_reach_error():
+    """A config write tried while JetStream cannot answer (here: off; in a cluster: a
+    bucket just made, its leader not yet elected) is tried again for ``task_patience``,
+    then ends as ``ConnectionFailed`` naming JetStream, never as a raw nats-py error."""
+    async with NatsServer(jetstream=False) as server:
+        settings = reach.ReachSettings(nats_url=server.url, task_patience=0.5)
+        async with Client(settings=settings) as admin:
+            with pytest.raises(reach.ConnectionFailed, match="JetStream did not answer"):
+                await asyncio.wait_for(admin.set_task_type("refund-request", "work.do"), 10)
+            with pytest.raises(reach.ConnectionFailed, match="JetStream did not answer"):
+                await asyncio.wait_for(admin.set_routing_weights("work.do", threshold=0.5), 10)
