@@ -75,7 +75,7 @@ class Requester:
         name: str,
         router: Router,
         inbox: Inbox,
-        start_table: Callable[[], Awaitable[TableView]],
+        start_table: Callable[[str], Awaitable[TableView]],
         routing: Policy,
         metrics: ClientMetrics | None = None,
         tracer: Tracer | None = None,
@@ -91,7 +91,8 @@ class Requester:
         self.retry_base = settings.retry_base
         self.retry_cap = settings.retry_cap
         self.default_timeout = settings.timeout_ms / 1000
-        #: None until the first routed request starts the table (then awaited once).
+        #: None until the first routed request starts the table; each capability is
+        #: followed from its first call on (``TableView.follows``).
         self.table: TableView | None = None
         self._start_table = start_table
         self.cancelled = 0  # attempts cut short: hedge losers, caller timeouts, gathers
@@ -149,7 +150,7 @@ class Requester:
         table = None
         if agent_id is None:
             table = self.table
-            if table is None:
+            if table is None or not table.follows(router.resolve(capability)):
                 wanted = self.routing if routing is None else routing
                 table = await self.first_table(
                     capability,
@@ -250,12 +251,13 @@ class Requester:
     async def first_table(
         self, capability: str, wait: float, needed_by: str | None
     ) -> TableView | None:
-        """The routing table, started on first use within half the caller's deadline;
-        None if it is not ready by then (its start goes on for later calls), unless
+        """The routing table following ``capability``, started on first use within half
+        the caller's deadline; None if it is not ready by then (its start goes on for later
+        calls), unless
         ``needed_by`` says what cannot do without it: then ``RequestTimeout``."""
         try:
             async with asyncio.timeout(wait / 2) as limit:
-                return await self._start_table()
+                return await self._start_table(capability)
         except TimeoutError:
             if not limit.expired():
                 raise  # the start's own failure, not our limit

@@ -197,10 +197,17 @@ class Client:
         self._inbox.reconnected()
         self._watches.rebuild_soon()
 
-    async def _start_table(self) -> RoutingTable:
-        """Start following the registry's bucket on first use (once; callers share it)."""
+    async def _start_table(self, capability: str | None = None) -> RoutingTable:
+        """Follow ``capability``'s instances (None: every agent) from now on, and the
+        config, once; concurrent callers share each start."""
         nc = self.nc  # NotStarted before connect
         await self._watches.ensure(nc)
+        if capability is None:
+            await self._watches.follow_all(nc)
+        else:
+            capability = self._router.resolve(capability)
+            validate_capability(capability)
+            await self._watches.follow(nc, capability)
         if self._nc is not nc:
             # closed (and maybe reconnected) meanwhile: a table set now would skip the next
             # connection's start, and its watches would never run
@@ -211,8 +218,10 @@ class Client:
     # -- reading the table -------------------------------------------------------------
 
     async def agents(self, capability: str | None = None) -> list[AgentRecord]:
-        """The routing table: every known instance (of ``capability``), by agent id."""
-        table = await self._start_table()
+        """The routing table: every known instance (of ``capability``), by agent id.
+        Without a capability the client follows the whole fleet from then on (as the
+        gateway and ``reach status`` do); otherwise only the capabilities it asked about."""
+        table = await self._start_table(capability)
         records = table.offering(capability) if capability else list(table.records.values())
         return sorted(records, key=lambda r: r.info.agent_id)
 
@@ -242,7 +251,7 @@ class Client:
 
         Raises ``CapabilityNotFound`` when instances exist but none fits, like a request.
         """
-        table = await self._start_table()
+        table = await self._start_table(capability)
         capability = self._router.resolve(capability)
         return self._router.choose(
             Policy(routing or self.routing),

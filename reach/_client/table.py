@@ -1,7 +1,12 @@
-"""A client's live copy of the registry: the ``reach_agents`` bucket, fed by a BucketMirror.
+"""A client's live copy of the registry, fed by BucketMirrors.
 
-The table is only a ``MirrorSink``: the mirror (``reach._kv``) owns the watch, its
-watchdog and rebuilds. The table decodes records, indexes them by capability, tells the
+Two ways to follow, one table. A client that only calls follows each capability it calls,
+from its first call on: a mirror of ``reach_routes`` filtered to ``<capability>.*`` feeds
+a ``CapabilityView`` (so its cost depends on the capabilities it calls, not on the fleet).
+A client that reads the whole fleet (``agents()`` without a capability, ``changes()``, the
+gateway, MCP) follows everything: one mirror of ``reach_agents`` feeds the table itself,
+and the views stop. Either way the mirrors (``reach._kv``) own the watches, their
+watchdogs and rebuilds; the table decodes records, indexes them by capability, tells the
 router when an instance leaves (so per-instance state goes with it) and feeds the bounded
 queues of ``Client.changes()`` listeners.
 """
@@ -19,7 +24,7 @@ from .._kv import KvEntry
 from .._routing import eligible, in_range
 from ..wire import PROBE_NO_RESPONDERS, AgentRecord, Priority, Status
 
-__all__ = ["LISTEN_LIMIT", "RoutingTable"]
+__all__ = ["LISTEN_LIMIT", "CapabilityView", "RoutingTable"]
 
 log = logging.getLogger("reach.table")
 
@@ -64,11 +69,23 @@ class RoutingTable:
         self._gen = 0
         self._cap_gen: dict[str, int] = {}
         self._eligible: dict[tuple[Any, ...], tuple[int, list[str]]] = {}
+        #: following every agent (``reach_agents``), or only ``_views``' capabilities
+        self.whole = False
+        self._views: dict[str, set[str]] = {}  # followed capability -> the ids its index holds
         self.dropped = 0  # changes dropped because a listener fell behind
         self.clamped = 0  # records whose heartbeat numbers were out of range
         self.undecodable = 0  # records that could not be decoded or name another key (ignored)
 
     # -- reading -----------------------------------------------------------------------
+
+    def follows(self, capability: str) -> bool:
+        """Whether the table holds ``capability``'s instances (or is following them)."""
+        return self.whole or capability in self._views
+
+    @property
+    def followed(self) -> int:
+        """Capabilities followed one by one (0 when following everything)."""
+        return len(self._views)
 
     def offers(self, capability: str) -> bool:
         """Does any known instance (in any status) offer it? O(1), for the request path."""
@@ -114,13 +131,21 @@ class RoutingTable:
         return {
             "table.records": len(self.records),
             "table.capabilities": len(self._by_cap),
+            "table.followed": len(self._views),
             "table.generations": len(self._cap_gen),
             "table.eligible_cache": len(self._eligible),
             "table.listeners": len(self._listeners),
             "table.queued": max((q.qsize() for q in self._listeners), default=0),
         }
 
-    # -- the mirror's sink -------------------------------------------------------------
+    # -- following the whole fleet: the ``reach_agents`` mirror's sink ---------------------
+
+    def follow_all(self) -> None:
+        """From now on the whole-bucket mirror feeds the table; the views' feeds are
+        ignored (their mirrors are being stopped), and its first snapshot reconciles what
+        they held."""
+        self.whole = True
+        self._views.clear()
 
     def replace(self, snapshot: dict[str, KvEntry]) -> None:
         """A fresh snapshot after a (re)build: reconcile, telling who left."""
@@ -141,6 +166,59 @@ class RoutingTable:
         if record is None and entry.value is not None:
             return  # undecodable: keep what we had
         self._set(key, record)
+
+    # -- following one capability: a ``CapabilityView``'s feed ----------------------------
+
+    def view(self, capability: str) -> CapabilityView:
+        """The sink of a mirror of ``capability``'s routes; followed from now on."""
+        self._views.setdefault(capability, set())
+        return CapabilityView(self, capability)
+
+    def replace_view(self, capability: str, snapshot: dict[str, KvEntry]) -> None:
+        """A fresh snapshot of one capability's routes (keys: agent ids)."""
+        held = self._views.get(capability)
+        if self.whole or held is None:
+            return
+        decoded: dict[str, AgentRecord] = {}
+        for agent_id, entry in snapshot.items():
+            record = self._decode(agent_id, entry)
+            if record is None and entry.value is not None:
+                record = self.records.get(agent_id)  # undecodable: keep what we had
+            if record is not None:
+                decoded[agent_id] = record
+        for agent_id in [i for i in held if i not in decoded]:
+            self._leave_view(capability, agent_id)
+        for agent_id, record in decoded.items():
+            held.add(agent_id)
+            self._set(agent_id, record)
+
+    def update_view(self, capability: str, agent_id: str, entry: KvEntry) -> None:
+        held = self._views.get(capability)
+        if self.whole or held is None:
+            return
+        record = self._decode(agent_id, entry)
+        if record is None:
+            if entry.value is None:
+                self._leave_view(capability, agent_id)
+            return  # undecodable: keep what we had
+        held.add(agent_id)
+        self._set(agent_id, record)
+
+    def _leave_view(self, capability: str, agent_id: str) -> None:
+        """``agent_id`` left one capability's routes: it leaves the table unless another
+        followed capability still holds it (then only that capability no longer lists
+        it; its record there says what it still serves)."""
+        self._views[capability].discard(agent_id)
+        if any(agent_id in held for held in self._views.values()):
+            ids = self._by_cap.get(capability)
+            if ids is not None and agent_id in ids:
+                ids.discard(agent_id)
+                self._gen += 1
+                self._cap_gen[capability] = self._gen
+                if not ids:
+                    self._drop_capability(capability)
+            return
+        self._set(agent_id, None)
 
     def _decode(self, key: str, entry: KvEntry) -> AgentRecord | None:
         if entry.value is None:
@@ -211,6 +289,25 @@ class RoutingTable:
                 q.get_nowait()  # the oldest goes: a slow listener cannot grow without end
                 self.dropped += 1
             q.put_nowait(change)
+
+
+class CapabilityView:
+    """The sink of one capability's routes mirror: keys ``<capability>.<agent id>`` become
+    agent ids, and the records go to the table's view of that capability."""
+
+    __slots__ = ("_cut", "_table", "capability")
+
+    def __init__(self, table: RoutingTable, capability: str) -> None:
+        self._table = table
+        self.capability = capability
+        self._cut = len(capability) + 1
+
+    def replace(self, snapshot: dict[str, KvEntry]) -> None:
+        cut = self._cut
+        self._table.replace_view(self.capability, {k[cut:]: e for k, e in snapshot.items()})
+
+    def update(self, key: str, entry: KvEntry) -> None:
+        self._table.update_view(self.capability, key[self._cut :], entry)
 
 
 def _shape(record: AgentRecord) -> tuple[Any, ...]:

@@ -1,15 +1,20 @@
-"""A client's background work: the routing-table and config watches, both
-``reach._kv.BucketMirror``s, and every coroutine they run, held by one ``Background``.
+"""A client's background work: the config watch and the routing table's watches (one per
+capability called, or one of the whole fleet), all ``reach._kv.BucketMirror``s, and every
+coroutine they run, held by one ``Background``.
 
-Started once, on first use (an agent that never calls anything never watches), by a single
-flight that concurrent callers share; closed (cancelled and awaited) by ``Client.close``.
+Each starts on first use (an agent that never calls anything never watches) by a single
+flight that concurrent callers share; all are closed (cancelled and awaited) by
+``Client.close``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
+import nats.js.errors
 from nats.aio.client import Client as NatsConnection
+from nats.js.kv import KeyValue
 
 from .. import _kv
 from .._background import Background
@@ -19,10 +24,13 @@ from ..settings import ReachSettings
 from .config import ConfigSink, config_bucket
 from .table import RoutingTable
 
-__all__ = ["CLOSE_TIMEOUT", "Watches"]
+__all__ = ["CLOSE_TIMEOUT", "MAX_FOLLOWED", "Watches"]
 
 #: seconds a client's close waits for its background coroutines to end once cancelled
 CLOSE_TIMEOUT = 5.0
+#: capabilities a client follows one by one; calling more follows the whole fleet instead
+#: (one watch, not a watch per capability, for a client that calls everything)
+MAX_FOLLOWED = 64
 
 
 class Watches:
@@ -42,14 +50,41 @@ class Watches:
         self._subjects = subjects
         self._table = table
         self._config = config
-        self.mirrors: list[_kv.BucketMirror] = []
-        self._start: asyncio.Task[None] | None = None
+        self._config_mirror: _kv.BucketMirror | None = None
+        self._whole: _kv.BucketMirror | None = None
+        self._views: dict[str, _kv.BucketMirror] = {}
+        self._starts: dict[str | None, asyncio.Task[None]] = {}  # "" config, None whole
+
+    @property
+    def mirrors(self) -> list[_kv.BucketMirror]:
+        table = [self._whole] if self._whole is not None else list(self._views.values())
+        config = [self._config_mirror] if self._config_mirror is not None else []
+        return [*table, *config]
 
     async def ensure(self, nc: NatsConnection) -> None:
-        """Start both watches unless started; every caller waits for the one start."""
-        start = self._start
+        """Start the config watch unless started; every caller waits for the one start."""
+        await self._once("", nc)
+
+    async def follow(self, nc: NatsConnection, capability: str) -> None:
+        """Follow ``capability``'s instances from now on (the whole fleet past
+        ``MAX_FOLLOWED`` capabilities)."""
+        if self._table.whole or (
+            capability not in self._views and len(self._views) >= MAX_FOLLOWED
+        ):
+            await self._once(None, nc)
+        else:
+            await self._once(capability, nc)
+
+    async def follow_all(self, nc: NatsConnection) -> None:
+        """Follow every agent from now on (the one-capability watches stop)."""
+        await self._once(None, nc)
+
+    async def _once(self, what: str | None, nc: NatsConnection) -> None:
+        start = self._starts.get(what)
         if start is None:
-            start = self._start = self.owner.spawn(self._run(nc), "watches start")
+            if self.owner.closed:
+                raise NotStarted("client closed while it started routing")
+            start = self._starts[what] = self.owner.spawn(self._start(what, nc), f"watch {what}")
         try:
             await asyncio.shield(start)  # a caller's timeout does not abandon it for others
         except asyncio.CancelledError:
@@ -58,44 +93,89 @@ class Watches:
                 raise NotStarted("client closed while it started routing") from None
             raise
         except Exception:
-            if self._start is start:
-                self._start = None  # the next caller tries again
+            if self._starts.get(what) is start:
+                del self._starts[what]  # the next caller tries again
             raise
 
-    async def _run(self, nc: NatsConnection) -> None:
+    def _mirror(
+        self,
+        bind: Callable[[], Awaitable[KeyValue]],
+        sink: _kv.MirrorSink,
+        name: str,
+        nc: NatsConnection,
+        keys: str = ">",
+        last_of: Callable[[str], Awaitable[int | None]] | None = None,
+    ) -> _kv.BucketMirror:
+        return _kv.BucketMirror(
+            bind,
+            sink,
+            self.owner,
+            name=name,
+            # Config and a quiet capability are silent by nature; the watchdog rebuilds
+            # only when the watch is stale or its keys moved while it stayed silent.
+            silence_limit=max(3 * self._settings.heartbeat_interval, 1.0),
+            rebuild_timeout=self._settings.connect_timeout,
+            connected=lambda: nc.is_connected,
+            keys=keys,
+            last_of=last_of,
+        )
+
+    async def _start(self, what: str | None, nc: NatsConnection) -> None:
         js = nc.jetstream()
         timeout = self._settings.connect_timeout
-        agents, config = self._subjects.bucket("agents"), self._subjects.bucket("config")
-        table = _kv.BucketMirror(
-            lambda: _kv.agents_bucket(js, agents, create=False),
-            self._table,
-            self.owner,
-            name=f"routing table {agents}",
-            silence_limit=max(3 * self._settings.heartbeat_interval, 1.0),
-            rebuild_timeout=timeout,
-            connected=lambda: nc.is_connected,
+        if what == "":
+            bucket = self._subjects.bucket("config")
+            mirror = self._mirror(
+                lambda: config_bucket(js, bucket, create=False),
+                self._config,
+                f"config {bucket}",
+                nc,
+            )
+            await self._started(mirror, timeout)
+            self._config_mirror = mirror
+            return
+        if what is None:
+            bucket = self._subjects.bucket("agents")
+            mirror = self._mirror(
+                lambda: _kv.agents_bucket(js, bucket, create=False),
+                self._table,
+                f"routing table {bucket}",
+                nc,
+            )
+            self._table.follow_all()
+            self._whole = mirror
+            views, self._views = self._views, {}
+            await self._started(mirror, timeout)
+            for view in views.values():
+                await view.stop(self.close_timeout)
+            return
+        bucket = self._subjects.bucket("routes")
+
+        async def last_of(subject: str) -> int | None:
+            try:
+                msg = await js.get_last_msg(f"KV_{bucket}", subject)
+            except nats.js.errors.NotFoundError:
+                return 0
+            return int(msg.seq or 0)
+
+        mirror = self._mirror(
+            lambda: _kv.routes_bucket(js, bucket, create=False),
+            self._table.view(what),
+            f"routes of {what}",
+            nc,
+            keys=f"{what}.*",
+            last_of=last_of,
         )
-        watch = _kv.BucketMirror(
-            lambda: config_bucket(js, config, create=False),
-            self._config,
-            self.owner,
-            name=f"config {config}",
-            # Config is silent by nature; the watchdog rebuilds only when the watch is
-            # stale or the bucket moved while it stayed silent, so silence costs nothing.
-            silence_limit=max(3 * self._settings.heartbeat_interval, 1.0),
-            rebuild_timeout=timeout,
-            connected=lambda: nc.is_connected,
-        )
-        self.mirrors = [table, watch]
-        # No bucket yet means no registry (or no config) yet: requests use the queue group
-        # and the watchdog keeps looking. Routing on a stale table beats failing requests.
+        self._views[what] = mirror
+        await self._started(mirror, timeout)
+
+    async def _started(self, mirror: _kv.BucketMirror, timeout: float) -> None:
+        """No bucket yet means no registry (or no config) yet: requests use the queue
+        group and the watchdog keeps looking. Routing on a stale table beats failing."""
         try:
-            await table.start(timeout)
-            await watch.start(timeout)
+            await mirror.start(timeout)
         except BaseException:
-            self.mirrors = []  # the next caller starts afresh; leave nothing of this try
-            for mirror in (table, watch):
-                await mirror.stop()
+            await mirror.stop()  # leave nothing of this try
             raise
 
     def rebuild_soon(self) -> None:
@@ -105,7 +185,9 @@ class Watches:
 
     @property
     def rebuilds(self) -> int:
-        return self.mirrors[0].rebuilds if self.mirrors else 0
+        """Rebuilds of the routing table's watches."""
+        table = [self._whole] if self._whole is not None else list(self._views.values())
+        return sum(m.rebuilds for m in table)
 
     @property
     def errors(self) -> int:
@@ -116,7 +198,9 @@ class Watches:
         nats-py swallowed), cancel and await every task (a rebuild cut short cleans up its
         own watcher), then stop the watchers that were running. Each wait is bounded by
         ``close_timeout``: what does not end is logged by name and left behind."""
-        mirrors, self.mirrors, self._start = self.mirrors, [], None
+        mirrors = self.mirrors
+        self._config_mirror = self._whole = None
+        self._views, self._starts = {}, {}
         for mirror in mirrors:
             mirror.halt()
         await self.owner.close(self.close_timeout)

@@ -2,12 +2,13 @@
 the server's error codes by name), binding buckets (``buckets``) and the one bucket mirror
 (``mirror``) that the routing table, the registry and the config watch all follow."""
 
-from .buckets import agents_bucket, bind_bucket, check_replicas
+from .buckets import agents_bucket, bind_bucket, check_replicas, routes_bucket
 from .cas import (
     CONFLICT_CODES,
     KV_OP,
     MARKER_REASON,
     MARKER_TTL,
+    TTL,
     Conflict,
     GetLast,
     JsErrorCode,
@@ -16,6 +17,7 @@ from .cas import (
     conflicts,
     delete,
     latest,
+    ttl_header,
     write,
 )
 from .mirror import BucketMirror, KvEntry, MirrorSink
@@ -25,6 +27,7 @@ __all__ = [
     "KV_OP",
     "MARKER_REASON",
     "MARKER_TTL",
+    "TTL",
     "BucketMirror",
     "Conflict",
     "GetLast",
@@ -39,5 +42,7 @@ __all__ = [
     "conflicts",
     "delete",
     "latest",
+    "routes_bucket",
+    "ttl_header",
     "write",
 ]

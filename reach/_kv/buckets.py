@@ -14,7 +14,7 @@ from nats.js.kv import KeyValue
 from .._nats import TRANSIENT
 from .cas import MARKER_TTL
 
-__all__ = ["agents_bucket", "bind_bucket", "check_replicas"]
+__all__ = ["agents_bucket", "bind_bucket", "check_replicas", "routes_bucket"]
 
 log = logging.getLogger("reach.kv")
 
@@ -63,16 +63,34 @@ async def bind_bucket(js: JetStreamContext, config: KeyValueConfig, *, create: b
     return await js.key_value(config.bucket)  # a concurrent writer created it first
 
 
-async def agents_bucket(
-    js: JetStreamContext, bucket: str, *, create: bool, replicas: int = 1
-) -> KeyValue:
-    """The leases bucket: memory storage, history 1, expiry markers on, ``replicas`` copies."""
-    config = KeyValueConfig(
+def _leases(bucket: str, replicas: int, description: str) -> KeyValueConfig:
+    """Soft state with per-key TTLs: memory storage, history 1, expiry markers on."""
+    return KeyValueConfig(
         bucket=bucket,
         history=1,
         storage=StorageType.MEMORY,
         replicas=replicas,
         limit_marker_ttl=MARKER_TTL,
-        description="Agent-Reach leases: one record per agent, TTL renewed by heartbeats",
+        description=description,
+    )
+
+
+async def agents_bucket(
+    js: JetStreamContext, bucket: str, *, create: bool, replicas: int = 1
+) -> KeyValue:
+    """The leases bucket: one record per agent (key: its id), ``replicas`` copies."""
+    config = _leases(
+        bucket, replicas, "Agent-Reach leases: one record per agent, TTL renewed by heartbeats"
+    )
+    return await bind_bucket(js, config, create=create)
+
+
+async def routes_bucket(
+    js: JetStreamContext, bucket: str, *, create: bool, replicas: int = 1
+) -> KeyValue:
+    """The leases again, by capability (key ``<capability>.<agent id>``, one per capability
+    an agent serves): what lets a client follow only the capabilities it calls."""
+    config = _leases(
+        bucket, replicas, "Agent-Reach routes: each lease under every capability it serves"
     )
     return await bind_bucket(js, config, create=create)

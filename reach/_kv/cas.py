@@ -27,6 +27,7 @@ __all__ = [
     "KV_OP",
     "MARKER_REASON",
     "MARKER_TTL",
+    "TTL",
     "Conflict",
     "GetLast",
     "JsErrorCode",

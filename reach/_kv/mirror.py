@@ -58,8 +58,16 @@ class BucketMirror:
         silence_limit: float | None = None,
         rebuild_timeout: float = 5.0,
         connected: Callable[[], bool] = lambda: True,
+        keys: str = ">",
+        last_of: Callable[[str], Awaitable[int | None]] | None = None,
     ) -> None:
+        """``keys``: follow only the keys that match (a KV key pattern); then ``last_of``
+        (given the pattern's subject, the newest sequence on it, or None) tells the
+        watchdog whether they moved while the watch was silent: the stream's own last
+        sequence moves with every other key too."""
         self._bind = bind
+        self.keys = keys
+        self._last_of = last_of
         self._sink = sink
         self._owner = owner
         self.name = name
@@ -173,7 +181,11 @@ class BucketMirror:
         subscription; the task finishes instead, and a watcher that arrives late is
         stopped."""
         threshold = max(30.0, 2 * (self.silence_limit or 15.0))
-        opening = asyncio.ensure_future(kv.watchall(inactive_threshold=threshold))
+        opening = asyncio.ensure_future(
+            kv.watchall(inactive_threshold=threshold)
+            if self.keys == ">"
+            else kv.watch(self.keys, inactive_threshold=threshold)
+        )
         try:
             return await asyncio.shield(opening)
         except BaseException:
@@ -267,6 +279,8 @@ class BucketMirror:
             return None
         try:
             status = await kv.status()
+            if self._last_of is not None and self.keys != ">":
+                return await self._last_of(f"$KV.{status.bucket}.{self.keys}")
         except TRANSIENT as exc:
             log.debug("%s: bucket status unavailable: %s", self.name, exc)
             return None

@@ -95,6 +95,7 @@ class Registry:
             subjects=self.subjects,
             registry_id=self.registry_id,
             bucket=self.bucket_name,
+            routes=self.subjects.bucket("routes"),
             stats=stats,
             entries=Entries(stats),
             throttle=Throttle(),
@@ -349,10 +350,11 @@ class Registry:
         return nc is not None and nc.is_connected and not (self._mirror and self._mirror.stale)
 
     async def _bind(self) -> KeyValue:
-        # The bucket lives in memory: after a server restart it may have to be created again.
-        return await _kv.agents_bucket(
-            self._core.jsc(), self.bucket_name, create=True, replicas=self.settings.replicas
-        )
+        # The buckets live in memory: after a server restart they may have to be created
+        # again (the mirror binds again on every rebuild).
+        js, replicas = self._core.jsc(), self.settings.replicas
+        await _kv.routes_bucket(js, self._core.routes, create=True, replicas=replicas)
+        return await _kv.agents_bucket(js, self.bucket_name, create=True, replicas=replicas)
 
     def _unavailable(self, exc: BaseException) -> str:
         cause = type(exc).__name__

@@ -232,6 +232,8 @@ class Core:
     subjects: Subjects
     registry_id: str
     bucket: str
+    #: the leases again under ``<capability>.<agent id>`` keys (``RecordWriter.index``)
+    routes: str
     stats: RegistryStats
     entries: Entries
     throttle: Throttle

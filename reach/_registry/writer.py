@@ -72,6 +72,7 @@ class RecordWriter:
             core.publisher(), core.bucket, agent_id, value, last=last, ttl=ttl, limit=limit
         )
         core.entries.stored(agent_id, rev, record, prior)
+        await self.index(agent_id, value, record, prior.record if prior is not None else None, ttl)
         return rev
 
     async def update(self, agent_id: str, change: Change) -> Updated:
@@ -107,6 +108,44 @@ class RecordWriter:
             core.publisher(), core.bucket, agent_id, last=last, ttl=_kv.MARKER_TTL
         )
         core.entries.stored(agent_id, rev, None, prior)
+        await self.index(agent_id, b"", None, prior.record if prior is not None else None, 0.0)
+
+    async def index(
+        self,
+        agent_id: str,
+        value: bytes,
+        record: AgentRecord | None,
+        before: AgentRecord | None,
+        ttl: float,
+    ) -> None:
+        """Copy a lease write into the routes bucket: the same value, with the same TTL,
+        under ``<capability>.<agent id>`` for each capability it serves, and a delete for
+        each capability the record before it served and this one does not (``record``
+        None: the lease was deleted). A client then follows one capability with a watch
+        filtered to ``<capability>.*``.
+
+        The copies are plain publishes, not awaited: the lease write before them was the
+        acked compare-and-set, and waiting for a second ack per capability would double a
+        registry's cost per heartbeat. A copy lost with the connection is counted
+        (``routes_unsent``) and mended by the agent's next write, within one renewal; one
+        that expires, expires with its lease."""
+        core = self.core
+        now = {c.name for c in record.info.capabilities} if record is not None else set()
+        gone = {c.name for c in before.info.capabilities} - now if before is not None else set()
+        if not now and not gone:
+            return
+        nc = core.conn()
+        put = {_kv.TTL: _kv.ttl_header(ttl)}
+        drop = {_kv.KV_OP: "DEL", _kv.TTL: _kv.ttl_header(_kv.MARKER_TTL)}
+        base = f"$KV.{core.routes}."
+        try:
+            for name in now:
+                await nc.publish(f"{base}{name}.{agent_id}", value, headers=put)
+            for name in gone:
+                await nc.publish(f"{base}{name}.{agent_id}", b"", headers=drop)
+        except TRANSIENT as exc:
+            core.stats.routes_unsent += 1
+            log.debug("registry: routes of %s not written: %s", agent_id, exc)
 
     async def exists(self, agent_id: str) -> bool:
         """Whether the key holds a value now (read from the stream, not from our view)."""

@@ -229,6 +229,7 @@ async def test_a_close_while_routing_starts_leaves_the_next_connection_a_live_ta
             await kv.put("g-1", record("g-1"))
             with pytest.raises(ReachError, match="ghost"):
                 await client.request("ghost.do", {}, timeout=2, max_attempts=1)
+            assert [r.info.agent_id for r in await client.agents()] == ["g-1"]  # the fleet
             await kv.put("g-2", record("g-2"))
             await eventually(lambda: client.footprint()["table.records"] == 2)
 

@@ -1,0 +1,107 @@
+"""Clients follow only what they call: the registry copies each lease into ``reach_routes``
+under ``<capability>.<agent id>``, and a client watches one capability's keys from its
+first call on, or the whole fleet once it asks for it."""
+
+import nats.js.errors
+import pytest
+
+from reach import Agent, Client, Registry
+from reach._client import watches
+from reach.testing import eventually
+
+from .registry_wire import fast_settings
+
+
+@pytest.fixture
+def settings(nats_server):
+    return fast_settings(nats_server.url)
+
+
+def serving(settings, agent_id: str, *capabilities: str) -> Agent:
+    agent = Agent("multi", agent_id, settings=settings)
+
+    async def answer(q: dict) -> dict:
+        return {"by": agent_id}
+
+    for name in capabilities:
+        agent.capability(name)(answer)
+    return agent
+
+
+async def route_keys(client: Client) -> set[str]:
+    kv = await client.nc.jetstream().key_value(client.subjects.bucket("routes"))
+    try:
+        return set(await kv.keys())
+    except nats.js.errors.NoKeysError:
+        return set()
+
+
+def keys_are(client: Client, check):
+    async def holds() -> bool:
+        return check(await route_keys(client))
+
+    return holds
+
+
+def held(client: Client) -> tuple[int, int]:
+    footprint = client.footprint()
+    return footprint["table.records"], footprint["table.followed"]
+
+
+async def test_each_lease_is_copied_under_every_capability_it_serves(settings):
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with serving(settings, "m-1", "x.a", "x.b"), serving(settings, "m-2", "x.b"):
+            want = {"x.a.m-1", "x.b.m-1", "x.b.m-2"}
+            await eventually(keys_are(client, lambda keys: keys == want))
+        # deregistered: the copies go with the leases
+        await eventually(keys_are(client, lambda keys: keys == set()))
+
+
+async def test_a_client_holds_the_capabilities_it_called_and_the_whole_fleet_on_demand(
+    settings,
+):
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with (
+            serving(settings, "m-1", "x.a", "x.b"),
+            serving(settings, "m-2", "x.b"),
+            serving(settings, "m-3", "x.c"),
+        ):
+            await eventually(keys_are(client, lambda keys: len(keys) == 4))
+            assert (await client.request("x.a", {}))["by"] == "m-1"
+            assert held(client) == (1, 1)  # m-1 only: nothing of x.b's m-2 or x.c's m-3
+            assert {(await client.request("x.b", {}))["by"] for _ in range(8)} <= {"m-1", "m-2"}
+            await eventually(lambda: held(client) == (2, 2))
+            assert [r.info.agent_id for r in await client.agents("x.c")] == ["m-3"]
+            assert held(client) == (3, 3)
+            ids = [r.info.agent_id for r in await client.agents()]  # the whole fleet, kept
+            assert ids == ["m-1", "m-2", "m-3"]
+            assert held(client) == (3, 0)
+            assert (await client.request("x.a", {}))["by"] == "m-1"
+        await eventually(lambda: held(client) == (0, 0))  # gone from the whole table too
+
+
+async def test_an_agent_that_leaves_one_followed_capability_stays_for_another(settings):
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with serving(settings, "m-1", "x.a", "x.b"):
+            async with serving(settings, "m-2", "x.a"):
+                await client.request("x.a", {})
+                await client.request("x.b", {})
+                await eventually(lambda: held(client) == (2, 2))
+            await eventually(lambda: held(client) == (1, 2))  # m-2 left x.a, and the table
+            assert [r.info.agent_id for r in await client.agents("x.a")] == ["m-1"]
+            assert [r.info.agent_id for r in await client.agents("x.b")] == ["m-1"]
+
+
+async def test_past_the_limit_of_capabilities_a_client_follows_the_whole_fleet(
+    settings, monkeypatch
+):
+    monkeypatch.setattr(watches, "MAX_FOLLOWED", 2)
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        async with serving(settings, "m-1", "x.a", "x.b", "x.c"), serving(settings, "m-2", "x.d"):
+            await eventually(keys_are(client, lambda keys: len(keys) == 4))
+            await client.request("x.a", {})
+            await client.request("x.b", {})
+            assert held(client) == (1, 2)
+            await client.request("x.c", {})  # a third: one watch of everything instead
+            assert held(client)[1] == 0
+            await eventually(lambda: held(client) == (2, 0))
