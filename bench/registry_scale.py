@@ -1,29 +1,35 @@
-"""Registry at scale: N simulated agents heartbeating every 5 s against one registry process.
+"""Registry at scale: N simulated agents heartbeating every 5 s against registry processes.
 
 Every party is a process of its own, so each one's CPU and memory are its own:
 
-- the registry (``reach registry``);
+- ``--replicas`` registries (``reach registry``, default 1), all on the same prefix: they
+  share the heartbeats and the API requests through NATS queue groups, and every write
+  is a compare-and-set on the key's revision;
 - ``--sim-procs`` simulators (this script, ``--simulate``), each holding a slice of the
   agents: they register (64 in flight in all), then heartbeat on a uniform schedule with
-  the real wire types, stamping each heartbeat's ``sent_ms``;
+  the real wire types, stamping each heartbeat's ``sent_ms``. Every agent serves
+  ``sim.work``; the first 10 also serve ``sim.rare``;
 - an idle client (this script, ``--idle-client``): a ``reach.Client`` that has picked a
-  route for one capability and then does nothing;
+  route for ``sim.rare`` (10 instances) and then does nothing. What it costs is what
+  following the table costs that client: the whole table, or only the records of the
+  capabilities it calls if the client follows only those;
 - this process, which only orchestrates and observes: its ``reach.Client`` follows the
   routing table, and a heartbeat's lag is its own clock minus the ``sent_ms`` the table
   holds (one host, one clock).
 
-Per size it reports the registry's CPU (share of one core) and RSS, the writes into the
+Per size it reports the registries' CPU (share of one core: the sum over the replicas,
+the busiest replica, and each one in ``--json``) and RSS (the sum), the writes into the
 agents bucket (its stream's last sequence over the window) per second and per heartbeat
 (a registry writes a heartbeat with news or a lease due for renewal, docs/registry.md;
 the simulated agents report a constant load, so past each one's first heartbeat only
 renewals are written: about one heartbeat in ceil(R / 5 s), R = lease/3 - 2.5 s, so
 every one at the default 15 s lease, one in two at ``--lease-ttl 30``),
-the lag p50/p99, the time to register everyone, the time the registry takes to exit on
-SIGTERM (sent 1 s after the last heartbeat; killed, and reported so, after 10 s), and the
-idle client's CPU and RSS.
+the lag p50/p99, the time to register everyone, the time the registries take to exit on
+SIGTERM (sent to all at once, 1 s after the last heartbeat: the slowest replica's; one
+still running after 10 s is killed, and reported so), and the idle client's CPU and RSS.
 
     python bench/registry_scale.py [--agents 1000 10000] [--seconds 15] [--warmup 5]
-                                   [--sim-procs 2] [--lease-ttl 15] [--json]
+                                   [--sim-procs 2] [--replicas 1] [--lease-ttl 15] [--json]
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from reach.wire import AgentInfo, CapabilityInfo, Heartbeat, Registration
 INTERVAL = 5.0  # the default heartbeat interval (the lease: --lease-ttl, default 15 s)
 TICK = 0.01
 INFLIGHT = 64  # registrations in flight, over all simulators
-CAPABILITY = "sim.work"
+CAPABILITY = "sim.work"  # served by every simulated agent
+RARE = "sim.rare"  # served also by the first RARE_AGENTS: the one the idle client picks
+RARE_AGENTS = 10
 STOP_GRACE = 10.0  # a registry still running this long after SIGTERM is killed
 READY_TIMEOUT = 120.0
 GOAL = (
@@ -105,10 +113,11 @@ async def simulate(url: str, prefix: str, first: int, count: int, inflight: int)
         await hear()
         sem = asyncio.Semaphore(inflight)
 
-        async def register(agent_id: str) -> None:
-            info = AgentInfo(
-                agent_id=agent_id, name="sim", capabilities=[CapabilityInfo(name=CAPABILITY)]
-            )
+        async def register(index: int, agent_id: str) -> None:
+            served = [CapabilityInfo(name=CAPABILITY)]
+            if index < RARE_AGENTS:
+                served.append(CapabilityInfo(name=RARE))
+            info = AgentInfo(agent_id=agent_id, name="sim", capabilities=served)
             async with sem:
                 await nc.request(
                     f"{prefix}.registry.register.{agent_id}",
@@ -116,7 +125,7 @@ async def simulate(url: str, prefix: str, first: int, count: int, inflight: int)
                     timeout=60,
                 )
 
-        await asyncio.gather(*(register(i) for i in ids))
+        await asyncio.gather(*(register(first + k, i) for k, i in enumerate(ids)))
         say({"registered": True})
         plan = await hear()
         start, lo, hi = plan["start_ms"], plan["measure_from_ms"], plan["until_ms"]
@@ -145,10 +154,10 @@ async def simulate(url: str, prefix: str, first: int, count: int, inflight: int)
 
 
 async def idle_client(url: str, prefix: str) -> None:
-    """A client that has routed one capability once, then sits idle until told to end."""
+    """A client that has routed the rare capability once, then sits idle until told to end."""
     async with reach.Client(settings=defaults(url, prefix)) as client:
         with contextlib.suppress(reach.ReachError):  # no instance fits: the table still runs
-            await client.pick(CAPABILITY)
+            await client.pick(RARE)
         say({"ready": True})
         await hear()
 
@@ -253,28 +262,38 @@ async def observe(client: reach.Client, lags: list[float], lo: float, hi: float)
             lags.append(now_ms() - hb.sent_ms)
 
 
-async def sample(js: Any, stream: str, registry: int, idle: int) -> dict[str, float]:
+async def sample(js: Any, stream: str, registries: list[int], idle: int) -> dict[str, Any]:
     info = await js.stream_info(stream)
     return {
         "wall": time.perf_counter(),
         "seq": info.state.last_seq,
-        "registry_cpu": proc_cpu_seconds(registry),
+        "registry_cpu": [proc_cpu_seconds(pid) for pid in registries],
         "idle_cpu": proc_cpu_seconds(idle),
     }
 
 
 async def run_once(
-    url: str, n: int, seconds: float, warmup: float, sim_procs: int, lease_ttl: float
+    url: str,
+    n: int,
+    seconds: float,
+    warmup: float,
+    sim_procs: int,
+    replicas: int,
+    lease_ttl: float,
 ) -> dict[str, Any]:
     prefix = f"scale{n}"
     procs: list[Proc] = []
-    draining: asyncio.Task[None] | None = None
+    registries: list[Proc] = []
+    draining: list[asyncio.Task[None]] = []
     nc = await nats.connect(url)
     try:
-        registry, stream = await start_registry(url, prefix, lease_ttl)
-        procs.append(registry)
-        assert registry.stderr is not None
-        draining = asyncio.create_task(drain(registry.stderr))
+        for _ in range(replicas):  # one at a time: the first one makes the bucket
+            registry, stream = await start_registry(url, prefix, lease_ttl)
+            procs.append(registry)
+            registries.append(registry)
+            assert registry.stderr is not None
+            draining.append(asyncio.create_task(drain(registry.stderr)))
+        pids = [r.pid for r in registries]
 
         inflight = max(1, INFLIGHT // sim_procs)
         cuts = [n * k // sim_procs for k in range(sim_procs + 1)]
@@ -309,45 +328,55 @@ async def run_once(
                     await sim.say(plan)
                 js = nc.jetstream()
                 await asyncio.sleep((lo - now_ms()) / 1000)
-                before = await sample(js, stream, registry.pid, idle.proc.pid)
+                before = await sample(js, stream, pids, idle.proc.pid)
                 await asyncio.sleep((hi - now_ms()) / 1000)
-                after = await sample(js, stream, registry.pid, idle.proc.pid)
-                registry_rss, idle_rss = proc_rss_mb(registry.pid), proc_rss_mb(idle.proc.pid)
+                after = await sample(js, stream, pids, idle.proc.pid)
+                registry_rss = [proc_rss_mb(pid) for pid in pids]
+                idle_rss = proc_rss_mb(idle.proc.pid)
                 heartbeats = sum([(await sim.hear())["heartbeats"] for sim in sims])
                 await asyncio.sleep(1.0)  # the last heartbeats reach the table
             finally:
                 observer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await observer
-        stop_s = await stop(registry)
+        stops = await asyncio.gather(*(stop(r) for r in registries))  # SIGTERM to all at once
     finally:
         for proc in procs:
             await stop(proc)
-        if draining is not None:
-            draining.cancel()
+        for task in draining:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await draining
+                await task
         await nc.close()
 
     window = after["wall"] - before["wall"]
     hb_per_s = heartbeats / seconds
     writes_per_s = (after["seq"] - before["seq"]) / window
+    cpu = [
+        (a - b) / window for a, b in zip(after["registry_cpu"], before["registry_cpu"], strict=True)
+    ]
+    killed = any(s is None for s in stops)
+    stop_s = None if killed else max(s for s in stops if s is not None)
     return {
         "agents": n,
         "sim_procs": sim_procs,
+        "replicas": replicas,
         "lease_ttl_s": lease_ttl,
         "register_s": round(register_s, 2),
         "heartbeats": heartbeats,
         "heartbeats_per_s": round(hb_per_s),
-        "registry_cpu_core": round((after["registry_cpu"] - before["registry_cpu"]) / window, 3),
-        "registry_rss_mb": round(registry_rss, 1),
+        "registry_cpu_core": round(sum(cpu), 3),  # over all replicas
+        "registry_cpu_core_max": round(max(cpu), 3),
+        "registry_cpu_core_per_replica": [round(c, 3) for c in cpu],
+        "registry_rss_mb": round(sum(registry_rss), 1),  # over all replicas
+        "registry_rss_mb_per_replica": [round(r, 1) for r in registry_rss],
         "kv_writes_per_s": round(writes_per_s),
         "writes_per_heartbeat": round(writes_per_s / hb_per_s, 3) if hb_per_s else None,
         "lag_samples": len(lags),
         "lag_p50_ms": round(pct(lags, 0.5), 2),
         "lag_p99_ms": round(pct(lags, 0.99), 2),
-        "stop_s": None if stop_s is None else round(stop_s, 2),
-        "registry_killed": stop_s is None,
+        "stop_s": None if stop_s is None else round(stop_s, 2),  # the slowest replica
+        "registry_killed": killed,
         "idle_client_cpu_core": round((after["idle_cpu"] - before["idle_cpu"]) / window, 3),
         "idle_client_rss_mb": round(idle_rss, 1),
     }
@@ -359,7 +388,13 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         for n in args.agents:
             results.append(
                 await run_once(
-                    server.url, n, args.seconds, args.warmup, args.sim_procs, args.lease_ttl
+                    server.url,
+                    n,
+                    args.seconds,
+                    args.warmup,
+                    args.sim_procs,
+                    args.replicas,
+                    args.lease_ttl,
                 )
             )
     return results
@@ -367,7 +402,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = (
-        f"{'agents':>7} {'hb/s':>6} {'registry CPU':>12} {'RSS MB':>7} {'writes/s':>8} "
+        f"{'agents':>7} {'hb/s':>6} {'reg CPU':>7} {'max/replica':>11} {'RSS MB':>7} "
+        f"{'writes/s':>8} "
         f"{'w/hb':>5} {'lag p50 ms':>10} {'lag p99 ms':>10} {'samples':>8} {'register s':>10} "
         f"{'stop s':>8} {'idle CPU':>8} {'idle MB':>7}"
     )
@@ -376,8 +412,9 @@ def table(results: list[dict[str, Any]]) -> str:
         stop_s = "killed" if r["registry_killed"] else f"{r['stop_s']:.2f}"
         w_hb = "-" if r["writes_per_heartbeat"] is None else f"{r['writes_per_heartbeat']:.2f}"
         lines.append(
-            f"{r['agents']:>7} {r['heartbeats_per_s']:>6} {r['registry_cpu_core']:>12.0%} "
-            f"{r['registry_rss_mb']:>7.1f} {r['kv_writes_per_s']:>8} {w_hb:>5} "
+            f"{r['agents']:>7} {r['heartbeats_per_s']:>6} {r['registry_cpu_core']:>7.0%} "
+            f"{r['registry_cpu_core_max']:>11.0%} {r['registry_rss_mb']:>7.1f} "
+            f"{r['kv_writes_per_s']:>8} {w_hb:>5} "
             f"{r['lag_p50_ms']:>10.2f} {r['lag_p99_ms']:>10.2f} {r['lag_samples']:>8} "
             f"{r['register_s']:>10.2f} {stop_s:>8} {r['idle_client_cpu_core']:>8.1%} "
             f"{r['idle_client_rss_mb']:>7.1f}"
@@ -392,6 +429,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
     parser.add_argument(
+        "--replicas", type=int, default=1, help="registry processes on one prefix (default 1)"
+    )
+    parser.add_argument(
         "--lease-ttl", type=float, default=15.0, help="the registry's lease, s (default 15)"
     )
     parser.add_argument("--json", action="store_true")
@@ -401,6 +441,8 @@ def main() -> int:
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
     if args.simulate:
         asyncio.run(simulate(args.url, args.prefix, *args.simulate))
         return 0
@@ -411,7 +453,10 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        print(f"heartbeats every {INTERVAL:g} s, lease {args.lease_ttl:g} s")
+        print(
+            f"heartbeats every {INTERVAL:g} s, lease {args.lease_ttl:g} s,"
+            f" {args.replicas} registry replica(s)"
+        )
         print(table(results))
         print(GOAL)
     return 0
