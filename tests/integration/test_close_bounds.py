@@ -87,3 +87,40 @@ async def test_client_close_is_bounded_by_its_streams_loop_too(
         assert not client.connected
     finally:
         release.set()
+
+
+async def test_registry_stop_drops_a_heartbeat_backlog_instead_of_working_through_it(
+    nats_server, monkeypatch
+):
+    """At 100,000 agents a registry holds tens of thousands of heartbeats not yet handled;
+    working through them made SIGTERM take over 10 s. Heartbeats are soft state (the next
+    one renews, at this replica or another), so stop drops the backlog: here the handler
+    is stuck on the first one with 2,000 behind it, and stop ends at once, none handled."""
+    import nats
+
+    from reach._registry.heartbeats import Heartbeats
+
+    stuck, handled = asyncio.Event(), []
+    taken = asyncio.Event()
+
+    async def slow(self: Heartbeats, msg: Any) -> None:
+        handled.append(msg.subject)
+        taken.set()
+        await stuck.wait()
+
+    monkeypatch.setattr(Heartbeats, "on_message", slow)
+    settings = ReachSettings(nats_url=nats_server.url)
+    registry = Registry(settings=settings, stop_timeout=60)
+    await registry.start()
+    nc = await nats.connect(nats_server.url)
+    try:
+        for i in range(2000):
+            await nc.publish(f"reach.hb.a-{i}", b"{}")
+        await nc.flush()
+        await taken.wait()
+        async with asyncio.timeout(10):  # a drain would wait the 60 s stop_timeout
+            await registry.stop()
+        assert len(handled) == 1
+    finally:
+        stuck.set()
+        await nc.close()
