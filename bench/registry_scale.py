@@ -13,9 +13,11 @@ Every party is a process of its own, so each one's CPU and memory are its own:
   route for ``sim.rare`` (10 instances) and then does nothing. What it costs is what
   following the table costs that client: the whole table, or only the records of the
   capabilities it calls if the client follows only those;
-- this process, which only orchestrates and observes: its ``reach.Client`` follows the
-  routing table, and a heartbeat's lag is its own clock minus the ``sent_ms`` the table
-  holds (one host, one clock).
+- this process, which only orchestrates and observes: a KV watch of the routes of
+  ``sim.watched`` (served also by every 100th agent: what a client calling it follows),
+  and a heartbeat's lag is its own clock minus the ``sent_ms`` of the record the watch
+  first holds with it (one host, one clock). Following 1% of the fleet keeps the watch
+  from being the bottleneck (following all of it, the bench measured itself past 50,000).
 
 Per size it reports the registries' CPU (share of one core: the sum over the replicas,
 the busiest replica, and each one in ``--json``) and RSS (the sum), the writes into the
@@ -52,14 +54,20 @@ from _fleet import clean_environ, defaults, pct
 
 import reach
 from reach.testing import NatsServer
-from reach.wire import AgentInfo, CapabilityInfo, Heartbeat, Registration
+from reach.wire import AgentInfo, AgentRecord, CapabilityInfo, Heartbeat, Registration
 
+_record = msgspec.json.Decoder(AgentRecord)
 INTERVAL = 5.0  # the default heartbeat interval (the lease: --lease-ttl, default 15 s)
 TICK = 0.01
 INFLIGHT = 64  # registrations in flight, over all simulators
 CAPABILITY = "sim.work"  # served by every simulated agent
 RARE = "sim.rare"  # served also by the first RARE_AGENTS: the one the idle client picks
 RARE_AGENTS = 10
+#: every WATCHED_EVERY-th agent also serves WATCHED, whose routes the bench's own watch
+#: follows to time the lag (1% of the fleet: the whole fleet's updates would make the
+#: watch itself the bottleneck past 50,000 agents, and the bench would measure itself)
+WATCHED = "sim.watched"
+WATCHED_EVERY = 100
 STOP_GRACE = 10.0  # a registry still running this long after SIGTERM is killed
 READY_TIMEOUT = 120.0
 GOAL = (
@@ -117,6 +125,8 @@ async def simulate(url: str, prefix: str, first: int, count: int, inflight: int)
             served = [CapabilityInfo(name=CAPABILITY)]
             if index < RARE_AGENTS:
                 served.append(CapabilityInfo(name=RARE))
+            if index % WATCHED_EVERY == 0:
+                served.append(CapabilityInfo(name=WATCHED))
             info = AgentInfo(agent_id=agent_id, name="sim", capabilities=served)
             async with sem:
                 await nc.request(
@@ -249,17 +259,24 @@ async def drain(stream: asyncio.StreamReader) -> None:
         pass
 
 
-async def observe(client: reach.Client, lags: list[float], lo: float, hi: float) -> None:
-    """Lag of every heartbeat sent within [lo, hi) ms, when the table first holds it (a
-    record written again with the same heartbeat is not a new sample)."""
+async def observe(kv: Any, lags: list[float], lo: float, hi: float) -> None:
+    """Lag of every heartbeat sent within [lo, hi) ms by an agent serving ``WATCHED``, when
+    a watch of its routes (what a client calling it follows) first holds it (a record
+    written again with the same heartbeat is not a new sample)."""
     seen: set[tuple[str, int]] = set()
-    async for change in client.changes():
-        if isinstance(change, str) or change.heartbeat is None:
-            continue
-        hb = change.heartbeat
-        if lo <= hb.sent_ms < hi and (hb.agent_id, hb.seq) not in seen:
-            seen.add((hb.agent_id, hb.seq))
-            lags.append(now_ms() - hb.sent_ms)
+    watcher = await kv.watch(f"{WATCHED}.*")
+    try:
+        async for entry in watcher:
+            if entry is None or entry.operation is not None or not entry.value:
+                continue
+            hb = _record.decode(entry.value).heartbeat
+            if hb is None:
+                continue
+            if lo <= hb.sent_ms < hi and (hb.agent_id, hb.seq) not in seen:
+                seen.add((hb.agent_id, hb.seq))
+                lags.append(now_ms() - hb.sent_ms)
+    finally:
+        await watcher.stop()
 
 
 async def sample(js: Any, stream: str, registries: list[int], idle: int) -> dict[str, Any]:
@@ -317,28 +334,27 @@ async def run_once(
         await idle.hear()
 
         lags: list[float] = []
-        async with reach.Client(settings=defaults(url, prefix)) as client:
-            await client.agents()  # the table, loaded before the clock starts
-            start = now_ms() + 200
-            lo, hi = start + warmup * 1000, start + (warmup + seconds) * 1000
-            observer = asyncio.create_task(observe(client, lags, lo, hi))
-            try:
-                plan = {"start_ms": start, "measure_from_ms": lo, "until_ms": hi}
-                for sim in sims:
-                    await sim.say(plan)
-                js = nc.jetstream()
-                await asyncio.sleep((lo - now_ms()) / 1000)
-                before = await sample(js, stream, pids, idle.proc.pid)
-                await asyncio.sleep((hi - now_ms()) / 1000)
-                after = await sample(js, stream, pids, idle.proc.pid)
-                registry_rss = [proc_rss_mb(pid) for pid in pids]
-                idle_rss = proc_rss_mb(idle.proc.pid)
-                heartbeats = sum([(await sim.hear())["heartbeats"] for sim in sims])
-                await asyncio.sleep(1.0)  # the last heartbeats reach the table
-            finally:
-                observer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await observer
+        routes = await nc.jetstream().key_value(f"{prefix.replace('.', '_')}_routes")
+        start = now_ms() + 200
+        lo, hi = start + warmup * 1000, start + (warmup + seconds) * 1000
+        observer = asyncio.create_task(observe(routes, lags, lo, hi))
+        try:
+            plan = {"start_ms": start, "measure_from_ms": lo, "until_ms": hi}
+            for sim in sims:
+                await sim.say(plan)
+            js = nc.jetstream()
+            await asyncio.sleep((lo - now_ms()) / 1000)
+            before = await sample(js, stream, pids, idle.proc.pid)
+            await asyncio.sleep((hi - now_ms()) / 1000)
+            after = await sample(js, stream, pids, idle.proc.pid)
+            registry_rss = [proc_rss_mb(pid) for pid in pids]
+            idle_rss = proc_rss_mb(idle.proc.pid)
+            heartbeats = sum([(await sim.hear())["heartbeats"] for sim in sims])
+            await asyncio.sleep(1.0)  # the last heartbeats reach the table
+        finally:
+            observer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await observer
         stops = await asyncio.gather(*(stop(r) for r in registries))  # SIGTERM to all at once
     finally:
         for proc in procs:
