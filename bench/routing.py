@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -364,6 +365,13 @@ def main() -> int:
     parser.add_argument("--kill-at", type=float, default=30.0)
     args = parser.parse_args()
     todo = ["decision", "overhead", "skewed", "failure"] if args.which == "all" else [args.which]
+    if "skewed" in todo and not args.no_png and importlib.util.find_spec("matplotlib") is None:
+        # said now, not after a minute of measuring
+        parser.exit(
+            2,
+            "routing.py: the skewed chart needs matplotlib (pip install -e '.[bench]'),"
+            " or pass --no-png\n",
+        )
     report: dict[str, Any] = {}
     with NatsServer() as server:
         report["setup"] = {"settings": defaults(server.url).model_dump(mode="json")}
