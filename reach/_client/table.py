@@ -69,9 +69,11 @@ class RoutingTable:
         self._gen = 0
         self._cap_gen: dict[str, int] = {}
         self._eligible: dict[tuple[Any, ...], tuple[int, list[str]]] = {}
-        #: following every agent (``reach_agents``), or only ``_views``' capabilities
+        #: holding every agent (``reach_agents``'s first snapshot came), or only the
+        #: capabilities in ``_loaded`` (their views' first snapshots came)
         self.whole = False
-        self._views: dict[str, set[str]] = {}  # followed capability -> the ids its index holds
+        self._views: dict[str, set[str]] = {}  # fed capability -> the ids its index holds
+        self._loaded: set[str] = set()
         self.dropped = 0  # changes dropped because a listener fell behind
         self.clamped = 0  # records whose heartbeat numbers were out of range
         self.undecodable = 0  # records that could not be decoded or name another key (ignored)
@@ -79,13 +81,37 @@ class RoutingTable:
     # -- reading -----------------------------------------------------------------------
 
     def follows(self, capability: str) -> bool:
-        """Whether the table holds ``capability``'s instances (or is following them)."""
-        return self.whole or capability in self._views
+        """Whether the table holds ``capability``'s instances: its watch (or the whole
+        fleet's) has loaded, so routing may trust what it finds, or does not find."""
+        return self.whole or capability in self._loaded
 
     @property
     def followed(self) -> int:
         """Capabilities followed one by one (0 when following everything)."""
         return len(self._views)
+
+    def loaded(self, capability: str) -> None:
+        """``capability``'s watch has started (its snapshot is in, or its bucket is not
+        there yet: then the queue group serves it, as with no instance at all)."""
+        if capability in self._views:
+            self._loaded.add(capability)
+
+    def unfollow(self, capability: str) -> None:
+        """``capability``'s watch failed to start: the next call starts it again."""
+        held = self._views.pop(capability, set())
+        self._loaded.discard(capability)
+        for agent_id in held:
+            if not any(agent_id in ids for ids in self._views.values()):
+                self._set(agent_id, None)
+
+    def reset(self) -> None:
+        """The client closed: its watches are gone, so nothing here is followed any more
+        and every record leaves (a reopened client follows afresh)."""
+        self.whole = False
+        self._views.clear()
+        self._loaded.clear()
+        for agent_id in list(self.records):
+            self._set(agent_id, None)
 
     def offers(self, capability: str) -> bool:
         """Does any known instance (in any status) offer it? O(1), for the request path."""
@@ -140,15 +166,13 @@ class RoutingTable:
 
     # -- following the whole fleet: the ``reach_agents`` mirror's sink ---------------------
 
-    def follow_all(self) -> None:
-        """From now on the whole-bucket mirror feeds the table; the views' feeds are
-        ignored (their mirrors are being stopped), and its first snapshot reconciles what
-        they held."""
+    def replace(self, snapshot: dict[str, KvEntry]) -> None:
+        """A fresh snapshot of the whole fleet after a (re)build: reconcile, telling who
+        left. The first one makes the table whole: from then on the views' feeds are
+        ignored (their mirrors are being stopped); until then they keep it current."""
         self.whole = True
         self._views.clear()
-
-    def replace(self, snapshot: dict[str, KvEntry]) -> None:
-        """A fresh snapshot after a (re)build: reconcile, telling who left."""
+        self._loaded.clear()
         decoded: dict[str, AgentRecord] = {}
         for key, entry in snapshot.items():
             record = self._decode(key, entry)
@@ -170,8 +194,10 @@ class RoutingTable:
     # -- following one capability: a ``CapabilityView``'s feed ----------------------------
 
     def view(self, capability: str) -> CapabilityView:
-        """The sink of a mirror of ``capability``'s routes; followed from now on."""
-        self._views.setdefault(capability, set())
+        """The sink of a mirror of ``capability``'s routes, fed from now on (followed once
+        ``loaded``)."""
+        if not self.whole:
+            self._views.setdefault(capability, set())
         return CapabilityView(self, capability)
 
     def replace_view(self, capability: str, snapshot: dict[str, KvEntry]) -> None:

@@ -68,7 +68,7 @@ class Watches:
     async def follow(self, nc: NatsConnection, capability: str) -> None:
         """Follow ``capability``'s instances from now on (the whole fleet past
         ``MAX_FOLLOWED`` capabilities)."""
-        if self._table.whole or (
+        if self._whole is not None or (
             capability not in self._views and len(self._views) >= MAX_FOLLOWED
         ):
             await self._once(None, nc)
@@ -84,7 +84,10 @@ class Watches:
         if start is None:
             if self.owner.closed:
                 raise NotStarted("client closed while it started routing")
-            start = self._starts[what] = self.owner.spawn(self._start(what, nc), f"watch {what}")
+            start = self._starts[what] = self.owner.spawn(
+                self._start(what, nc),
+                f"watch {'config' if what == '' else what or 'the whole fleet'}",
+            )
         try:
             await asyncio.shield(start)  # a caller's timeout does not abandon it for others
         except asyncio.CancelledError:
@@ -142,13 +145,18 @@ class Watches:
                 f"routing table {bucket}",
                 nc,
             )
-            self._table.follow_all()
             self._whole = mirror
-            views, self._views = self._views, {}
-            await self._started(mirror, timeout)
-            for view in views.values():
-                await view.stop(self.close_timeout)
+            try:
+                await self._started(mirror, timeout)
+            finally:
+                # the whole fleet's first snapshot made the table whole (or it is not there
+                # yet, and the watchdog keeps looking): the views have nothing left to do
+                views, self._views = self._views, {}
+                for view in views.values():
+                    await view.stop(self.close_timeout)
             return
+        if self._whole is not None:
+            return  # the whole fleet began to be followed meanwhile: it covers this one
         bucket = self._subjects.bucket("routes")
 
         async def last_of(subject: str) -> int | None:
@@ -167,7 +175,14 @@ class Watches:
             last_of=last_of,
         )
         self._views[what] = mirror
-        await self._started(mirror, timeout)
+        try:
+            await self._started(mirror, timeout)
+        except BaseException:
+            if self._views.get(what) is mirror:
+                del self._views[what]
+            self._table.unfollow(what)
+            raise
+        self._table.loaded(what)
 
     async def _started(self, mirror: _kv.BucketMirror, timeout: float) -> None:
         """No bucket yet means no registry (or no config) yet: requests use the queue
@@ -201,6 +216,7 @@ class Watches:
         mirrors = self.mirrors
         self._config_mirror = self._whole = None
         self._views, self._starts = {}, {}
+        self._table.reset()
         for mirror in mirrors:
             mirror.halt()
         await self.owner.close(self.close_timeout)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -61,10 +61,19 @@ class RecordWriter:
     def __init__(self, core: Core) -> None:
         self.core = core
 
-    async def write(self, agent_id: str, record: AgentRecord, ttl: float, last: int) -> int:
+    async def write(
+        self,
+        agent_id: str,
+        record: AgentRecord,
+        ttl: float,
+        last: int,
+        before: AgentRecord | Literal["viewed"] | None = "viewed",
+    ) -> int:
         """Write iff the key's newest revision is ``last``; ``_kv.Conflict`` otherwise.
         A record over max_payload with its headers is ``PayloadTooLarge``, and not sent:
-        the server would close the registry's connection for it."""
+        the server would close the registry's connection for it. ``before``: the record
+        this one replaces, as read fresh after a conflict ("viewed": this replica's view);
+        the routes copies drop the capabilities it had and this one lacks."""
         core = self.core
         prior = core.entries.get(agent_id)
         value, limit = encode_json(record), core.conn().max_payload
@@ -72,7 +81,9 @@ class RecordWriter:
             core.publisher(), core.bucket, agent_id, value, last=last, ttl=ttl, limit=limit
         )
         core.entries.stored(agent_id, rev, record, prior)
-        await self.index(agent_id, value, record, prior.record if prior is not None else None, ttl)
+        if before == "viewed":
+            before = prior.record if prior is not None else None
+        await self.index(agent_id, value, record, before, ttl)
         return rev
 
     async def update(self, agent_id: str, change: Change) -> Updated:
@@ -88,7 +99,7 @@ class RecordWriter:
                 return Updated(before, None, deleted)
             record, ttl = decided
             try:
-                await self.write(agent_id, record, ttl, last)
+                await self.write(agent_id, record, ttl, last, before)
             except _kv.Conflict:
                 core.stats.cas_conflicts += 1
                 fresh = await _kv.latest(core.reader(), core.bucket, agent_id)

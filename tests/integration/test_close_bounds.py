@@ -109,13 +109,15 @@ async def test_registry_stop_drops_a_heartbeat_backlog_instead_of_working_throug
         await stuck.wait()
 
     monkeypatch.setattr(Heartbeats, "on_message", slow)
-    settings = ReachSettings(nats_url=nats_server.url)
+    from reach.testing import unique_prefix
+
+    settings = ReachSettings(nats_url=nats_server.url, subject_prefix=unique_prefix())
     registry = Registry(settings=settings, stop_timeout=60)
     await registry.start()
     nc = await nats.connect(nats_server.url)
     try:
         for i in range(2000):
-            await nc.publish(f"reach.hb.a-{i}", b"{}")
+            await nc.publish(f"{settings.subject_prefix}.hb.a-{i}", b"{}")
         await nc.flush()
         await taken.wait()
         async with asyncio.timeout(10):  # a drain would wait the 60 s stop_timeout

@@ -490,6 +490,7 @@ async def test_a_heartbeat_racing_a_deregistration_does_not_ask_the_agent_back(s
             subjects=subjects,
             registry_id="registry-test",
             bucket=bucket,
+            routes=subjects.bucket("routes"),
             stats=stats,
             entries=Entries(stats),  # no watch: this replica sees only its own writes
             throttle=Throttle(),

@@ -313,6 +313,7 @@ def make_core() -> Core:
         subjects=Subjects(settings.subject_prefix),
         registry_id="registry-test",
         bucket="test_agents",
+        routes="test_routes",
         stats=stats,
         entries=Entries(stats),
         throttle=Throttle(),
