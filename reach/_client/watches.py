@@ -10,14 +10,17 @@ flight that concurrent callers share; all are closed (cancelled and awaited) by
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import nats.js.errors
 from nats.aio.client import Client as NatsConnection
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from .. import _kv
 from .._background import Background
+from .._nats import TRANSIENT
 from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
@@ -25,6 +28,8 @@ from .config import ConfigSink, config_bucket
 from .table import RoutingTable
 
 __all__ = ["CLOSE_TIMEOUT", "MAX_FOLLOWED", "Watches"]
+
+log = logging.getLogger("reach.table")
 
 #: seconds a client's close waits for its background coroutines to end once cancelled
 CLOSE_TIMEOUT = 5.0
@@ -107,7 +112,7 @@ class Watches:
         name: str,
         nc: NatsConnection,
         keys: str = ">",
-        last_of: Callable[[str], Awaitable[int | None]] | None = None,
+        last_of: Callable[[], Awaitable[int | None]] | None = None,
     ) -> _kv.BucketMirror:
         return _kv.BucketMirror(
             bind,
@@ -158,10 +163,15 @@ class Watches:
         if self._whole is not None:
             return  # the whole fleet began to be followed meanwhile: it covers this one
         bucket = self._subjects.bucket("routes")
+        if await self._without_routes(js, bucket):
+            # a registry from before the routes bucket (or one not allowed to make it)
+            # writes leases only: follow them all, as clients of that time did
+            await self._once(None, nc)
+            return
 
-        async def last_of(subject: str) -> int | None:
+        async def last_of() -> int | None:
             try:
-                msg = await js.get_last_msg(f"KV_{bucket}", subject)
+                msg = await js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{what}.*")
             except nats.js.errors.NotFoundError:
                 return 0
             return int(msg.seq or 0)
@@ -183,6 +193,28 @@ class Watches:
             self._table.unfollow(what)
             raise
         self._table.loaded(what)
+
+    async def _without_routes(self, js: JetStreamContext, routes: str) -> bool:
+        """Whether the leases bucket exists and the routes bucket does not. Anything else
+        (both there; neither yet, before any registry; no answer) follows the routes."""
+        try:
+            await _kv.routes_bucket(js, routes, create=False)
+            return False
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        except TRANSIENT:
+            return False
+        try:
+            await _kv.agents_bucket(js, self._subjects.bucket("agents"), create=False)
+        except TRANSIENT:
+            return False
+        log.warning(
+            "%s: bucket %r is missing but the leases are there (a registry from "
+            "before it, or not allowed to make it): following the whole fleet",
+            self.owner.owner,
+            routes,
+        )
+        return True
 
     async def _started(self, mirror: _kv.BucketMirror, timeout: float) -> None:
         """No bucket yet means no registry (or no config) yet: requests use the queue

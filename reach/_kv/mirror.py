@@ -59,12 +59,12 @@ class BucketMirror:
         rebuild_timeout: float = 5.0,
         connected: Callable[[], bool] = lambda: True,
         keys: str = ">",
-        last_of: Callable[[str], Awaitable[int | None]] | None = None,
+        last_of: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         """``keys``: follow only the keys that match (a KV key pattern); then ``last_of``
-        (given the pattern's subject, the newest sequence on it, or None) tells the
-        watchdog whether they moved while the watch was silent: the stream's own last
-        sequence moves with every other key too."""
+        (the newest sequence on those keys, or None) tells the watchdog whether they
+        moved while the watch was silent: the stream's own last sequence moves with every
+        other key too."""
         self._bind = bind
         self.keys = keys
         self._last_of = last_of
@@ -267,20 +267,30 @@ class BucketMirror:
                 self._silent_seq = None
                 continue
             seq = await self._last_seq()
-            if seq is None or (self._silent_seq is not None and seq != self._silent_seq):
+            if seq is None or (self._silent_seq is not None and self._moved(seq)):
                 log.info("%s: watch silent while the bucket changed; rebuilding", self.name)
                 await self.rebuild(self.rebuild_timeout)
             else:
                 self._silent_seq = seq
+
+    def _moved(self, seq: int) -> bool:
+        """Whether the keys changed between two silent checks. The newest message of a
+        filtered few can be an expiring delete marker, whose going makes the sequence
+        fall without news: only a rise counts there. The whole stream's falls only when
+        it was created again, which is news."""
+        assert self._silent_seq is not None
+        if self._last_of is not None:
+            return seq > self._silent_seq
+        return seq != self._silent_seq
 
     async def _last_seq(self) -> int | None:
         kv = self._kv
         if kv is None:
             return None
         try:
+            if self._last_of is not None:
+                return await self._last_of()
             status = await kv.status()
-            if self._last_of is not None and self.keys != ">":
-                return await self._last_of(f"$KV.{status.bucket}.{self.keys}")
         except TRANSIENT as exc:
             log.debug("%s: bucket status unavailable: %s", self.name, exc)
             return None

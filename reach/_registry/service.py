@@ -352,9 +352,26 @@ class Registry:
     async def _bind(self) -> KeyValue:
         # The buckets live in memory: after a server restart they may have to be created
         # again (the mirror binds again on every rebuild).
-        js, replicas = self._core.jsc(), self.settings.replicas
-        await _kv.routes_bucket(js, self._core.routes, create=True, replicas=replicas)
-        return await _kv.agents_bucket(js, self.bucket_name, create=True, replicas=replicas)
+        core, replicas = self._core, self.settings.replicas
+        kv = await _kv.agents_bucket(core.jsc(), self.bucket_name, create=True, replicas=replicas)
+        try:
+            await _kv.routes_bucket(core.jsc(), core.routes, create=True, replicas=replicas)
+        except TRANSIENT as exc:  # leases come first; a missing copy costs clients, not them
+            if core.routes_ok:
+                log.warning(
+                    "registry %s: no bucket %r (%s: %s), so no leases are copied by "
+                    "capability; clients follow the whole fleet instead (it needs the right to "
+                    "create it and publish to $KV.%s.>, as in services/nats/nats-server.conf)",
+                    self.registry_id,
+                    core.routes,
+                    type(exc).__name__,
+                    exc,
+                    core.routes,
+                )
+            core.routes_ok = False
+        else:
+            core.routes_ok = True
+        return kv
 
     def _unavailable(self, exc: BaseException) -> str:
         cause = type(exc).__name__

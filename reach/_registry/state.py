@@ -245,6 +245,9 @@ class Core:
     #: the connection's JetStream API requester: every lease write and read goes through it
     api: JsApi | None = None
     cells: RegistryCells = field(default_factory=RegistryCells)
+    #: the routes bucket is there to copy into (False: it could not be made; clients then
+    #: follow the whole fleet, see ``reach._client.watches``)
+    routes_ok: bool = True
 
     @property
     def lease_ttl(self) -> float:

@@ -5,6 +5,7 @@ an older one."""
 import asyncio
 
 import nats
+import nats.js.errors
 import pytest
 
 from reach._background import Background
@@ -52,6 +53,11 @@ class SpyKV:
         if self.hold is not None:
             await self.hold.wait()
         watcher = SpyWatcher(await self.kv.watchall(**kwargs))
+        self.watchers.append(watcher)
+        return watcher
+
+    async def watch(self, keys, **kwargs):
+        watcher = SpyWatcher(await self.kv.watch(keys, **kwargs))
         self.watchers.append(watcher)
         return watcher
 
@@ -110,6 +116,42 @@ async def test_an_idle_bucket_is_not_rebuilt_and_a_dead_watch_is(bucket):
     await spy.watchers[-1].watcher.stop()  # the watch dies behind the mirror's back
     await spy.kv.put("b", b"2")
     await eventually(lambda: sink.values.get("b") == b"2")
+    assert m.rebuilds >= 2
+    await m.stop()
+    await owner.close()
+
+
+async def test_a_filtered_watch_is_not_rebuilt_for_other_keys_and_a_dead_one_is(bucket):
+    """A mirror of some keys (a client following one capability's routes) asks for the
+    newest sequence of its keys only: the rest of the bucket moving while it is silent is
+    not a reason to rebuild; its own keys moving while it is silent is."""
+    nc, spy = bucket
+    js = nc.jetstream()
+    subject = f"$KV.{spy.stream[3:]}.x.*"
+    asked: list[int] = []
+
+    async def last_of():
+        try:
+            msg = await js.get_last_msg(spy.stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+        asked.append(msg.seq)
+        return msg.seq
+
+    owner = Background("test")
+    sink = Sink()
+    m = mirror(spy, sink, owner, silence_limit=0.15, keys="x.*", last_of=last_of)
+    await spy.kv.put("x.k", b"1")
+    assert await m.start(5.0)
+    assert sink.values == {"x.k": b"1"}
+    for n in range(20):  # other keys move all along, each check
+        await spy.kv.put("y.k", str(n).encode())
+        await eventually(lambda n=n: len(asked) > n)
+    assert m.rebuilds == 1
+    assert spy.status_calls == 0  # the filtered look is one read, no bucket status
+    await spy.watchers[-1].watcher.stop()  # the watch dies behind the mirror's back
+    await spy.kv.put("x.k", b"2")
+    await eventually(lambda: sink.values.get("x.k") == b"2")
     assert m.rebuilds >= 2
     await m.stop()
     await owner.close()

@@ -152,3 +152,50 @@ async def test_a_capability_is_followed_only_once_its_watch_has_loaded(settings,
             assert (await first)["by"] == "m-1"
             with pytest.raises(CapabilityNotFound):
                 await client.request("x.a", {}, version="9", timeout=3)
+
+
+async def test_without_the_routes_bucket_a_client_follows_the_whole_fleet(settings):
+    """A registry from before the routes bucket (or one not allowed to make it) writes
+    leases only: a client then follows them all, as clients of that time did, instead of
+    finding no instance and sending everything to the queue group."""
+    async with Registry(settings=settings), serving(settings, "m-1", "x.a", "x.b"):
+        async with Client(settings=settings) as admin:
+            await eventually(keys_are(admin, lambda keys: len(keys) == 2))
+            await admin.nc.jetstream().delete_key_value(admin.subjects.bucket("routes"))
+        async with Client(settings=settings) as client:
+            assert (await client.request("x.a", {}, version="1.0"))["by"] == "m-1"
+            assert held(client) == (1, 0)  # the whole fleet (one agent), no view
+
+
+async def test_a_copy_carries_the_lease_and_its_ttl_and_a_dropped_capability_is_deleted(
+    settings,
+):
+    """PROTOCOL 7.2: each copy is the lease's value with the lease's ``Nats-TTL`` (so it
+    expires with it, registry or not), and a registration that no longer lists a
+    capability deletes that capability's copy."""
+    from reach.wire import AgentInfo, CapabilityInfo
+
+    from .registry_wire import register
+
+    def offering(*names: str) -> AgentInfo:
+        caps = [CapabilityInfo(name=n, version="1.0") for n in names]
+        return AgentInfo(agent_id="w-1", name="wire", capabilities=caps)
+
+    async with Registry(settings=settings), Client(settings=settings) as client:
+        nc, js = client.nc, client.nc.jetstream()
+        await register(nc, settings, offering("x.a", "x.b"))
+        await eventually(keys_are(client, lambda keys: keys == {"x.a.w-1", "x.b.w-1"}))
+        agents, routes = client.subjects.bucket("agents"), client.subjects.bucket("routes")
+
+        async def same_as_lease() -> bool:
+            lease = await js.get_last_msg(f"KV_{agents}", f"$KV.{agents}.w-1")
+            copy = await js.get_last_msg(f"KV_{routes}", f"$KV.{routes}.x.b.w-1")
+            ttls = (copy.headers["Nats-TTL"], lease.headers["Nats-TTL"])
+            return copy.data == lease.data and ttls == ("1000ms", "1000ms")
+
+        await eventually(same_as_lease)
+        await register(nc, settings, offering("x.b"))  # x.a no longer listed
+        await eventually(keys_are(client, lambda keys: keys == {"x.b.w-1"}))
+        gone = await js.get_last_msg(f"KV_{routes}", f"$KV.{routes}.x.a.w-1")
+        assert gone.headers["KV-Operation"] == "DEL"
+        await eventually(same_as_lease)
