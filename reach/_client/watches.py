@@ -36,6 +36,8 @@ CLOSE_TIMEOUT = 5.0
 #: capabilities a client follows one by one; calling more follows the whole fleet instead
 #: (one watch, not a watch per capability, for a client that calls everything)
 MAX_FOLLOWED = 64
+#: views a reconnect rebuilds at once (each is a consumer created and a snapshot read)
+REBUILDING = 4
 
 
 class Watches:
@@ -59,6 +61,7 @@ class Watches:
         self._whole: _kv.BucketMirror | None = None
         self._views: dict[str, _kv.BucketMirror] = {}
         self._starts: dict[str | None, asyncio.Task[None]] = {}  # "" config, None whole
+        self._rebuilding = asyncio.Semaphore(REBUILDING)
 
     @property
     def mirrors(self) -> list[_kv.BucketMirror]:
@@ -113,6 +116,7 @@ class Watches:
         nc: NatsConnection,
         keys: str = ">",
         last_of: Callable[[], Awaitable[int | None]] | None = None,
+        gate: asyncio.Semaphore | None = None,
     ) -> _kv.BucketMirror:
         return _kv.BucketMirror(
             bind,
@@ -126,6 +130,7 @@ class Watches:
             connected=lambda: nc.is_connected,
             keys=keys,
             last_of=last_of,
+            gate=gate,
         )
 
     async def _start(self, what: str | None, nc: NatsConnection) -> None:
@@ -183,6 +188,7 @@ class Watches:
             nc,
             keys=f"{what}.*",
             last_of=last_of,
+            gate=self._rebuilding,
         )
         self._views[what] = mirror
         try:

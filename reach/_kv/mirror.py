@@ -60,12 +60,15 @@ class BucketMirror:
         connected: Callable[[], bool] = lambda: True,
         keys: str = ">",
         last_of: Callable[[], Awaitable[int | None]] | None = None,
+        gate: asyncio.Semaphore | None = None,
     ) -> None:
         """``keys``: follow only the keys that match (a KV key pattern); then ``last_of``
         (the newest sequence on those keys, or None) tells the watchdog whether they
         moved while the watch was silent: the stream's own last sequence moves with every
-        other key too."""
+        other key too. ``gate``: shared by mirrors that a reconnect rebuilds all at once
+        (a client's views), so that only so many rebuild together."""
         self._bind = bind
+        self._gate = gate
         self.keys = keys
         self._last_of = last_of
         self._sink = sink
@@ -140,7 +143,11 @@ class BucketMirror:
 
     async def _catch_up(self) -> None:
         while not self._stopped and self._covered < self._asked:
-            await self.rebuild(self.rebuild_timeout)
+            if self._gate is None:
+                await self.rebuild(self.rebuild_timeout)
+                continue
+            async with self._gate:
+                await self.rebuild(self.rebuild_timeout)
 
     async def rebuild(self, timeout: float) -> bool:
         """Replace the watcher. One rebuild at a time; a caller whose request came before a

@@ -47,9 +47,11 @@ class SpyKV:
         self.kv = kv
         self.watchers: list[SpyWatcher] = []
         self.status_calls = 0
+        self.entered = 0  # watch opens begun (held ones included)
         self.hold: asyncio.Event | None = None
 
     async def watchall(self, **kwargs):
+        self.entered += 1
         if self.hold is not None:
             await self.hold.wait()
         watcher = SpyWatcher(await self.kv.watchall(**kwargs))
@@ -154,6 +156,30 @@ async def test_a_filtered_watch_is_not_rebuilt_for_other_keys_and_a_dead_one_is(
     await eventually(lambda: sink.values.get("x.k") == b"2")
     assert m.rebuilds >= 2
     await m.stop()
+    await owner.close()
+
+
+async def test_mirrors_sharing_a_gate_rebuild_so_many_at_once(bucket):
+    """A reconnect asks every view of a client to rebuild; with a shared gate of 2, two
+    open their watch while the others wait, then the rest follow."""
+    _, spy = bucket
+    owner = Background("test")
+    gate = asyncio.Semaphore(2)
+    mirrors = [mirror(spy, Sink(), owner, gate=gate) for _ in range(6)]
+    for m in mirrors:
+        assert await m.start(5.0)
+    assert spy.entered == 6
+    spy.hold = asyncio.Event()
+    for m in mirrors:
+        m.rebuild_soon()
+    await eventually(lambda: spy.entered == 8)
+    for _ in range(50):  # the others stay at the gate while the two are held
+        await asyncio.sleep(0)
+    assert spy.entered == 8
+    spy.hold.set()
+    await eventually(lambda: spy.entered == 12 and all(m.rebuilds == 2 for m in mirrors))
+    for m in mirrors:
+        await m.stop()
     await owner.close()
 
 
