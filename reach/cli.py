@@ -151,7 +151,7 @@ def _print_gathered(gathered: Gathered, verbose: bool) -> int:
 
 async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
     async with Client(settings=settings, name="reach-cli") as client:
-        records = await client.agents()
+        records = everyone = await client.agents()
     if args.capability:  # served by request or as a task
         cap = args.capability
         records = [
@@ -161,7 +161,10 @@ async def _agents(args: argparse.Namespace, settings: ReachSettings) -> int:
         print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
         return 0
     if not records:
-        print("no agents known (is a registry running?)", file=sys.stderr)
+        if args.capability and everyone:
+            print(f"no agent offers {args.capability!r} ({len(everyone)} known)", file=sys.stderr)
+        else:
+            print("no agents known (is a registry running?)", file=sys.stderr)
         return 0
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     now = now_ms()

@@ -117,6 +117,11 @@ class Heartbeats:
             if waiting is None or not is_stale(checked, waiting):
                 write.newest = checked
             return
+        entry = self.core.entries.get(agent_id)
+        if entry is not None and entry.record is not None and self._quiet(checked, entry.record):
+            # decided here, as ``_apply`` would on the same record: no slot, no task
+            stats.heartbeats_unwritten += 1
+            return
         await self._slots.acquire()
         if self.core.owner.closed:
             self._slots.release()
@@ -189,13 +194,10 @@ class Heartbeats:
             if is_stale(hb, before.heartbeat):
                 stale = True
                 return None  # a newer heartbeat is stored already: keep it
-            reported = hb.status if hb.status in ALIVE else Status.UP
-            if (
-                not is_news(before, hb, reported)
-                and self.lease_age(agent_id, before) < self.renew_after
-            ):
+            if self._quiet(hb, before):
                 quiet = True
                 return None  # nothing new, and the lease is young: no write
+            reported = hb.status if hb.status in ALIVE else Status.UP
             reason = "heartbeat resumed" if before.status == Status.UNKNOWN else "reported"
             record, t = self.writer.transition(
                 before, reported, reason, hb.reason, heartbeat=hb, last_seen_ms=now
@@ -213,6 +215,18 @@ class Heartbeats:
             await self.ask_to_register(agent_id)
         for t in events:
             await self.writer.announce(agent_id, t, removed=False)
+
+    def _quiet(self, hb: Heartbeat, before: AgentRecord) -> bool:
+        """Whether ``hb`` carries no news for ``before`` (a live record it is not older
+        than) while that lease is young: then it is not written."""
+        if before.status not in ALIVE and before.status != Status.UNKNOWN:
+            return False  # DOWN: the agent must register again, which the write path asks
+        reported = hb.status if hb.status in ALIVE else Status.UP
+        return (
+            not is_stale(hb, before.heartbeat)
+            and not is_news(before, hb, reported)
+            and self.lease_age(hb.agent_id, before) < self.renew_after
+        )
 
     def lease_age(self, agent_id: str, record: AgentRecord) -> float:
         """Seconds since ``record`` was written, read two ways, the larger kept: this

@@ -86,6 +86,9 @@ async def test_reach_up_then_call_publish_listen(tmp_path):
             assert "calc-1" in out
             assert "UP" in out
             assert "math.add@1.0" in out
+            code, out, err = await reach_cli("agents", "--capability", "math.nobody", url=url)
+            assert (code, out) == (0, "")
+            assert err.strip() == "no agent offers 'math.nobody' (1 known)"
             watch = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
