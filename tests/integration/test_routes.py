@@ -199,3 +199,31 @@ async def test_a_copy_carries_the_lease_and_its_ttl_and_a_dropped_capability_is_
         gone = await js.get_last_msg(f"KV_{routes}", f"$KV.{routes}.x.a.w-1")
         assert gone.headers["KV-Operation"] == "DEL"
         await eventually(same_as_lease)
+
+
+async def test_a_registry_that_cannot_make_the_routes_bucket_serves_leases_and_says_so(
+    tmp_path, caplog
+):
+    """An account allowed one stream: the leases get it, the routes bucket cannot be
+    made. The registry still starts and serves, warns once naming the bucket and the fix,
+    and a client follows the whole fleet."""
+    from pathlib import Path
+
+    from reach.testing import NatsServer
+
+    config = tmp_path / "server.conf"
+    config.write_text(
+        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+        "accounts { A: { jetstream: { max_streams: 1, max_mem: 64MB, max_file: 64MB },"
+        " users: [ { user: u, password: p } ] } }\n"
+    )
+    async with NatsServer(config_file=Path(config)) as server:
+        s = fast_settings(server.url, nats_user="u", nats_password="p")
+        async with Registry(settings=s, tasks=False), serving(s, "m-1", "x.a"):
+            async with Client(settings=s) as client:
+                assert (await client.request("x.a", {}))["by"] == "m-1"
+                assert held(client) == (1, 0)  # the whole fleet
+        warned = [r.getMessage() for r in caplog.records if "no leases are copied" in r.message]
+        assert len(warned) == 1
+        assert "$KV." in warned[0]
+        assert "_routes.>" in warned[0]
