@@ -32,7 +32,7 @@ class RegistryStats:
     probes: int = 0
     cas_conflicts: int = 0
     write_errors: int = 0
-    routes_unsent: int = 0  # route index writes not sent (no connection): the next write mends
+    routes_unsent: int = 0  # lease writes whose routes copies were not sent: the next mends
     background_failures: int = 0  # background coroutines that raised (logged; loops restarted)
     connections_replaced: int = 0  # NATS connections given up for good, served again anew
     # durable-task recovery (``reach._tasks.recovery``), read at access

@@ -49,6 +49,7 @@ def registry_source(registry: RegistryView) -> Callable[[Emitter], None]:
         s = registry.stats
         out.counter("reach_registry_heartbeats", (), s.heartbeats)
         out.counter("reach_registry_heartbeats_unwritten", (), s.heartbeats_unwritten)
+        out.counter("reach_registry_routes_unsent", (), s.routes_unsent)
         for reason, n in (
             ("malformed", s.dropped_malformed),
             ("spoofed", s.dropped_spoofed),

@@ -195,6 +195,12 @@ CATALOGUE: Final[dict[str, Spec]] = {
         " and a lease younger than lease_ttl/3 - heartbeat_interval/2.",
         (),
     ),
+    "reach_registry_routes_unsent": Spec(
+        "counter",
+        "Lease writes whose copies into the routes bucket were not sent (the connection"
+        " closed, or its reconnect buffer full); the agent's next write sends them again.",
+        (),
+    ),
     "reach_registry_heartbeats_dropped": Spec(
         "counter", "Heartbeats dropped, by reason.", ("reason",)
     ),
