@@ -509,6 +509,12 @@ async def test_registry_agents_and_client_work_with_their_own_users(secured: Nat
                 assert (await client.request("aftersales.refund", {"order_id": "A-1"}))[
                     "refund"
                 ] == "approved"
+                # it follows what it called (reach_routes), and its watchdog's look at
+                # those keys is allowed too
+                await eventually(lambda: client.footprint()["table.records"] == 1, 10)
+                assert client.footprint()["table.followed"] == 1
+                js = client.nc.jetstream()
+                await js.get_last_msg("KV_reach_routes", "$KV.reach_routes.aftersales.refund.*")
                 await eventually(_fleet_of(client, 2), 10)
                 reply = await client.call("logistics.track", {"order_id": "A-2"})
                 assert reply.agent_id == "logistics-1"
