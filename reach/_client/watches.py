@@ -36,6 +36,7 @@ CLOSE_TIMEOUT = 5.0
 #: capabilities a client follows one by one; calling more follows the whole fleet instead
 #: (one watch, not a watch per capability, for a client that calls everything)
 MAX_FOLLOWED = 64
+_STREAM_NOT_FOUND = 10059  # JSStreamNotFoundErr
 #: views a reconnect rebuilds at once (each is a consumer created and a snapshot read)
 REBUILDING = 4
 
@@ -177,8 +178,10 @@ class Watches:
         async def last_of() -> int | None:
             try:
                 msg = await js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{what}.*")
-            except nats.js.errors.NotFoundError:
-                return 0
+            except nats.js.errors.NotFoundError as exc:
+                # no message on those keys yet: 0; no stream at all (10059): unknown, so
+                # the watchdog rebuilds and finds out
+                return None if exc.err_code == _STREAM_NOT_FOUND else 0
             return int(msg.seq or 0)
 
         mirror = self._mirror(

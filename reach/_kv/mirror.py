@@ -143,10 +143,20 @@ class BucketMirror:
 
     async def _catch_up(self) -> None:
         while not self._stopped and self._covered < self._asked:
-            if self._gate is None:
-                await self.rebuild(self.rebuild_timeout)
-                continue
-            async with self._gate:
+            await self._gated()
+
+    async def _gated(self, *, ask: bool = False) -> None:
+        """A background rebuild (a reconnect's; the watchdog's, which ``ask``s for one of
+        its own), through the gate when there is one; skipped if another rebuild covered
+        every request while it waited."""
+        if ask:
+            self._asked += 1
+        if self._gate is None:
+            await self.rebuild(self.rebuild_timeout)
+            return
+        wanted = self._asked
+        async with self._gate:
+            if self._covered < wanted or self.stale:
                 await self.rebuild(self.rebuild_timeout)
 
     async def rebuild(self, timeout: float) -> bool:
@@ -268,7 +278,7 @@ class BucketMirror:
             if not self._connected():
                 continue
             if self.stale:
-                await self.rebuild(self.rebuild_timeout)
+                await self._gated()
                 continue
             if time.monotonic() - self.last_update <= limit:
                 self._silent_seq = None
@@ -276,7 +286,7 @@ class BucketMirror:
             seq = await self._last_seq()
             if seq is None or (self._silent_seq is not None and self._moved(seq)):
                 log.info("%s: watch silent while the bucket changed; rebuilding", self.name)
-                await self.rebuild(self.rebuild_timeout)
+                await self._gated(ask=True)
             else:
                 self._silent_seq = seq
 

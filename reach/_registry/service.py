@@ -37,7 +37,15 @@ from nats.nuid import NUID
 from .. import _kv
 from .._background import Background
 from .._jsapi import JsApi
-from .._nats import TRANSIENT, check_refused, close_nats, connect_nats, flush_nats, redact
+from .._nats import (
+    TRANSIENT,
+    check_refused,
+    close_nats,
+    connect_nats,
+    flush_nats,
+    redact,
+    refusals,
+)
 from .._subjects import Subjects
 from .._tasks.recovery import RecoveryStats, TaskRecovery
 from .._telemetry.core import Attachment, Telemetry
@@ -56,6 +64,7 @@ __all__ = ["Registry"]
 
 log = logging.getLogger("reach.registry")
 
+_ROUTES_WAIT = 2.0  # seconds a start or rebuild gives the routes bucket before the leases
 _MEND_BACKOFF = 0.5  # seconds before connecting again, doubled up to _MEND_BACKOFF_MAX
 _MEND_BACKOFF_MAX = 15.0
 
@@ -224,6 +233,7 @@ class Registry:
             self._owner.reopen()
         self._heartbeats.reset()
         self._liveness.reset()
+        self._core.routes_refused = 0  # a new connection, a new look
         self._given_up.clear()
         try:
             await self._open()
@@ -302,7 +312,11 @@ class Registry:
                     connected=lambda: nc.is_connected,
                 )
                 if not await self._mirror.start(self.start_timeout):
-                    check_refused(nc, f"registry {self.registry_id}: watch of {self.bucket_name}")
+                    check_refused(
+                        nc,
+                        f"registry {self.registry_id}: watch of {self.bucket_name}",
+                        since=core.routes_refused,
+                    )
                     raise ConnectionFailed(
                         f"registry {self.registry_id}: no snapshot of bucket "
                         f"{self.bucket_name!r} within {self.start_timeout:g}s"
@@ -323,9 +337,11 @@ class Registry:
                     )
                     self._recovery.start()
                 await flush_nats(nc)
-                check_refused(nc, f"registry {self.registry_id} start")
+                check_refused(nc, f"registry {self.registry_id} start", since=core.routes_refused)
         except TRANSIENT as exc:
-            check_refused(nc, f"registry {self.registry_id} start ({step})", exc)
+            check_refused(
+                nc, f"registry {self.registry_id} start ({step})", exc, since=core.routes_refused
+            )
             if step == "bind":
                 raise ConnectionFailed(self._unavailable(exc), url=self.url) from exc
             raise ConnectionFailed(
@@ -351,27 +367,43 @@ class Registry:
 
     async def _bind(self) -> KeyValue:
         # The buckets live in memory: after a server restart they may have to be created
-        # again (the mirror binds again on every rebuild).
-        core, replicas = self._core, self.settings.replicas
-        kv = await _kv.agents_bucket(core.jsc(), self.bucket_name, create=True, replicas=replicas)
+        # again (the mirror binds again on every rebuild). Routes first: a client that
+        # finds the leases without the routes takes it for a registry from before them.
+        core = self._core
+        if not core.routes_refused:
+            await self._bind_routes()
+        return await _kv.agents_bucket(
+            core.jsc(), self.bucket_name, create=True, replicas=self.settings.replicas
+        )
+
+    async def _bind_routes(self) -> None:
+        """The routes bucket, best effort, for ``_ROUTES_WAIT`` at most: the leases come
+        first. Refused by the server (the user may not use it), no copies are made from
+        then on, said once; anything else (no answer yet) leaves copies on: a publish to a
+        stream not there yet is lost like any copy, and the next write makes it again."""
+        core = self._core
+        nc, mark = core.conn(), refusals(core.conn())
         try:
-            await _kv.routes_bucket(core.jsc(), core.routes, create=True, replicas=replicas)
-        except TRANSIENT as exc:  # leases come first; a missing copy costs clients, not them
-            if core.routes_ok:
-                log.warning(
-                    "registry %s: no bucket %r (%s: %s), so no leases are copied by "
-                    "capability; clients follow the whole fleet instead (it needs the right to "
-                    "create it and publish to $KV.%s.>, as in services/nats/nats-server.conf)",
-                    self.registry_id,
-                    core.routes,
-                    type(exc).__name__,
-                    exc,
-                    core.routes,
+            async with asyncio.timeout(_ROUTES_WAIT):
+                await _kv.routes_bucket(
+                    core.jsc(), core.routes, create=True, replicas=self.settings.replicas
                 )
-            core.routes_ok = False
-        else:
-            core.routes_ok = True
-        return kv
+        except TRANSIENT as exc:  # a timeout included
+            if refusals(nc) == mark:
+                log.debug("registry %s: bucket %r: %s", self.registry_id, core.routes, exc)
+                return
+            core.routes_refused = refusals(nc)
+            log.warning(
+                "registry %s: the server refused bucket %r, so no leases are copied by "
+                "capability; clients follow the whole fleet instead (allow this user "
+                "$JS.API.STREAM.CREATE.KV_%s, $JS.API.STREAM.INFO.KV_%s and $KV.%s.>, as in "
+                "services/nats/nats-server.conf)",
+                self.registry_id,
+                core.routes,
+                core.routes,
+                core.routes,
+                core.routes,
+            )
 
     def _unavailable(self, exc: BaseException) -> str:
         cause = type(exc).__name__

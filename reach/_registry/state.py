@@ -245,9 +245,10 @@ class Core:
     #: the connection's JetStream API requester: every lease write and read goes through it
     api: JsApi | None = None
     cells: RegistryCells = field(default_factory=RegistryCells)
-    #: the routes bucket is there to copy into (False: it could not be made; clients then
-    #: follow the whole fleet, see ``reach._client.watches``)
-    routes_ok: bool = True
+    #: refusals on the connection that were the routes bucket's (``Registry._bind_routes``):
+    #: the server refused this user the routes bucket, so no copies are made (clients then
+    #: follow the whole fleet, ``reach._client.watches``); a start does not fail for them
+    routes_refused: int = 0
 
     @property
     def lease_ttl(self) -> float:

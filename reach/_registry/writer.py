@@ -143,7 +143,7 @@ class RecordWriter:
         core = self.core
         now = {c.name for c in record.info.capabilities} if record is not None else set()
         gone = {c.name for c in before.info.capabilities} - now if before is not None else set()
-        if not core.routes_ok or (not now and not gone):
+        if core.routes_refused or (not now and not gone):
             return
         nc = core.conn()
         put = {_kv.TTL: _kv.ttl_header(ttl)}

@@ -5,7 +5,7 @@ first call on, or the whole fleet once it asks for it."""
 import nats.js.errors
 import pytest
 
-from reach import Agent, CapabilityNotFound, Client, Registry
+from reach import Agent, CapabilityNotFound, Client, ReachSettings, Registry
 from reach._client import watches
 from reach.testing import eventually
 
@@ -201,29 +201,35 @@ async def test_a_copy_carries_the_lease_and_its_ttl_and_a_dropped_capability_is_
         await eventually(same_as_lease)
 
 
-async def test_a_registry_that_cannot_make_the_routes_bucket_serves_leases_and_says_so(
-    tmp_path, caplog
-):
-    """An account allowed one stream: the leases get it, the routes bucket cannot be
-    made. The registry still starts and serves, warns once naming the bucket and the fix,
-    and a client follows the whole fleet."""
+async def test_a_registry_refused_the_routes_bucket_serves_leases_and_says_so(tmp_path, caplog):
+    """A deployment whose registry user may not use the routes bucket (permissions from
+    before it): the registry still starts and serves the leases, warns once naming the
+    bucket and the subjects to allow, and a client follows the whole fleet."""
     from pathlib import Path
 
-    from reach.testing import NatsServer
+    from reach.testing import NatsServer, unique_prefix
 
+    prefix = unique_prefix()
+    routes = f"{prefix}_routes"
+    denied = [f"$JS.API.STREAM.CREATE.KV_{routes}", f"$JS.API.STREAM.INFO.KV_{routes}"]
     config = tmp_path / "server.conf"
     config.write_text(
         f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
-        "accounts { A: { jetstream: { max_streams: 1, max_mem: 64MB, max_file: 64MB },"
-        " users: [ { user: u, password: p } ] } }\n"
+        "authorization { users: [\n"
+        f"  {{ user: reg, password: p, permissions: {{ publish: {{ deny: {denied!r} }} }} }}\n"
+        "  { user: all, password: p }\n"
+        "] }\n".replace("'", '"')
     )
     async with NatsServer(config_file=Path(config)) as server:
-        s = fast_settings(server.url, nats_user="u", nats_password="p")
-        async with Registry(settings=s, tasks=False), serving(s, "m-1", "x.a"):
-            async with Client(settings=s) as client:
+        base = fast_settings(server.url).model_dump()
+        base["subject_prefix"] = prefix
+        mine = ReachSettings(**{**base, "nats_user": "reg", "nats_password": "p"})
+        others = ReachSettings(**{**base, "nats_user": "all", "nats_password": "p"})
+        async with Registry(settings=mine, tasks=False) as registry:
+            async with serving(others, "m-1", "x.a"), Client(settings=others) as client:
                 assert (await client.request("x.a", {}))["by"] == "m-1"
                 assert held(client) == (1, 0)  # the whole fleet
-        warned = [r.getMessage() for r in caplog.records if "no leases are copied" in r.message]
+                assert registry.stats.write_errors == 0
+        warned = [r.getMessage() for r in caplog.records if "refused bucket" in r.message]
         assert len(warned) == 1
-        assert "$KV." in warned[0]
-        assert "_routes.>" in warned[0]
+        assert f"$KV.{routes}.>" in warned[0]
