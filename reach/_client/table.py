@@ -74,6 +74,10 @@ class RoutingTable:
         self.whole = False
         self._views: dict[str, set[str]] = {}  # fed capability -> the ids its index holds
         self._loaded: set[str] = set()
+        #: agent id -> the newest routes revision applied, over all its views: each view
+        #: is a consumer of its own, so one that lags could bring an older copy after a
+        #: newer one (the copies of one write are published together, in order)
+        self._revisions: dict[str, int] = {}
         self.dropped = 0  # changes dropped because a listener fell behind
         self.clamped = 0  # records whose heartbeat numbers were out of range
         self.undecodable = 0  # records that could not be decoded or name another key (ignored)
@@ -102,6 +106,7 @@ class RoutingTable:
         self._loaded.discard(capability)
         for agent_id in held:
             if not any(agent_id in ids for ids in self._views.values()):
+                self._revisions.pop(agent_id, None)
                 self._set(agent_id, None)
 
     def reset(self) -> None:
@@ -110,6 +115,7 @@ class RoutingTable:
         self.whole = False
         self._views.clear()
         self._loaded.clear()
+        self._revisions.clear()
         for agent_id in list(self.records):
             self._set(agent_id, None)
 
@@ -173,6 +179,7 @@ class RoutingTable:
         self.whole = True
         self._views.clear()
         self._loaded.clear()
+        self._revisions.clear()
         decoded: dict[str, AgentRecord] = {}
         for key, entry in snapshot.items():
             record = self._decode(key, entry)
@@ -215,19 +222,25 @@ class RoutingTable:
         for agent_id in [i for i in held if i not in decoded]:
             self._leave_view(capability, agent_id)
         for agent_id, record in decoded.items():
+            # a snapshot is trusted whole (the stream may be a new one, its revisions
+            # started over): its revisions replace what was known
             held.add(agent_id)
+            self._revisions[agent_id] = snapshot[agent_id].revision
             self._set(agent_id, record)
 
     def update_view(self, capability: str, agent_id: str, entry: KvEntry) -> None:
         held = self._views.get(capability)
         if self.whole or held is None:
             return
+        if entry.revision < self._revisions.get(agent_id, 0):
+            return  # an older copy than one another view brought: already superseded
         record = self._decode(agent_id, entry)
         if record is None:
             if entry.value is None:
                 self._leave_view(capability, agent_id)
             return  # undecodable: keep what we had
         held.add(agent_id)
+        self._revisions[agent_id] = entry.revision
         self._set(agent_id, record)
 
     def _leave_view(self, capability: str, agent_id: str) -> None:
@@ -244,6 +257,7 @@ class RoutingTable:
                 if not ids:
                     self._drop_capability(capability)
             return
+        self._revisions.pop(agent_id, None)
         self._set(agent_id, None)
 
     def _decode(self, key: str, entry: KvEntry) -> AgentRecord | None:
