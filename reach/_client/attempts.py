@@ -148,9 +148,10 @@ class Requester:
         began = loop.time()
         wait = self.wait_of(timeout)
         table = None
+        resolved = router.resolve(capability)
         if agent_id is None:
             table = self.table
-            if table is None or not table.follows(router.resolve(capability)):
+            if table is None or not table.follows(resolved):
                 wanted = self.routing if routing is None else routing
                 table = await self.first_table(
                     capability,
@@ -160,7 +161,8 @@ class Requester:
                     if version or required_tags or wanted in _NEEDS_TABLE
                     else None,
                 )
-        capability = router.resolve(capability)
+                resolved = router.resolve(capability)  # the first start loads the config
+        capability = resolved
         self.check_capability(capability)
         prio = priority_of(priority)
         if agent_id is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Hashable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
@@ -237,8 +237,10 @@ class FleetServer:
         task_wait: float = 300.0,
         version: str = "",
         session_idle: float = DEFAULT_SESSION_IDLE_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
+        self.clock = clock  # when connections were last seen (tests pass their own)
         self.names = tuple(names)
         self.tags = tuple(tags)
         self.timeout = timeout
@@ -388,14 +390,14 @@ class FleetServer:
                 self._forget_idle()
             while len(self._peers) >= _MAX_SESSIONS:
                 del self._peers[next(iter(self._peers))]  # the oldest
-            peer = self._peers[key] = _Peer(seen=time.monotonic())
+            peer = self._peers[key] = _Peer(seen=self.clock())
         return peer
 
     def _forget_idle(self) -> None:
         """HTTP sessions the SDK has closed for idleness (none in flight for
         ``session_idle`` seconds). The stdio connection is never idle: it lasts as long as
         the process serves it."""
-        now = time.monotonic()
+        now = self.clock()
         for key, peer in list(self._peers.items()):
             if key != _STDIO and not peer.busy and now - peer.seen > self.session_idle:
                 del self._peers[key]
@@ -419,7 +421,7 @@ class FleetServer:
 
     def _ended(self, key: str, peer: _Peer, method: str, status: int | None) -> None:
         peer.busy -= 1
-        peer.seen = time.monotonic()
+        peer.seen = self.clock()
         ended = status == 404 or (method == "DELETE" and status is not None and status < 300)
         if ended and self._peers.get(key) is peer:
             del self._peers[key]  # ended by its client, or unknown to the SDK (closed)

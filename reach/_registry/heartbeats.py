@@ -219,8 +219,8 @@ class Heartbeats:
     def _quiet(self, hb: Heartbeat, before: AgentRecord) -> bool:
         """Whether ``hb`` carries no news for ``before`` (a live record it is not older
         than) while that lease is young: then it is not written."""
-        if before.status not in ALIVE and before.status != Status.UNKNOWN:
-            return False  # DOWN: the agent must register again, which the write path asks
+        if before.status == Status.DOWN:
+            return False  # the agent must register again, which the write path asks
         reported = hb.status if hb.status in ALIVE else Status.UP
         return (
             not is_stale(hb, before.heartbeat)

@@ -484,17 +484,17 @@ async def test_the_stdio_connection_hears_of_changes_however_long_it_was_silent(
 ) -> None:
     """The stdio connection lasts as long as the process serves it: a host that listed the
     tools once, then stays silent past the idle time of HTTP sessions, is still told."""
-    idle = 0.05
+    idle, now = 0.05, [0.0]
     first, second = greeter(settings, "first"), greeter(settings, "second")
     changes = Changes()
     async with Registry(settings=settings), first, Client(settings=settings) as client:
         await listed(client, first)
         async with (
-            FleetServer(client, session_idle=idle) as fleet,
+            FleetServer(client, session_idle=idle, clock=lambda: now[0]) as fleet,
             McpClient(fleet.server, mode="legacy", message_handler=changes.on_message) as mcp,
         ):
             assert [t.name for t in (await mcp.list_tools()).tools] == ["first.greet"]
-            await asyncio.sleep(4 * idle)  # silent past the idle time: the test
+            now[0] += 4 * idle  # silent past the idle time: the test
             async with second:
                 await eventually(lambda: changes.count > 0, timeout=30)
             assert fleet.sessions == 1
@@ -613,14 +613,16 @@ async def test_ctrl_c_stops_reach_mcp_over_http_with_every_answer_complete(
             async with http_client(url, "legacy") as mcp:
                 assert "hold.task" in {t.name for t in (await mcp.list_tools()).tools}
                 calling = asyncio.create_task(mcp.call_tool("hold.task", {"payload": {}}))
-                async with asyncio.timeout(30):
-                    await began.wait()
-                proc.send_signal(signal.SIGINT)
-                async with asyncio.timeout(30):
-                    rest = (await proc.stderr.read()).decode()
-                    code = await proc.wait()
-                    with contextlib.suppress(Exception):  # what the client makes of it
-                        await calling
+                try:
+                    async with asyncio.timeout(30):
+                        await began.wait()
+                    proc.send_signal(signal.SIGINT)
+                    async with asyncio.timeout(30):
+                        rest = (await proc.stderr.read()).decode()
+                        code = await proc.wait()
+                finally:
+                    calling.cancel()  # whatever the client makes of it, it ends here
+                    await asyncio.gather(calling, return_exceptions=True)
         hold.set()  # the task ends: the agent stops without waiting for it
     assert code == 130
     assert "ASGI callable returned without completing response" not in rest
