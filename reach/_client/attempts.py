@@ -148,21 +148,18 @@ class Requester:
         began = loop.time()
         wait = self.wait_of(timeout)
         table = None
-        resolved = router.resolve(capability)
         if agent_id is None:
-            table = self.table
-            if table is None or not table.follows(resolved):
-                wanted = self.routing if routing is None else routing
-                table = await self.first_table(
-                    capability,
-                    wait,
-                    "a call with a version, tags, or scored or affinity routing needs it,"
-                    " the queue group would ignore them"
-                    if version or required_tags or wanted in _NEEDS_TABLE
-                    else None,
-                )
-                resolved = router.resolve(capability)  # the first start loads the config
-        capability = resolved
+            wanted = self.routing if routing is None else routing
+            table, capability = await self.table_for(
+                capability,
+                wait,
+                "a call with a version, tags, or scored or affinity routing needs it,"
+                " the queue group would ignore them"
+                if version or required_tags or wanted in _NEEDS_TABLE
+                else None,
+            )
+        else:
+            capability = router.resolve(capability)
         self.check_capability(capability)
         prio = priority_of(priority)
         if agent_id is not None:
@@ -249,6 +246,18 @@ class Requester:
         if request_id:
             base[Header.REQUEST_ID] = request_id
         return base
+
+    async def table_for(
+        self, capability: str, wait: float, needed_by: str | None
+    ) -> tuple[TableView | None, str]:
+        """The routing table once it follows ``capability`` (``first_table`` on first
+        use), and the capability it resolves to (a task type, once the config is in)."""
+        resolved = self.router.resolve(capability)
+        table = self.table
+        if table is None or not table.follows(resolved):
+            table = await self.first_table(capability, wait, needed_by)
+            resolved = self.router.resolve(capability)  # the first start loads the config
+        return table, resolved
 
     async def first_table(
         self, capability: str, wait: float, needed_by: str | None

@@ -97,11 +97,10 @@ async def gather(
     if min_replies is not None and min_replies < 1:
         raise ConfigurationError(f"min_replies must be at least 1, got {min_replies}")
     tags = tuple(required_tags)
-    table = requests.table
-    if table is None:
-        table = await requests.first_table(capability, wait, "a gather asks the instances it lists")
-        assert table is not None  # needed: it raised instead
-    capability = requests.router.resolve(capability)
+    table, capability = await requests.table_for(
+        capability, wait, "a gather asks the instances it lists"
+    )
+    assert table is not None  # needed: it raised instead
     requests.check_capability(capability)
     prio = priority_of(priority)
     check_request_id(request_id)

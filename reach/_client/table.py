@@ -224,9 +224,8 @@ class RoutingTable:
         for agent_id, record in decoded.items():
             # a snapshot is trusted whole (the stream may be a new one, its revisions
             # started over): its revisions replace what was known
-            held.add(agent_id)
             self._revisions[agent_id] = snapshot[agent_id].revision
-            self._set(agent_id, record)
+            self._hold(capability, agent_id, record)
 
     def update_view(self, capability: str, agent_id: str, entry: KvEntry) -> None:
         held = self._views.get(capability)
@@ -239,8 +238,18 @@ class RoutingTable:
             if entry.value is None:
                 self._leave_view(capability, agent_id)
             return  # undecodable: keep what we had
-        held.add(agent_id)
         self._revisions[agent_id] = entry.revision
+        self._hold(capability, agent_id, record)
+
+    def _hold(self, capability: str, agent_id: str, record: AgentRecord) -> None:
+        """``record`` came on ``capability``'s view: the table holds it, and the views
+        hold the agent for the followed capabilities it lists, no others (a delete on a
+        view that lags, older than this record, may never come to take it out)."""
+        self._views[capability].add(agent_id)
+        names = {c.name for c in record.info.capabilities}
+        for name, held in self._views.items():
+            if name not in names:
+                held.discard(agent_id)
         self._set(agent_id, record)
 
     def _leave_view(self, capability: str, agent_id: str) -> None:

@@ -15,12 +15,11 @@ from collections.abc import Awaitable, Callable
 
 import nats.js.errors
 from nats.aio.client import Client as NatsConnection
-from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from .. import _kv
 from .._background import Background
-from .._nats import TRANSIENT
+from .._nats import TRANSIENT, refusals
 from .._subjects import Subjects
 from ..errors import NotStarted
 from ..settings import ReachSettings
@@ -36,7 +35,6 @@ CLOSE_TIMEOUT = 5.0
 #: capabilities a client follows one by one; calling more follows the whole fleet instead
 #: (one watch, not a watch per capability, for a client that calls everything)
 MAX_FOLLOWED = 64
-_STREAM_NOT_FOUND = 10059  # JSStreamNotFoundErr
 #: views a reconnect rebuilds at once (each is a consumer created and a snapshot read)
 REBUILDING = 4
 
@@ -160,20 +158,24 @@ class Watches:
             try:
                 await self._started(mirror, timeout)
             finally:
-                # the whole fleet's first snapshot made the table whole (or it is not there
-                # yet, and the watchdog keeps looking): the views have nothing left to do
+                # the views have nothing left to do; if the whole fleet's first snapshot is
+                # not in yet (the watchdog keeps looking), what they held is let go rather
+                # than routed on frozen: the queue group serves until it comes
                 views, self._views = self._views, {}
-                for view in views.values():
-                    await view.stop(self.close_timeout)
+                await asyncio.gather(*(v.stop(self.close_timeout) for v in views.values()))
+                if not self._table.whole:
+                    self._table.reset()
             return
         if self._whole is not None:
             return  # the whole fleet began to be followed meanwhile: it covers this one
         bucket = self._subjects.bucket("routes")
-        if await self._without_routes(js, bucket):
-            # a registry from before the routes bucket (or one not allowed to make it)
-            # writes leases only: follow them all, as clients of that time did
+        if await self._without_routes(nc, bucket):
+            # a registry from before the routes bucket (or one not allowed to make it),
+            # or routes this client may not read: follow the leases, all of them
             await self._once(None, nc)
             return
+        if self._whole is not None:
+            return  # (it began while we looked)
 
         async def last_of() -> int | None:
             try:
@@ -181,7 +183,7 @@ class Watches:
             except nats.js.errors.NotFoundError as exc:
                 # no message on those keys yet: 0; no stream at all (10059): unknown, so
                 # the watchdog rebuilds and finds out
-                return None if exc.err_code == _STREAM_NOT_FOUND else 0
+                return None if exc.err_code == _kv.JsErrorCode.STREAM_NOT_FOUND else 0
             return int(msg.seq or 0)
 
         mirror = self._mirror(
@@ -201,18 +203,32 @@ class Watches:
                 del self._views[what]
             self._table.unfollow(what)
             raise
+        if self._views.get(what) is not mirror:  # the whole fleet took over meanwhile
+            await mirror.stop(self.close_timeout)
+            return
         self._table.loaded(what)
 
-    async def _without_routes(self, js: JetStreamContext, routes: str) -> bool:
-        """Whether the leases bucket exists and the routes bucket does not. Anything else
-        (both there; neither yet, before any registry; no answer) follows the routes."""
+    async def _without_routes(self, nc: NatsConnection, routes: str) -> bool:
+        """Whether to follow the leases instead of the routes: the routes bucket is
+        missing while the leases bucket is there, or the server refused this client the
+        routes. Anything else (both there; neither yet, before any registry; no answer)
+        follows the routes."""
+        js, mark = nc.jetstream(), refusals(nc)
         try:
             await _kv.routes_bucket(js, routes, create=False)
             return False
         except nats.js.errors.BucketNotFoundError:
             pass
         except TRANSIENT:
-            return False
+            if refusals(nc) == mark:
+                return False
+            log.warning(
+                "%s: the server refused this user bucket %r (allow it as in "
+                "services/nats/nats-server.conf): following the whole fleet",
+                self.owner.owner,
+                routes,
+            )
+            return True
         try:
             await _kv.agents_bucket(js, self._subjects.bucket("agents"), create=False)
         except TRANSIENT:

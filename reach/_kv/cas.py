@@ -59,6 +59,8 @@ class JsErrorCode(IntEnum):
     SEQUENCE_NOT_FOUND = 10043
     #: JSStreamMsgDeleteFailedF, "{err}": "no message found" for a message gone
     MSG_DELETE_FAILED = 10057
+    #: JSStreamNotFoundErr, "stream not found"
+    STREAM_NOT_FOUND = 10059
     #: JSStreamNameExistErr, "stream name already in use with a different configuration"
     STREAM_NAME_EXIST = 10058
     #: JSStreamSubjectOverlapErr, "subjects overlap with an existing stream"

@@ -65,6 +65,7 @@ __all__ = ["Registry"]
 log = logging.getLogger("reach.registry")
 
 _ROUTES_WAIT = 2.0  # seconds a start or rebuild gives the routes bucket before the leases
+_ROUTES_PAUSE_MAX = 30.0  # seconds between later tries at most
 _MEND_BACKOFF = 0.5  # seconds before connecting again, doubled up to _MEND_BACKOFF_MAX
 _MEND_BACKOFF_MAX = 15.0
 
@@ -234,6 +235,7 @@ class Registry:
         self._heartbeats.reset()
         self._liveness.reset()
         self._core.routes_refused = 0  # a new connection, a new look
+        self._core.routes_made = False
         self._given_up.clear()
         try:
             await self._open()
@@ -350,6 +352,8 @@ class Registry:
                 url=self.url,
             ) from exc
         self._owner.keep(self._liveness.housekeeping, "housekeeping")
+        if not (self._core.routes_made or self._core.routes_refused):
+            self._owner.spawn(self._make_routes(), "routes bucket")
 
     async def _expose(self) -> None:
         if self._attachment is None:
@@ -388,6 +392,7 @@ class Registry:
                 await _kv.routes_bucket(
                     core.jsc(), core.routes, create=True, replicas=self.settings.replicas
                 )
+            core.routes_made = True
         except TRANSIENT as exc:  # a timeout included
             if refusals(nc) == mark:
                 log.debug("registry %s: bucket %r: %s", self.registry_id, core.routes, exc)
@@ -404,6 +409,18 @@ class Registry:
                 core.routes,
                 core.routes,
             )
+
+    async def _make_routes(self) -> None:
+        """The routes bucket was neither made nor refused at the start (JetStream slow, a
+        stream leader not yet elected): tried again, with backoff, until it is; the
+        owner cancels it on stop. Meanwhile copies are published to no stream, and
+        clients wait for the bucket (or follow the leases)."""
+        pause = _ROUTES_WAIT
+        core = self._core
+        while not (core.routes_made or core.routes_refused):
+            await asyncio.sleep(pause)
+            await self._bind_routes()
+            pause = min(2 * pause, _ROUTES_PAUSE_MAX)
 
     def _unavailable(self, exc: BaseException) -> str:
         cause = type(exc).__name__

@@ -249,6 +249,8 @@ class Core:
     #: the server refused this user the routes bucket, so no copies are made (clients then
     #: follow the whole fleet, ``reach._client.watches``); a start does not fail for them
     routes_refused: int = 0
+    #: the routes bucket was made (or found) on this connection
+    routes_made: bool = False
 
     @property
     def lease_ttl(self) -> float:

@@ -29,10 +29,10 @@ def serving(settings, agent_id: str, *capabilities: str) -> Agent:
 
 
 async def route_keys(client: Client) -> set[str]:
-    kv = await client.nc.jetstream().key_value(client.subjects.bucket("routes"))
     try:
+        kv = await client.nc.jetstream().key_value(client.subjects.bucket("routes"))
         return set(await kv.keys())
-    except nats.js.errors.NoKeysError:
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
         return set()
 
 
@@ -233,3 +233,68 @@ async def test_a_registry_refused_the_routes_bucket_serves_leases_and_says_so(tm
         warned = [r.getMessage() for r in caplog.records if "refused bucket" in r.message]
         assert len(warned) == 1
         assert f"$KV.{routes}.>" in warned[0]
+
+
+async def test_a_gather_follows_its_capability_after_a_call_to_another(settings):
+    async with Registry(settings=settings), serving(settings, "m-1", "x.a"):
+        async with serving(settings, "m-2", "x.b"), serving(settings, "m-3", "x.b"):
+            async with Client(settings=settings) as client:
+                await eventually(keys_are(client, lambda keys: len(keys) == 3))
+                assert (await client.request("x.a", {}))["by"] == "m-1"
+                gathered = await client.gather("x.b", {}, timeout=10)
+                assert sorted(gathered.replies) == ["m-2", "m-3"]
+                assert held(client) == (3, 2)
+
+
+async def test_a_client_refused_the_routes_follows_the_whole_fleet_and_says_so(tmp_path, caplog):
+    """A client whose user may not read the routes bucket (permissions from before it)
+    routes on the leases, and says once what to allow."""
+    from pathlib import Path
+
+    from reach.testing import NatsServer, unique_prefix
+
+    prefix = unique_prefix()
+    routes = f"{prefix}_routes"
+    denied = f"$JS.API.STREAM.INFO.KV_{routes}"
+    config = tmp_path / "server.conf"
+    config.write_text(
+        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+        "authorization { users: [\n"
+        f'  {{ user: cli, password: p, permissions: {{ publish: {{ deny: ["{denied}"] }} }} }}\n'
+        "  { user: all, password: p }\n"
+        "] }\n"
+    )
+    async with NatsServer(config_file=Path(config)) as server:
+        base = fast_settings(server.url).model_dump()
+        base["subject_prefix"] = prefix
+        mine = ReachSettings(**{**base, "nats_user": "cli", "nats_password": "p"})
+        others = ReachSettings(**{**base, "nats_user": "all", "nats_password": "p"})
+        async with Registry(settings=others), serving(others, "m-1", "x.a"):
+            async with Client(settings=mine) as client:
+                assert (await client.request("x.a", {}, timeout=30))["by"] == "m-1"
+                await eventually(lambda: held(client) == (1, 0))  # the whole fleet
+    warned = [r.getMessage() for r in caplog.records if "refused this user bucket" in r.message]
+    assert len(warned) == 1
+
+
+async def test_a_routes_bucket_not_made_at_the_start_is_made_later(settings, monkeypatch):
+    """JetStream did not answer for the routes bucket at the registry's start (a stream
+    leader not yet elected, say): the registry serves the leases and tries again, with
+    backoff, until the bucket is made; then the copies follow the next writes."""
+    from reach import _kv
+    from reach._registry import service
+
+    real, failed = _kv.routes_bucket, []
+
+    async def not_yet(js, bucket, *, create, replicas=1):
+        if create and len(failed) < 2:
+            failed.append(bucket)
+            raise TimeoutError("no answer")
+        return await real(js, bucket, create=create, replicas=replicas)
+
+    monkeypatch.setattr(_kv, "routes_bucket", not_yet)
+    monkeypatch.setattr(service, "_ROUTES_WAIT", 0.05)
+    async with Registry(settings=settings), serving(settings, "m-1", "x.a"):
+        async with Client(settings=settings) as client:
+            await eventually(keys_are(client, lambda keys: keys == {"x.a.m-1"}))
+            assert len(failed) == 2

@@ -94,3 +94,19 @@ def test_a_capability_counts_as_followed_only_once_loaded_and_not_after_reset():
     table.reset()
     assert not table.follows("x.a")
     assert table.records == {}
+
+
+def test_a_delete_ignored_as_older_leaves_no_ghost():
+    """The agent drops x.b: the view of x.a brings the newer record before the lagging
+    view of x.b brings its (older) delete, which is ignored; when the agent then leaves
+    x.a too, it leaves the table."""
+    table = following("x.a", "x.b")
+    a, b = table.view("x.a"), table.view("x.b")
+    both = record("m-1", "x.a", "x.b")
+    a.update("x.a.m-1", copy(both, 10))
+    b.update("x.b.m-1", copy(both, 11))
+    a.update("x.a.m-1", copy(record("m-1", "x.a"), 22))  # x.b dropped
+    b.update("x.b.m-1", KvEntry(21, None, "DEL"))  # older than 22: ignored
+    assert table.offering("x.b") == []
+    a.update("x.a.m-1", KvEntry(30, None, "DEL"))
+    assert table.records == {}
